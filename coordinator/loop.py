@@ -1,0 +1,193 @@
+"""The speculative round loop.
+
+Each round: the draft proposes K tokens after the committed history, the
+target scores them in one forward pass and returns how many it accepts plus
+its recovered or bonus token, and the coordinator commits those tokens,
+checks the stop conditions token by token, and streams the new text.
+
+The coordinator's ``history`` is the source of truth; the workers' caches
+follow it (the draft syncs on the next propose, the target commits the same
+tokens itself and says so through the committed length of the next round).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from coordinator.workers import DraftClient, TargetClient, WorkerInfo
+from outrider.detokenize import TextStream
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, in token space."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    num_speculative_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class Stats:
+    """Per-request statistics, in vLLM's vocabulary."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    rpc_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+    num_speculative_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per round, the recovered or bonus token included."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class Delta:
+    """What one round adds to the stream; the last one carries the outcome."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: Stats | None = None
+
+
+@dataclass(frozen=True)
+class Models:
+    """What the loop needs to know about the served models."""
+
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    target: WorkerInfo
+
+
+async def generate(
+    request: GenerationRequest,
+    models: Models,
+    target: TargetClient,
+    draft: DraftClient | None,
+) -> AsyncIterator[Delta]:
+    started = time.perf_counter()
+    history = list(request.prompt_ids)
+    max_len = min(len(history) + request.max_new_tokens, models.target.max_context)
+    k_max = request.num_speculative_tokens if draft is not None else 0
+    stats = Stats(
+        prompt_tokens=len(history),
+        accepted_per_position=[0] * k_max,
+        num_speculative_tokens=k_max,
+    )
+    stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else models.eos_token_ids)
+    text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
+
+    # 1. Open the sessions: each worker prefills the prompt.
+    target_session, compute_s = await target.open(history, request_id=request.request_id)
+    stats.verify_time_s += compute_s
+    draft_session = None
+    try:
+        if k_max > 0:
+            draft_session, compute_s = await draft.open(
+                history, request_id=request.request_id, target=models.target
+            )
+            stats.draft_time_s += compute_s
+        draft_synced = len(history)
+
+        finish_reason = None
+        while finish_reason is None:
+            round_started = time.perf_counter()
+            # Never draft past the length limit: a round commits up to K + 1.
+            k = min(k_max, max_len - len(history) - 1)
+
+            # 2. Draft: sync the tokens committed since the last propose, then
+            #    propose up to k tokens.
+            draft_tokens: list[int] = []
+            draft_s = 0.0
+            if k > 0:
+                proposal = await draft_session.propose(len(history), history[draft_synced:], k)
+                draft_synced = len(history)
+                draft_tokens, draft_s = proposal.draft_tokens[:k], proposal.compute_s
+
+            # 3. Verify all drafts in one target pass of len(drafts) + 1 positions.
+            verdict = await target_session.verify(len(history), draft_tokens)
+
+            # 4. Commit the accepted drafts and the recovered/bonus token.
+            committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
+            stats.rounds += 1
+            stats.draft_tokens += len(draft_tokens)
+            stats.accepted_tokens += verdict.num_accepted
+            for position in range(verdict.num_accepted):
+                stats.accepted_per_position[position] += 1
+            stats.draft_time_s += draft_s
+            stats.verify_time_s += verdict.compute_s
+            stats.rpc_time_s += time.perf_counter() - round_started - draft_s - verdict.compute_s
+
+            # 5. Stop conditions, token by token: nothing after a stop is emitted.
+            new_text, new_ids = [], []
+            for token in committed:
+                history.append(token)
+                new_ids.append(token)
+                new_text.append(text.add(token))
+                if token in stop_ids or text.stopped is not None:
+                    finish_reason = "stop"
+                elif len(history) >= max_len:
+                    finish_reason = "length"
+                if finish_reason is not None:
+                    break
+
+            # 6. Stream.
+            if finish_reason is not None and text.stopped is None:
+                new_text.append(text.finish())
+            if stats.rounds == 1:
+                stats.time_to_first_token_s = time.perf_counter() - started
+            stats.generated_tokens = len(history) - stats.prompt_tokens
+            if finish_reason is None:
+                yield Delta("".join(new_text), new_ids)
+            else:
+                stats.total_time_s = time.perf_counter() - started
+                log.info(
+                    "generation finished",
+                    finish_reason=finish_reason,
+                    generated_tokens=stats.generated_tokens,
+                    rounds=stats.rounds,
+                    mean_acceptance_length=round(stats.mean_acceptance_length, 3),
+                )
+                yield Delta("".join(new_text), new_ids, finish_reason, stats)
+    finally:
+        # 7. Close both sessions: the workers free their caches at once.
+        await target_session.close()
+        if draft_session is not None:
+            await draft_session.close()
+
+
+def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:
+    """End-of-sequence ids: the generation config's, plus the tokenizer's."""
+    ids: set[int] = set()
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, Sequence):
+        ids.update(int(i) for i in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

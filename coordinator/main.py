@@ -1,0 +1,66 @@
+"""Builds and runs the coordinator service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from transformers import GenerationConfig
+
+from coordinator.loop import Models, eos_token_ids
+from coordinator.service import CoordinatorService, SpeculationPolicy
+from coordinator.workers import GrpcDraftClient, GrpcTargetClient
+from outrider import models
+from outrider.config import CoordinatorConfig
+from outrider.logging import get_logger
+from outrider.rpc import serve_until_signalled, start_server
+from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def load_generation_config(spec: str | None) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(models.resolve(spec))
+    except OSError:
+        return None
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
+    generation_config = await asyncio.to_thread(load_generation_config, config.tokenizer)
+    target = GrpcTargetClient(config.target)
+    draft = GrpcDraftClient(config.draft) if config.draft else None
+    policy = SpeculationPolicy(
+        default_k=config.num_speculative_tokens if draft else 0,
+        max_k=config.max_num_speculative_tokens,
+        default_max_new_tokens=config.default_max_new_tokens,
+    )
+    try:
+        # The coordinator serves once its target has described itself.
+        target_info = await target.wait_ready(config.worker_wait_s)
+        draft_info = await draft.info() if draft else None
+        service = CoordinatorService(
+            Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info),
+            target,
+            draft,
+            policy,
+            draft_model=draft_info.model if draft_info else "",
+            drafter=draft_info.drafter if draft_info else "",
+        )
+        log.info("workers ready", target=target_info.model, draft=draft_info.model if draft_info else None)
+        running = await start_server(
+            lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
+            [SERVICE_NAME],
+            host=config.address.host,
+            port=config.address.port,
+        )
+        await serve_until_signalled(running, ready_file=config.address.ready_file)
+    finally:
+        await target.close()
+        if draft:
+            await draft.close()
+
+
+def main(config: CoordinatorConfig) -> None:
+    asyncio.run(serve(config))

@@ -1,0 +1,324 @@
+"""How the coordinator talks to its workers.
+
+The round loop sees only the small protocols below. Two implementations:
+gRPC (one bidirectional stream per session, the production path) and
+in-process (the engines called directly, so the whole speculative loop runs
+in one process in unit tests) — the same loop code either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from outrider.engine_thread import EngineThread
+from outrider.errors import Unavailable
+from outrider.rpc import CHANNEL_OPTIONS, REQUEST_ID_KEY, error_from_status
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    model: str
+    drafter: str
+    vocab_size: int
+    vocab_fingerprint: str
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    draft_tokens: list[int]
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    next_token: int
+    compute_s: float
+
+
+class DraftSession(Protocol):
+    async def propose(self, committed_len: int, new_tokens: Sequence[int], k: int) -> Proposal: ...
+    async def close(self) -> None: ...
+
+
+class TargetSession(Protocol):
+    async def verify(self, committed_len: int, draft_tokens: Sequence[int]) -> VerifyResult: ...
+    async def close(self) -> None: ...
+
+
+class DraftClient(Protocol):
+    async def info(self) -> WorkerInfo: ...
+    async def open(
+        self, tokens: Sequence[int], *, request_id: str, target: WorkerInfo
+    ) -> tuple[DraftSession, float]: ...
+
+
+class TargetClient(Protocol):
+    async def info(self) -> WorkerInfo: ...
+    async def open(self, tokens: Sequence[int], *, request_id: str) -> tuple[TargetSession, float]: ...
+
+
+# --- gRPC ------------------------------------------------------------------
+
+
+def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        model=info.model,
+        drafter=info.drafter,
+        vocab_size=info.vocab_size,
+        vocab_fingerprint=info.vocab_fingerprint,
+        max_context=info.max_context_length,
+    )
+
+
+class _GrpcSession:
+    """One worker session: a bidirectional stream, one request and one
+    response per step. A worker's error status becomes the domain error of
+    the same meaning, so the coordinator passes it on to its client."""
+
+    role = "worker"
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+        self._call = call
+        self.address = address
+
+    async def exchange(self, request):
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+            if response is not grpc.aio.EOF:
+                return response
+            code, details = await self._call.code(), await self._call.details()
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details()
+        raise error_from_status(code, f"{self.role} worker {self.address}: {details}")
+
+    async def close(self) -> None:
+        # Half-close, then cancel: the worker frees the session either way.
+        if not self._call.done():
+            try:
+                await self._call.done_writing()
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass
+            self._call.cancel()
+
+
+class GrpcDraftSession(_GrpcSession):
+    role = "draft"
+
+    async def propose(self, committed_len: int, new_tokens: Sequence[int], k: int) -> Proposal:
+        response = await self.exchange(
+            pb.DraftRequest(
+                round=pb.DraftRound(
+                    committed_len=committed_len, new_token_ids=new_tokens, num_draft_tokens=k
+                )
+            )
+        )
+        return Proposal(list(response.proposal.draft_token_ids), response.proposal.compute_s)
+
+
+class GrpcTargetSession(_GrpcSession):
+    role = "target"
+
+    async def verify(self, committed_len: int, draft_tokens: Sequence[int]) -> VerifyResult:
+        response = await self.exchange(
+            pb.VerifyRequest(round=pb.VerifyRound(committed_len=committed_len, draft_token_ids=draft_tokens))
+        )
+        verdict = response.verdict
+        return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
+
+
+class _Replicas:
+    """Channels to one role's worker replicas; new sessions go to the replica
+    with the fewest sessions opened by this coordinator."""
+
+    def __init__(self, addresses: Sequence[str], stub_class, *, credentials=None) -> None:
+        if not addresses:
+            raise ValueError("at least one worker address is needed")
+        self.addresses = list(addresses)
+        self._channels = [
+            grpc.aio.secure_channel(a, credentials, options=CHANNEL_OPTIONS)
+            if credentials
+            else grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+            for a in self.addresses
+        ]
+        self.stubs = [stub_class(ch) for ch in self._channels]
+        self.load = [0] * len(self.addresses)
+        self._tiebreak = itertools.count()
+
+    def pick(self) -> int:
+        turn = next(self._tiebreak)
+        n = len(self.load)
+        return min(range(n), key=lambda i: (self.load[i], (i - turn) % n))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self._channels))
+
+
+class _Tracked:
+    """A session that gives its replica's load slot back when closed."""
+
+    def __init__(self, session, replicas: _Replicas, index: int) -> None:
+        self._session = session
+        self._replicas = replicas
+        self._index = index
+        self._closed = False
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._replicas.load[self._index] -= 1
+            await self._session.close()
+
+
+async def _open(replicas: _Replicas, session_class, request, *, request_id: str):
+    index = replicas.pick()
+    replicas.load[index] += 1
+    call = replicas.stubs[index].Session(metadata=((REQUEST_ID_KEY, request_id),))
+    session = _Tracked(session_class(call, replicas.addresses[index]), replicas, index)
+    try:
+        response = await session.exchange(request)
+    except BaseException:
+        await session.close()
+        raise
+    return session, response.opened.compute_s
+
+
+class GrpcDraftClient:
+    def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
+        self.replicas = _Replicas(addresses, worker_pb2_grpc.DraftWorkerStub, credentials=credentials)
+
+    async def info(self) -> WorkerInfo:
+        return _info_from_pb(await self.replicas.stubs[0].GetWorkerInfo(pb.GetWorkerInfoRequest()))
+
+    async def open(self, tokens, *, request_id: str, target: WorkerInfo):
+        request = pb.DraftRequest(
+            open=pb.SessionOpen(
+                token_ids=tokens,
+                request_id=request_id,
+                target_vocab_size=target.vocab_size,
+                target_vocab_fingerprint=target.vocab_fingerprint,
+            )
+        )
+        return await _open(self.replicas, GrpcDraftSession, request, request_id=request_id)
+
+    async def close(self) -> None:
+        await self.replicas.close()
+
+
+class GrpcTargetClient:
+    def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
+        self.replicas = _Replicas(addresses, worker_pb2_grpc.TargetWorkerStub, credentials=credentials)
+
+    async def info(self) -> WorkerInfo:
+        return _info_from_pb(await self.replicas.stubs[0].GetWorkerInfo(pb.GetWorkerInfoRequest()))
+
+    async def wait_ready(self, timeout_s: float) -> WorkerInfo:
+        """Waits until a target replica answers, then returns its description."""
+        try:
+            response = await self.replicas.stubs[0].GetWorkerInfo(
+                pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(
+                f"no target worker answered at {self.replicas.addresses[0]} within {timeout_s:.0f} s: {exc.details()}"
+            ) from exc
+        return _info_from_pb(response)
+
+    async def open(self, tokens, *, request_id: str):
+        request = pb.VerifyRequest(open=pb.SessionOpen(token_ids=tokens, request_id=request_id))
+        return await _open(self.replicas, GrpcTargetSession, request, request_id=request_id)
+
+    async def close(self) -> None:
+        await self.replicas.close()
+
+
+# --- in-process ---------------------------------------------------------------
+
+
+class InProcessTargetClient:
+    """Calls a TargetEngine directly on its engine thread (tests, one-process use)."""
+
+    def __init__(self, engine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    async def info(self) -> WorkerInfo:
+        i = self.engine.info
+        return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context)
+
+    async def open(self, tokens, *, request_id: str):
+        session_id = uuid.uuid4().hex[:16]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await self.thread.run(self.engine.open, session_id, list(tokens))
+        return _InProcessTargetSession(self, session_id), loop.time() - start
+
+
+class _InProcessTargetSession:
+    def __init__(self, client: InProcessTargetClient, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    async def verify(self, committed_len, draft_tokens) -> VerifyResult:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        v = await self.client.thread.run(
+            self.client.engine.verify, self.session_id, committed_len, list(draft_tokens)
+        )
+        return VerifyResult(v.num_accepted, v.next_token, loop.time() - start)
+
+    async def close(self) -> None:
+        self.client.thread.submit(self.client.engine.close, self.session_id)
+
+
+class InProcessDraftClient:
+    """Calls a DraftEngine directly on its engine thread."""
+
+    def __init__(self, engine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    async def info(self) -> WorkerInfo:
+        d = self.engine.drafter
+        i = self.engine.info
+        return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context)
+
+    async def open(self, tokens, *, request_id: str, target: WorkerInfo):
+        session_id = uuid.uuid4().hex[:16]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await self.thread.run(
+            self.engine.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint
+        )
+        return _InProcessDraftSession(self, session_id), loop.time() - start
+
+
+class _InProcessDraftSession:
+    def __init__(self, client: InProcessDraftClient, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    async def propose(self, committed_len, new_tokens, k) -> Proposal:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        drafts = await self.client.thread.run(
+            self.client.engine.propose, self.session_id, committed_len, list(new_tokens), k
+        )
+        return Proposal(drafts, loop.time() - start)
+
+    async def close(self) -> None:
+        self.client.thread.submit(self.client.engine.close, self.session_id)

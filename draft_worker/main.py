@@ -1,0 +1,83 @@
+"""Builds and runs the draft worker service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from draft_worker.engine import DraftEngine, DraftInfo
+from draft_worker.service import DraftWorkerService
+from outrider import models
+from outrider.config import DTYPES, DraftWorkerConfig
+from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
+from outrider.engine_thread import EngineThread
+from outrider.logging import get_logger
+from outrider.rpc import serve_until_signalled, start_server
+from outrider.runner import ModelRunner
+from outrider.session import SessionStore
+from outrider.v1 import worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
+
+# Model-free drafters work with any vocabulary and any context length.
+UNBOUNDED_CONTEXT = 1 << 30
+
+
+def build_engine(config: DraftWorkerConfig) -> DraftEngine:
+    drafter: Drafter
+    if config.drafter == "prompt-lookup":
+        drafter = PromptLookupDrafter(max_ngram=config.max_ngram)
+        fingerprint, max_context = "", UNBOUNDED_CONTEXT
+    else:
+        model = models.load_causal_lm(
+            config.model,
+            dtype=DTYPES[config.dtype],
+            num_layers=config.draft_layers,
+            trust_remote_code=config.trust_remote_code,
+        )
+        tokenizer = models.load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+        fingerprint, max_context = models.vocab_fingerprint(tokenizer), models.context_length(model)
+        name = config.model or models.DEFAULT_MODEL
+        if config.drafter == "early-exit":
+            drafter = EarlyExitDrafter(ModelRunner(model), model_name=f"{name}[:{config.draft_layers}]")
+        else:
+            drafter = ModelDrafter(ModelRunner(model), model_name=name)
+    store = SessionStore(
+        max_sessions=config.limits.max_sessions, max_cached_tokens=config.limits.max_cached_tokens
+    )
+    info = DraftInfo(
+        vocab_fingerprint=fingerprint, max_context=max_context, max_draft_tokens=config.max_draft_tokens
+    )
+    return DraftEngine(drafter, store, info)
+
+
+def warm_up(engine: DraftEngine) -> None:
+    engine.open("warmup", [0, 1, 2, 3], 0, "")
+    engine.propose("warmup", 5, [0], min(3, engine.info.max_draft_tokens))
+    engine.close("warmup")
+
+
+async def serve(config: DraftWorkerConfig) -> None:
+    thread = EngineThread(torch_threads=config.threads)
+    log.info("loading drafter", drafter=config.drafter, model=config.model, dtype=config.dtype)
+    engine = await thread.run(build_engine, config)
+    running = await start_server(
+        lambda server: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+            DraftWorkerService(engine, thread), server
+        ),
+        [SERVICE_NAME],
+        host=config.address.host,
+        port=config.address.port,
+    )
+    try:
+        await serve_until_signalled(
+            running,
+            warmup=lambda: thread.run(warm_up, engine),
+            ready_file=config.address.ready_file,
+        )
+    finally:
+        thread.shutdown()
+
+
+def main(config: DraftWorkerConfig) -> None:
+    asyncio.run(serve(config))

@@ -1,0 +1,65 @@
+"""gRPC servicer of the draft worker: translate, delegate to the engine, translate back."""
+
+from __future__ import annotations
+
+import time
+
+from draft_worker.engine import DraftEngine
+from outrider.engine_thread import EngineThread
+from outrider.session_stream import session_stream
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+
+
+class DraftWorkerService(worker_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, engine: DraftEngine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    async def Session(self, request_iterator, context):
+        async for response in session_stream(
+            request_iterator,
+            thread=self.thread,
+            on_open=self._open,
+            on_round=self._round,
+            close=self.engine.close,
+        ):
+            yield response
+
+    async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
+        start = time.perf_counter()
+        committed_len = await self.thread.run(
+            self.engine.open,
+            session_id,
+            list(request.token_ids),
+            request.target_vocab_size,
+            request.target_vocab_fingerprint,
+        )
+        return pb.DraftResponse(
+            opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
+        )
+
+    async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
+        start = time.perf_counter()
+        drafts = await self.thread.run(
+            self.engine.propose,
+            session_id,
+            request.committed_len,
+            list(request.new_token_ids),
+            request.num_draft_tokens,
+        )
+        return pb.DraftResponse(
+            proposal=pb.DraftProposal(draft_token_ids=drafts, compute_s=time.perf_counter() - start)
+        )
+
+    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
+        drafter = self.engine.drafter
+        return pb.WorkerInfo(
+            model=drafter.model_name,
+            drafter=drafter.kind,
+            vocab_size=drafter.vocab_size or 0,
+            vocab_fingerprint=self.engine.info.vocab_fingerprint,
+            max_context_length=self.engine.info.max_context,
+            active_sessions=len(self.engine.store),
+            cached_tokens=self.engine.store.cached_tokens,
+        )

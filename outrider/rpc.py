@@ -1,0 +1,208 @@
+"""What every Outrider service shares at the gRPC edge: the interceptor that
+maps domain errors to status codes and binds the request id into the logs,
+health (SERVING only after warm-up), reflection, and start/stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from outrider import errors
+from outrider.logging import bind_contextvars, get_logger
+
+log = get_logger(__name__)
+
+STATUS_OF: dict[type[errors.OutriderError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+REQUEST_ID_KEY = "x-request-id"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def status_of(exc: errors.OutriderError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> errors.OutriderError:
+    """The domain error a peer's status stands for (UNAVAILABLE for anything
+    that is not a refusal of the request itself)."""
+    for cls, status in STATUS_OF.items():
+        if status == code:
+            return cls(message)
+    return errors.Unavailable(f"{message} ({code.name})")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Binds the call's request id into structlog, turns a domain error into
+    its status code, and any other exception into INTERNAL without leaking a
+    stack trace to the client (it is logged instead)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        method = handler_call_details.method
+        request_id = metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+
+        async def guard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+            if isinstance(exc, errors.OutriderError):
+                log.info("request refused", method=method, status=status_of(exc).name, error=str(exc))
+                await context.abort(status_of(exc), str(exc))
+            log.exception("internal error", method=method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+
+        def wrap_unary(behavior):
+            async def wrapped(request, context):
+                bind_contextvars(request_id=request_id)
+                try:
+                    return await behavior(request, context)
+                except Exception as exc:
+                    if _is_abort(exc):
+                        raise
+                    await guard(context, exc)
+
+            return wrapped
+
+        def wrap_stream(behavior):
+            async def wrapped(request, context):
+                bind_contextvars(request_id=request_id)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except Exception as exc:
+                    if _is_abort(exc):
+                        raise
+                    await guard(context, exc)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            wrap_stream(handler.stream_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort() raises this to end the call; it must pass through.
+    return isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError"
+
+
+@dataclass
+class RunningServer:
+    """A started service: its server, health servicer and bound port."""
+
+    server: grpc.aio.Server
+    health: HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> RunningServer:
+    """Starts a service that reports NOT_SERVING until ``set_serving(True)``."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=list(CHANNEL_OPTIONS))
+    add_servicers(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    running = RunningServer(server=server, health=health, port=bound, service_names=tuple(service_names))
+    await running.set_serving(False)
+    return running
+
+
+async def serve_until_signalled(
+    running: RunningServer,
+    *,
+    warmup: Callable[[], Awaitable[None]] | None = None,
+    ready_file: Path | None = None,
+    grace_s: float = 10.0,
+) -> None:
+    """Warms up, flips health to SERVING, writes the bound port to
+    ``ready_file``, and on SIGTERM/SIGINT reports NOT_SERVING and lets
+    in-flight calls finish for ``grace_s`` seconds before stopping."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if warmup is not None:
+        await warmup()
+    await running.set_serving(True)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(str(running.port))
+        tmp.replace(ready_file)
+    log.info("serving", port=running.port, services=list(running.service_names))
+    await stop.wait()
+    log.info("shutting down", grace_s=grace_s)
+    await running.stop(grace_s)

@@ -1,0 +1,147 @@
+"""The session store both workers use: one session per generation stream,
+each with its copy of the committed history and its KV cache.
+
+What a worker has cached between rounds (the rollback invariant). Let
+``x_1 .. x_n`` be the committed history.
+
+* **target** — the KV of ``x_1 .. x_{n-1}``. The last committed token ``x_n``
+  is the recovered or bonus token the target itself produced last round and
+  has not yet been fed. A round feeds ``[x_n, d_1 .. d_K]`` in one pass, then
+  crops the cache to ``x_1 .. x_n, d_1 .. d_a`` (the ``a`` accepted drafts):
+  again everything committed but the new last token.
+* **draft** — the KV of a prefix of the committed history followed by its own
+  speculative tokens ``d_1 .. d_{K-1}``: ``d_K`` was sampled but never fed, the
+  draft "has not yet seen its own last token" (gpt-fast). The next round crops
+  the cache to the longest prefix it shares with the new history (never
+  beyond ``x_{n-1}``) and feeds the rest — one token after a rejection, two
+  (``d_K`` and the bonus) after a full accept.
+
+Rollback is a crop: ``DynamicCache.crop`` slices the tensors (views, no
+copy); nothing is ever recomputed from the start. A worker that loses a
+session rebuilds it by prefilling the history the coordinator sends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+
+
+@dataclass
+class KVCache:
+    """A model's KV cache together with the token ids it holds, in order."""
+
+    cache: Any  # transformers DynamicCache
+    token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest common prefix of the cached ids and ``tokens``."""
+        n = 0
+        for cached, wanted in zip(self.token_ids, tokens):
+            if cached != wanted:
+                break
+            n += 1
+        return n
+
+    def crop(self, length: int) -> None:
+        """Keeps the first ``length`` tokens (rollback; no copy)."""
+        drop = len(self.token_ids) - length
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {len(self.token_ids)} tokens to {length}")
+        if drop:
+            self.cache.crop(-drop)
+            del self.token_ids[length:]
+
+
+@dataclass
+class Session:
+    """One generation's state on a worker."""
+
+    session_id: str
+    tokens: list[int]
+    """The committed history, as this worker knows it."""
+    kv: KVCache | None = None
+    """The model's cache; None for model-free drafters."""
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.kv) if self.kv is not None else 0
+
+
+class SessionStore:
+    """Sessions of one worker, with limits on their number and on the tokens
+    they may keep cached. All methods run on the worker's event loop."""
+
+    def __init__(self, *, max_sessions: int, max_cached_tokens: int) -> None:
+        self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self._sessions.values())
+
+    def create(self, session_id: str, tokens: Sequence[int], kv: KVCache | None = None) -> Session:
+        if session_id in self._sessions:
+            raise InvalidArgument(f"session {session_id!r} is already open")
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"worker is full: {len(self._sessions)} of {self.max_sessions} sessions open; "
+                "retry later or on another replica"
+            )
+        if kv is not None:
+            self._check_fits(len(tokens), others=self.cached_tokens)
+        session = Session(session_id=session_id, tokens=list(tokens), kv=kv)
+        self._sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"no session {session_id!r} on this worker") from None
+        session.last_used = time.monotonic()
+        return session
+
+    def reserve(self, session: Session, cached_len: int) -> None:
+        """Raises ResourceExhausted unless ``session`` may grow its cache to
+        ``cached_len`` tokens within the worker's budget."""
+        if session.kv is not None:
+            self._check_fits(cached_len, others=self.cached_tokens - session.cached_tokens)
+
+    def _check_fits(self, needed: int, *, others: int) -> None:
+        if others + needed > self.max_cached_tokens:
+            raise ResourceExhausted(
+                f"worker cache is full: the session needs {needed} cached tokens, "
+                f"{max(0, self.max_cached_tokens - others)} of {self.max_cached_tokens} are free; "
+                "retry later, shorten the request, or use another replica"
+            )
+
+    def close(self, session_id: str) -> None:
+        """Frees the session and its KV cache at once (idempotent)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None and session.kv is not None:
+            session.kv.crop(0)
+            session.kv = None
+
+    def clear(self) -> None:
+        for session_id in list(self._sessions):
+            self.close(session_id)

@@ -1,0 +1,118 @@
+"""Runs the three services as separate processes on loopback (``outrider up``).
+
+Workers start first; each writes its bound port to a ready file once it is
+SERVING, then the coordinator starts against those ports. Stopping sends
+SIGTERM to all three (they drain), then SIGKILL to any that linger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    ready_file: Path
+    port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Stack:
+    """Three running services; use as a context manager to stop them."""
+
+    workdir: Path
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> Service:
+        return next(s for s in self.services if s.name == "coordinator")
+
+    def start(self, name: str, args: Sequence[str], *, port: int = 0, timeout_s: float) -> Service:
+        ready_file = self.workdir / f"{name}.port"
+        command = [
+            sys.executable, "-m", "outrider", "serve", name,
+            "--port", str(port), "--ready-file", str(ready_file), *args,
+        ]
+        process = subprocess.Popen(command, start_new_session=True)
+        service = Service(name, process, ready_file)
+        self.services.append(service)
+        self._wait_ready(service, timeout_s)
+        return service
+
+    def _wait_ready(self, service: Service, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not service.ready_file.exists():
+            if service.process.poll() is not None:
+                raise StackError(f"the {service.name} exited with code {service.process.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise StackError(f"the {service.name} did not become ready within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        service.port = int(service.ready_file.read_text())
+        with grpc.insecure_channel(service.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            raise StackError(f"the {service.name} reports {status.status} instead of SERVING")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for service in self.services:
+            try:
+                service.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(service.process.pid, signal.SIGKILL)
+                service.process.wait()
+        self.services.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_stack(
+    *,
+    target_args: Sequence[str] = (),
+    draft_args: Sequence[str] = (),
+    coordinator_args: Sequence[str] = (),
+    coordinator_port: int = 0,
+    with_draft: bool = True,
+    timeout_s: float = 300.0,
+) -> Stack:
+    """Starts target, draft and coordinator; returns when all are SERVING."""
+    stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-up-")))
+    try:
+        target = stack.start("target", target_args, timeout_s=timeout_s)
+        coordinator = ["--target", target.address]
+        if with_draft:
+            draft = stack.start("draft", draft_args, timeout_s=timeout_s)
+            coordinator += ["--draft", draft.address]
+        stack.start("coordinator", [*coordinator, *coordinator_args], port=coordinator_port, timeout_s=timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

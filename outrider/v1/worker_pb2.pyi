@@ -1,0 +1,117 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetWorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    drafter: str
+    vocab_size: int
+    vocab_fingerprint: str
+    max_context_length: int
+    active_sessions: int
+    cached_tokens: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    target_vocab_size: int
+    target_vocab_fingerprint: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("committed_len", "compute_s")
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    committed_len: int
+    compute_s: float
+    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class DraftRound(_message.Message):
+    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens")
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    committed_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("open", "round")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    round: DraftRound
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("draft_token_ids", "compute_s")
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    compute_s: float
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("opened", "proposal")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    proposal: DraftProposal
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
+
+class VerifyRound(_message.Message):
+    __slots__ = ("committed_len", "draft_token_ids")
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    committed_len: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("open", "round")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    round: VerifyRound
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("num_accepted", "next_token_id", "compute_s")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token_id: int
+    compute_s: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("opened", "verdict")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    verdict: Verdict
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...

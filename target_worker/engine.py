@@ -1,0 +1,67 @@
+"""The target engine: open a session (prefill), verify a round, close."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.runner import ModelRunner
+from outrider.session import SessionStore
+from outrider.validation import check_context, check_token_ids
+from outrider.verify import Verdict, verify_greedy
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    model_name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    max_context: int
+
+
+class TargetEngine:
+    """Sessions of the target model. Runs on the worker's engine thread only."""
+
+    def __init__(self, runner: ModelRunner, store: SessionStore, info: TargetInfo) -> None:
+        self.runner = runner
+        self.store = store
+        self.info = info
+
+    def open(self, session_id: str, tokens: Sequence[int]) -> int:
+        """Opens a session on the committed history ``tokens`` and prefills
+        everything but its last token. Returns the committed length."""
+        if not tokens:
+            raise InvalidArgument("the session's history is empty: send at least one token")
+        check_token_ids(tokens, self.info.vocab_size, what="token_ids")
+        check_context(len(tokens), self.info.max_context, what="the history")
+        session = self.store.create(session_id, tokens, kv=self.runner.new_kv())
+        if len(tokens) > 1:
+            self.runner.extend(session.kv, tokens[:-1], last_only=True)
+        return session.committed_len
+
+    def verify(self, session_id: str, committed_len: int, draft_tokens: Sequence[int]) -> Verdict:
+        session = self.store.get(session_id)
+        if committed_len != session.committed_len:
+            raise FailedPrecondition(
+                f"round builds on committed length {committed_len} but this session has "
+                f"{session.committed_len}; reopen the session with the full history"
+            )
+        check_token_ids(draft_tokens, self.info.vocab_size, what="draft_token_ids")
+        k = len(draft_tokens)
+        check_context(committed_len + k, self.info.max_context, what="history plus draft tokens")
+        self.store.reserve(session, committed_len + k)
+
+        # One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
+        logits = self.runner.extend(session.kv, [*session.tokens, *draft_tokens])[-(k + 1) :]
+        verdict = verify_greedy(draft_tokens, logits)
+
+        # Commit the accepted drafts and the recovered/bonus token; keep in
+        # the cache everything committed but that last token.
+        session.tokens.extend(draft_tokens[: verdict.num_accepted])
+        session.kv.crop(len(session.tokens))
+        session.tokens.append(verdict.next_token)
+        return verdict
+
+    def close(self, session_id: str) -> None:
+        self.store.close(session_id)

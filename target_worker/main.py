@@ -1,0 +1,69 @@
+"""Builds and runs the target worker service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from outrider import models
+from outrider.config import DTYPES, TargetWorkerConfig
+from outrider.engine_thread import EngineThread
+from outrider.logging import get_logger
+from outrider.rpc import serve_until_signalled, start_server
+from outrider.runner import ModelRunner
+from outrider.session import SessionStore
+from outrider.v1 import worker_pb2, worker_pb2_grpc
+from target_worker.engine import TargetEngine, TargetInfo
+from target_worker.service import TargetWorkerService
+
+log = get_logger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+def build_engine(config: TargetWorkerConfig) -> TargetEngine:
+    model = models.load_causal_lm(
+        config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+    )
+    tokenizer = models.load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    info = TargetInfo(
+        model_name=config.model or models.DEFAULT_MODEL,
+        vocab_size=model.config.vocab_size,
+        vocab_fingerprint=models.vocab_fingerprint(tokenizer),
+        max_context=models.context_length(model),
+    )
+    store = SessionStore(
+        max_sessions=config.limits.max_sessions, max_cached_tokens=config.limits.max_cached_tokens
+    )
+    return TargetEngine(ModelRunner(model), store, info)
+
+
+def warm_up(engine: TargetEngine) -> None:
+    """One short session end to end, so the first request pays no start-up cost."""
+    engine.open("warmup", [0, 1, 2, 3])
+    engine.verify("warmup", 4, [4, 5, 6])
+    engine.close("warmup")
+
+
+async def serve(config: TargetWorkerConfig) -> None:
+    thread = EngineThread(torch_threads=config.threads)
+    log.info("loading target model", model=config.model or models.DEFAULT_MODEL, dtype=config.dtype)
+    engine = await thread.run(build_engine, config)
+    running = await start_server(
+        lambda server: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+            TargetWorkerService(engine, thread), server
+        ),
+        [SERVICE_NAME],
+        host=config.address.host,
+        port=config.address.port,
+    )
+    try:
+        await serve_until_signalled(
+            running,
+            warmup=lambda: thread.run(warm_up, engine),
+            ready_file=config.address.ready_file,
+        )
+    finally:
+        thread.shutdown()
+
+
+def main(config: TargetWorkerConfig) -> None:
+    asyncio.run(serve(config))

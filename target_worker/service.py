@@ -1,0 +1,58 @@
+"""gRPC servicer of the target worker: translate, delegate to the engine, translate back."""
+
+from __future__ import annotations
+
+import time
+
+from outrider.engine_thread import EngineThread
+from outrider.session_stream import session_stream
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from target_worker.engine import TargetEngine
+
+
+class TargetWorkerService(worker_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, engine: TargetEngine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    async def Session(self, request_iterator, context):
+        async for response in session_stream(
+            request_iterator,
+            thread=self.thread,
+            on_open=self._open,
+            on_round=self._round,
+            close=self.engine.close,
+        ):
+            yield response
+
+    async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
+        start = time.perf_counter()
+        committed_len = await self.thread.run(self.engine.open, session_id, list(request.token_ids))
+        return pb.VerifyResponse(
+            opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
+        )
+
+    async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
+        start = time.perf_counter()
+        verdict = await self.thread.run(
+            self.engine.verify, session_id, request.committed_len, list(request.draft_token_ids)
+        )
+        return pb.VerifyResponse(
+            verdict=pb.Verdict(
+                num_accepted=verdict.num_accepted,
+                next_token_id=verdict.next_token,
+                compute_s=time.perf_counter() - start,
+            )
+        )
+
+    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
+        info = self.engine.info
+        return pb.WorkerInfo(
+            model=info.model_name,
+            vocab_size=info.vocab_size,
+            vocab_fingerprint=info.vocab_fingerprint,
+            max_context_length=info.max_context,
+            active_sessions=len(self.engine.store),
+            cached_tokens=self.engine.store.cached_tokens,
+        )
