@@ -1,0 +1,140 @@
+"""The three services as real grpc.aio servers on 127.0.0.1 port 0, in the
+test's event loop, on tiny float64 models."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from coordinator.loop import Models
+from coordinator.service import CoordinatorService, SpeculationPolicy
+from coordinator.workers import GrpcDraftClient, GrpcTargetClient
+from draft_worker import main as draft_main
+from draft_worker.engine import DraftEngine
+from draft_worker.service import DraftWorkerService
+from outrider.config import DraftWorkerConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
+from outrider.engine_thread import EngineThread
+from outrider.rpc import RunningServer, start_server
+from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
+from target_worker import main as target_main
+from target_worker.engine import TargetEngine
+from target_worker.service import TargetWorkerService
+
+ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
+
+
+@dataclass
+class Stack:
+    address: str
+    target: TargetEngine
+    draft: DraftEngine | None
+
+    async def sessions_left(self, timeout_s: float = 5.0) -> tuple[int, int]:
+        """Open sessions on (target, draft) once pending closes have run."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            counts = (len(self.target.store), len(self.draft.store) if self.draft else 0)
+            if counts == (0, 0) or asyncio.get_running_loop().time() > deadline:
+                return counts
+            await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def running_stack(
+    target_dir: Path,
+    *,
+    drafter: str | None = "model",
+    draft_dir: Path | None = None,
+    draft_layers: int | None = None,
+    k: int = 4,
+    eos_token_ids: Collection[int] | None = None,
+    limits: WorkerLimits = WorkerLimits(),
+) -> AsyncIterator[Stack]:
+    servers: list[RunningServer] = []
+    threads: list[EngineThread] = []
+    clients = []
+    try:
+        thread = EngineThread()
+        threads.append(thread)
+        target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), dtype="float64", limits=limits)
+        target_engine = await thread.run(target_main.build_engine, target_config)
+        servers.append(
+            await start_server(
+                lambda s: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                    TargetWorkerService(target_engine, thread), s
+                ),
+                [target_main.SERVICE_NAME],
+            )
+        )
+        target = GrpcTargetClient([servers[-1].address])
+        clients.append(target)
+
+        draft_engine, draft = None, None
+        if drafter is not None:
+            draft_thread = EngineThread()
+            threads.append(draft_thread)
+            draft_config = DraftWorkerConfig(
+                address=ADDRESS,
+                drafter=drafter,
+                model=str(draft_dir or target_dir),
+                dtype="float64",
+                draft_layers=draft_layers,
+                limits=limits,
+            )
+            draft_engine = await draft_thread.run(draft_main.build_engine, draft_config)
+            servers.append(
+                await start_server(
+                    lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+                        DraftWorkerService(draft_engine, draft_thread), s
+                    ),
+                    [draft_main.SERVICE_NAME],
+                )
+            )
+            draft = GrpcDraftClient([servers[-1].address])
+            clients.append(draft)
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        target_info = await target.wait_ready(10)
+        eos = frozenset(eos_token_ids) if eos_token_ids is not None else frozenset({tokenizer.eos_token_id})
+        service = CoordinatorService(
+            Models(tokenizer, eos, target_info),
+            target,
+            draft,
+            SpeculationPolicy(default_k=k, max_k=16, default_max_new_tokens=64),
+        )
+        servers.append(
+            await start_server(
+                lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
+                ["outrider.v1.Coordinator"],
+            )
+        )
+        for server in servers:
+            await server.set_serving(True)
+        yield Stack(servers[-1].address, target_engine, draft_engine)
+    finally:
+        for server in reversed(servers):
+            await server.stop(None)
+        for client in clients:
+            await client.close()
+        for thread in threads:
+            thread.shutdown()
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """Target-only greedy decoding with Hugging Face generate, float64."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()

@@ -1,0 +1,231 @@
+"""Greedy speculative decoding across three real gRPC services on tiny
+float64 models: the output is target-only greedy decoding, token for token,
+for every drafter and K; stops inside a multi-token accept cut exactly; and
+no session outlives its stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from outrider.client import AsyncClient
+from outrider.config import WorkerLimits
+from tests.integration.harness import reference_greedy, running_stack
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
+MAX_NEW = 40
+NO_EOS = -1  # an id no model emits: runs go to max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)(PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir, prompt_ids):
+    return reference_greedy(tiny_target_dir, prompt_ids, MAX_NEW, eos=None)
+
+
+async def generate(address: str, prompt_ids, **kwargs):
+    async with AsyncClient(address) as client:
+        return await client.generate(token_ids=prompt_ids, **kwargs)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4, 8])
+async def test_unrelated_draft_output_equals_target_only(tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference, k):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+    assert list(result.token_ids) == reference
+    assert result.finish_reason == "length"
+    assert result.stats.num_speculative_tokens == k
+    if k == 0:
+        assert result.stats.rounds == MAX_NEW and result.stats.draft_tokens == 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+async def test_identical_draft_accepts_every_draft(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, k):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+    stats = result.stats
+    assert list(result.token_ids) == reference
+    assert stats.accepted_tokens == stats.draft_tokens > 0
+    assert stats.acceptance_rate == 1.0
+    # Every round commits K + 1 tokens, except a last one shortened by max_new_tokens.
+    assert stats.rounds == -(-MAX_NEW // (k + 1))
+    assert stats.mean_acceptance_length == (stats.accepted_tokens + stats.rounds) / stats.rounds
+
+
+async def test_unrelated_draft_is_almost_never_accepted(tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+    assert list(result.token_ids) == reference
+    assert result.stats.acceptance_rate < 0.2
+    assert len(result.stats.accepted_per_position) == 4
+    # A draft is only accepted after all the drafts before it were.
+    per_position = result.stats.accepted_per_position
+    assert all(a >= b for a, b in zip(per_position, per_position[1:]))
+    assert per_position[0] == result.stats.accepted_tokens - sum(per_position[1:])
+
+
+async def test_prompt_lookup_drafter_output_equals_target_only(tiny_target_dir, prompt_ids, reference):
+    async with running_stack(tiny_target_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+    assert list(result.token_ids) == reference
+    assert result.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+async def test_early_exit_drafter_output_equals_target_only(tiny_target_dir, prompt_ids, reference, layers):
+    async with running_stack(
+        tiny_target_dir, drafter="early-exit", draft_layers=layers, eos_token_ids={NO_EOS}
+    ) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=3)
+    assert list(result.token_ids) == reference
+    if layers == 2:  # all layers of a 2-layer target: the target itself
+        assert result.stats.acceptance_rate == 1.0
+
+
+# --- stops inside a multi-token accept (identical draft, K = 8: every round commits 9) ---
+
+
+@pytest.fixture
+def same_stack(tiny_target_dir, tiny_draft_same_dir):
+    def make(**kwargs):
+        return running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, k=8, **kwargs)
+
+    return make
+
+
+async def test_max_new_tokens_inside_an_accept_is_never_exceeded(same_stack, prompt_ids, reference):
+    async with same_stack(eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=5)
+    assert list(result.token_ids) == reference[:5]
+    assert result.finish_reason == "length"
+    assert result.stats.rounds == 1
+
+
+async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference):
+    eos = reference[6]
+    end = reference.index(eos) + 1
+    async with same_stack(eos_token_ids={eos}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW)
+    assert list(result.token_ids) == reference[:end]
+    assert result.finish_reason == "stop"
+
+
+async def test_stop_token_id_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference):
+    stop_id = reference[3]
+    end = reference.index(stop_id) + 1
+    async with same_stack(eos_token_ids={NO_EOS}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, stop_token_ids=[stop_id])
+    assert list(result.token_ids) == reference[:end]
+    assert result.finish_reason == "stop"
+
+
+async def test_stop_string_inside_an_accept_cuts_the_text(same_stack, tiny_target_dir, prompt_ids, reference):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    full = tokenizer.decode(prompt_ids + reference)[len(tokenizer.decode(prompt_ids)) :]
+    stop = full[10:13]
+    expected = full[: full.index(stop)]
+    async with same_stack(eos_token_ids={NO_EOS}) as stack:
+        streamed = []
+        async with AsyncClient(stack.address) as client:
+            async for chunk in client.stream(token_ids=prompt_ids, max_new_tokens=MAX_NEW, stop=[stop]):
+                streamed.append(chunk)
+    text = "".join(c.text for c in streamed)
+    assert text == expected
+    assert streamed[-1].finish_reason == "stop"
+    ids = [t for c in streamed for t in c.token_ids]
+    assert ids == reference[: len(ids)] and len(ids) < MAX_NEW
+    # The token that completes the stop string is the last one sent.
+    assert stop in tokenizer.decode(prompt_ids + ids)[len(tokenizer.decode(prompt_ids)) :]
+    assert stop not in tokenizer.decode(prompt_ids + ids[:-1])[len(tokenizer.decode(prompt_ids)) :]
+
+
+# --- sessions live exactly as long as their streams ---
+
+
+async def test_sessions_are_freed_after_the_stream_ends(same_stack, prompt_ids):
+    async with same_stack(eos_token_ids={NO_EOS}) as stack:
+        await generate(stack.address, prompt_ids, max_new_tokens=20)
+        assert await stack.sessions_left() == (0, 0)
+        assert stack.target.store.cached_tokens == 0
+
+
+async def test_sessions_are_freed_after_the_client_cancels(tiny_target_dir, tiny_draft_other_dir, prompt_ids):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address) as client:
+            stream = client.stream(token_ids=prompt_ids, max_new_tokens=400, num_speculative_tokens=2)
+            await anext(stream)
+            assert len(stack.target.store) == 1 and len(stack.draft.store) == 1
+            await stream.aclose()
+        assert await stack.sessions_left() == (0, 0)
+
+
+async def test_draft_with_another_vocabulary_is_refused(tiny_target_dir, tmp_path, prompt_ids):
+    from tests.tiny import build_tiny_model_dir, build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path / "tokenizer", vocab_size=300)
+    other = build_tiny_model_dir(tmp_path / "other-vocab", tmp_path / "tokenizer", seed=3)
+    async with running_stack(tiny_target_dir, draft_dir=other, eos_token_ids={NO_EOS}) as stack:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stack.address, prompt_ids, max_new_tokens=5, num_speculative_tokens=2)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "vocabulary" in info.value.details()
+        assert await stack.sessions_left() == (0, 0)
+
+
+async def test_full_worker_answers_resource_exhausted(tiny_target_dir, tiny_draft_other_dir, prompt_ids):
+    limits = WorkerLimits(max_sessions=1, max_cached_tokens=10_000)
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, limits=limits
+    ) as stack:
+        async with AsyncClient(stack.address) as client:
+            first = client.stream(token_ids=prompt_ids, max_new_tokens=400)
+            await anext(first)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.generate(token_ids=prompt_ids, max_new_tokens=5)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await first.aclose()
+        assert await stack.sessions_left() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, code",
+    [
+        (dict(token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt="hi", num_speculative_tokens=99), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt="hi", max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_bad_requests_get_invalid_argument(tiny_target_dir, kwargs, code):
+    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+        async with AsyncClient(stack.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.generate(**kwargs)
+        assert info.value.code() == code
+        assert info.value.details()
+        assert await stack.sessions_left() == (0, 0)
+
+
+async def test_chat_prompt_uses_the_chat_template(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+        async with AsyncClient(stack.address) as client:
+            chat = await client.generate(messages=messages, max_new_tokens=8, ignore_eos=True)
+            raw = await client.generate(token_ids=list(ids), max_new_tokens=8, ignore_eos=True)
+    assert chat.token_ids == raw.token_ids
+    assert chat.stats.prompt_tokens == len(ids)
