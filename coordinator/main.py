@@ -38,8 +38,8 @@ async def serve(config: CoordinatorConfig) -> None:
     )
     try:
         # The coordinator serves once its target has described itself.
-        target_info = await target.wait_ready(config.worker_wait_s)
-        draft_info = await draft.info() if draft else None
+        target_info = await target.info(config.worker_wait_s)
+        draft_info = await draft.info(config.worker_wait_s) if draft else None
         service = CoordinatorService(
             Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info),
             target,

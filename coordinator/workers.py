@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,14 +57,14 @@ class TargetSession(Protocol):
 
 
 class DraftClient(Protocol):
-    async def info(self) -> WorkerInfo: ...
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(
         self, tokens: Sequence[int], *, request_id: str, target: WorkerInfo
     ) -> tuple[DraftSession, float]: ...
 
 
 class TargetClient(Protocol):
-    async def info(self) -> WorkerInfo: ...
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(self, tokens: Sequence[int], *, request_id: str) -> tuple[TargetSession, float]: ...
 
 
@@ -88,9 +88,10 @@ class _GrpcSession:
 
     role = "worker"
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str, release: Callable[[], None]) -> None:
         self._call = call
         self.address = address
+        self._release = release
 
     async def exchange(self, request):
         try:
@@ -104,6 +105,9 @@ class _GrpcSession:
         raise error_from_status(code, f"{self.role} worker {self.address}: {details}")
 
     async def close(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
         # Half-close, then cancel: the worker frees the session either way.
         if not self._call.done():
             try:
@@ -165,30 +169,28 @@ class _Replicas:
         await asyncio.gather(*(ch.close() for ch in self._channels))
 
 
-class _Tracked:
-    """A session that gives its replica's load slot back when closed."""
-
-    def __init__(self, session, replicas: _Replicas, index: int) -> None:
-        self._session = session
-        self._replicas = replicas
-        self._index = index
-        self._closed = False
-
-    def __getattr__(self, name):
-        return getattr(self._session, name)
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._replicas.load[self._index] -= 1
-            await self._session.close()
+async def _wait_ready(replicas: _Replicas, role: str, *, timeout_s: float) -> WorkerInfo:
+    """Waits until the first replica of a role answers; returns its description."""
+    try:
+        response = await replicas.stubs[0].GetWorkerInfo(
+            pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError as exc:
+        raise Unavailable(
+            f"no {role} worker answered at {replicas.addresses[0]} within {timeout_s:.0f} s: {exc.details()}"
+        ) from exc
+    return _info_from_pb(response)
 
 
 async def _open(replicas: _Replicas, session_class, request, *, request_id: str):
     index = replicas.pick()
     replicas.load[index] += 1
+
+    def release() -> None:
+        replicas.load[index] -= 1
+
     call = replicas.stubs[index].Session(metadata=((REQUEST_ID_KEY, request_id),))
-    session = _Tracked(session_class(call, replicas.addresses[index]), replicas, index)
+    session = session_class(call, replicas.addresses[index], release)
     try:
         response = await session.exchange(request)
     except BaseException:
@@ -201,8 +203,9 @@ class GrpcDraftClient:
     def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
         self.replicas = _Replicas(addresses, worker_pb2_grpc.DraftWorkerStub, credentials=credentials)
 
-    async def info(self) -> WorkerInfo:
-        return _info_from_pb(await self.replicas.stubs[0].GetWorkerInfo(pb.GetWorkerInfoRequest()))
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
+        """Waits up to ``timeout_s`` for the first replica to answer."""
+        return await _wait_ready(self.replicas, "draft", timeout_s=timeout_s)
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo):
         request = pb.DraftRequest(
@@ -223,20 +226,9 @@ class GrpcTargetClient:
     def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
         self.replicas = _Replicas(addresses, worker_pb2_grpc.TargetWorkerStub, credentials=credentials)
 
-    async def info(self) -> WorkerInfo:
-        return _info_from_pb(await self.replicas.stubs[0].GetWorkerInfo(pb.GetWorkerInfoRequest()))
-
-    async def wait_ready(self, timeout_s: float) -> WorkerInfo:
-        """Waits until a target replica answers, then returns its description."""
-        try:
-            response = await self.replicas.stubs[0].GetWorkerInfo(
-                pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(
-                f"no target worker answered at {self.replicas.addresses[0]} within {timeout_s:.0f} s: {exc.details()}"
-            ) from exc
-        return _info_from_pb(response)
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
+        """Waits up to ``timeout_s`` for the first replica to answer."""
+        return await _wait_ready(self.replicas, "target", timeout_s=timeout_s)
 
     async def open(self, tokens, *, request_id: str):
         request = pb.VerifyRequest(open=pb.SessionOpen(token_ids=tokens, request_id=request_id))
@@ -256,7 +248,7 @@ class InProcessTargetClient:
         self.engine = engine
         self.thread = thread
 
-    async def info(self) -> WorkerInfo:
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         i = self.engine.info
         return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context)
 
@@ -292,7 +284,7 @@ class InProcessDraftClient:
         self.engine = engine
         self.thread = thread
 
-    async def info(self) -> WorkerInfo:
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         d = self.engine.drafter
         i = self.engine.info
         return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from draft_worker.engine import DraftEngine, DraftInfo
 from draft_worker.service import DraftWorkerService
 from outrider import models
-from outrider.config import DTYPES, DraftWorkerConfig
+from outrider.config import DraftWorkerConfig
 from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
 from outrider.engine_thread import EngineThread
 from outrider.logging import get_logger
@@ -31,7 +33,7 @@ def build_engine(config: DraftWorkerConfig) -> DraftEngine:
     else:
         model = models.load_causal_lm(
             config.model,
-            dtype=DTYPES[config.dtype],
+            dtype=getattr(torch, config.dtype),
             num_layers=config.draft_layers,
             trust_remote_code=config.trust_remote_code,
         )

@@ -12,10 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 DRAFTERS = ("model", "prompt-lookup", "early-exit")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def default_threads() -> int:

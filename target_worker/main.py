@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from outrider import models
-from outrider.config import DTYPES, TargetWorkerConfig
+from outrider.config import TargetWorkerConfig
 from outrider.engine_thread import EngineThread
 from outrider.logging import get_logger
 from outrider.rpc import serve_until_signalled, start_server
@@ -21,7 +23,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 def build_engine(config: TargetWorkerConfig) -> TargetEngine:
     model = models.load_causal_lm(
-        config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+        config.model, dtype=getattr(torch, config.dtype), trust_remote_code=config.trust_remote_code
     )
     tokenizer = models.load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     info = TargetInfo(

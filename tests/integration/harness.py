@@ -100,7 +100,7 @@ async def running_stack(
             clients.append(draft)
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        target_info = await target.wait_ready(10)
+        target_info = await target.info(10)
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else frozenset({tokenizer.eos_token_id})
         service = CoordinatorService(
             Models(tokenizer, eos, target_info),

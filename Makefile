@@ -1,0 +1,43 @@
+# Outrider: the two commands of the quickstart are `make demo` and `make test`.
+#
+#   make demo    create .venv if missing, install, fetch the default model, start
+#                coordinator + draft + target locally, stream one generation,
+#                print its statistics, stop the services
+#   make test    create .venv if missing, install, fetch the model, run the tests
+#   make proto   regenerate outrider/v1 from protos/ (committed; a test checks it)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-fast proto model venv clean
+
+venv: $(STAMP)
+
+# torch is installed first, pinned: the CPU build that lies on this machine's
+# disk. An unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+model: venv
+	$(VENV)/bin/outrider models fetch
+
+demo: model
+	$(VENV)/bin/outrider demo
+
+test: model
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest tests/unit tests/integration
+
+proto: venv
+	$(PY) -m outrider._protogen
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

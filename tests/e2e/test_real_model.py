@@ -1,0 +1,141 @@
+"""End to end on the real default model through the CLI: `outrider up` starts
+the three services, `outrider generate --json --k 4` asks them, and the
+greedy output equals Hugging Face `generate(do_sample=False)` on the same
+target, token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from outrider import models
+
+pytestmark = pytest.mark.e2e
+
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+MAX_NEW_TOKENS = 48
+NUM_PROMPTS = 3
+
+
+def mt_bench_prompts(n: int) -> list[str]:
+    if not MT_BENCH.exists():
+        pytest.skip(f"{MT_BENCH} is not here")
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    # Spread over categories: every 10th question.
+    return [rows[i * 10]["turns"][0] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def default_model_dir() -> Path:
+    if not models.is_fetched(models.DEFAULT_MODEL):
+        pytest.skip("the default model is not fetched: run `outrider models fetch`")
+    return models.model_path(models.DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def stack_address(default_model_dir):
+    """`outrider up` on a free port, stopped with SIGTERM at the end."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outrider", "up", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        address = None
+        while address is None:
+            line = process.stdout.readline()
+            if not line:
+                pytest.fail(f"`outrider up` exited with {process.wait()} before serving")
+            if match := re.search(r"serving on (\S+)", line):
+                address = match.group(1)
+            if time.monotonic() > deadline:
+                pytest.fail("`outrider up` did not start within 300 s")
+        yield address
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def outrider_generate(address: str, prompt: str, *args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "outrider", "generate", prompt, "--address", address, "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_model_dir):
+    """Target-only greedy decoding with Hugging Face generate (stock model, fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+    def run(prompt: str) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+            )
+        return out[0, len(ids) :].tolist()
+
+    return run
+
+
+@pytest.mark.parametrize("index", range(NUM_PROMPTS))
+def test_greedy_output_equals_hf_generate(stack_address, hf_greedy, index):
+    prompt = mt_bench_prompts(NUM_PROMPTS)[index]
+    result = outrider_generate(stack_address, prompt, "--chat", "--k", "4", "--max-new-tokens", str(MAX_NEW_TOKENS))
+    assert result["token_ids"] == hf_greedy(prompt)
+    assert result["finish_reason"] in {"stop", "length"}
+    stats = result["stats"]
+    assert {"rounds", "draft_tokens", "accepted_tokens", "mean_acceptance_length"} <= stats.keys()
+    assert stats["num_speculative_tokens"] == 4
+    print(
+        f"\nprompt {index}: {len(result['token_ids'])} tokens, {stats['rounds']} rounds, "
+        f"mean acceptance length {stats['mean_acceptance_length']:.2f}"
+    )
+
+
+def test_generate_streams_text(stack_address):
+    out = subprocess.run(
+        [sys.executable, "-m", "outrider", "generate", "Say hello.", "--address", stack_address, "--chat", "--max-new-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.strip()
+
+
+def test_models_path_prints_the_converted_directory(default_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "outrider", "models", "path", "smollm2-135m-instruct"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert Path(out.stdout.strip()) == default_model_dir
+    assert (default_model_dir / "model.safetensors").exists()
