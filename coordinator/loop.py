@@ -13,7 +13,6 @@ tokens itself and says so through the committed length of the next round).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    request_id: str = ""
 
 
 @dataclass

@@ -3,12 +3,13 @@ run the round loop, translate its deltas back."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from coordinator.loop import Delta, GenerationRequest, Models, Stats, generate
 from coordinator.workers import DraftClient, TargetClient
 from outrider.errors import InvalidArgument
-from outrider.logging import bind_contextvars
+from outrider.logging import bind_contextvars, get_contextvars
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
 
@@ -76,8 +77,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # --- from_pb -------------------------------------------------------------
 
     def request_from_pb(self, request: pb.GenerateRequest) -> GenerationRequest:
+        # One id per request, in every log line of all three services: the
+        # client's if it sent one, else the one the interceptor made up.
         if request.request_id:
             bind_contextvars(request_id=request.request_id)
+        request_id = get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
         prompt_ids = self.prompt_ids(request)
         target = self.models.target
         if len(prompt_ids) >= target.max_context:
@@ -117,17 +121,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.draft is None:
             k = 0
 
-        fields = dict(
+        return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
             num_speculative_tokens=k,
             stop=tuple(sampling.stop),
             stop_token_ids=frozenset(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
+            request_id=request_id,
         )
-        if request.request_id:
-            fields["request_id"] = request.request_id
-        return GenerationRequest(**fields)
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")

@@ -101,12 +101,15 @@ async def running_stack(
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         target_info = await target.info(10)
+        draft_info = await draft.info(10) if draft else None
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else frozenset({tokenizer.eos_token_id})
         service = CoordinatorService(
             Models(tokenizer, eos, target_info),
             target,
             draft,
             SpeculationPolicy(default_k=k, max_k=16, default_max_new_tokens=64),
+            draft_model=draft_info.model if draft else "",
+            drafter=draft_info.drafter if draft else "",
         )
         servers.append(
             await start_server(
