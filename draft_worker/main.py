@@ -37,8 +37,8 @@ def build_engine(config: DraftWorkerConfig) -> DraftEngine:
             num_layers=config.draft_layers,
             trust_remote_code=config.trust_remote_code,
         )
-        tokenizer = models.load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
-        fingerprint, max_context = models.vocab_fingerprint(tokenizer), models.context_length(model)
+        fingerprint = models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code)
+        max_context = models.context_length(model)
         name = config.model or models.DEFAULT_MODEL
         if config.drafter == "early-exit":
             drafter = EarlyExitDrafter(ModelRunner(model), model_name=f"{name}[:{config.draft_layers}]")

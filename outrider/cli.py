@@ -152,7 +152,6 @@ def _serve(args: argparse.Namespace) -> int:
     from outrider import config as cfg
     from outrider.logging import configure_logging
 
-    configure_logging(args.log_level)
     address = cfg.ServiceAddress(host=args.host, port=args.port, ready_file=args.ready_file)
     try:
         if args.role == "coordinator":
@@ -195,6 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level)
     run(config)
     return 0
 

