@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
+from outrider.sampling import SamplingParams
 
 log = get_logger(__name__)
 
@@ -33,6 +34,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    sampling: SamplingParams = SamplingParams()
     request_id: str = ""
 
 
@@ -52,6 +54,10 @@ class Stats:
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
     num_speculative_tokens: int = 0
+    seed: int = 0
+    verification: str = "greedy"
+    draft_probs_bytes: int = 0
+    """Bytes of q relayed from draft to target (rejection mode)."""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -96,18 +102,22 @@ async def generate(
         prompt_tokens=len(history),
         accepted_per_position=[0] * k_max,
         num_speculative_tokens=k_max,
+        seed=request.sampling.seed,
+        verification=request.sampling.verification.value,
     )
     stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else models.eos_token_ids)
     text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
 
     # 1. Open the sessions: each worker prefills the prompt.
-    target_session, compute_s = await target.open(history, request_id=request.request_id)
+    target_session, compute_s = await target.open(
+        history, request_id=request.request_id, sampling=request.sampling
+    )
     stats.verify_time_s += compute_s
     draft_session = None
     try:
         if k_max > 0:
             draft_session, compute_s = await draft.open(
-                history, request_id=request.request_id, target=models.target
+                history, request_id=request.request_id, target=models.target, sampling=request.sampling
             )
             stats.draft_time_s += compute_s
         draft_synced = len(history)
@@ -119,16 +129,18 @@ async def generate(
             k = min(k_max, max_len - len(history) - 1)
 
             # 2. Draft: sync the tokens committed since the last propose, then
-            #    propose up to k tokens.
+            #    propose up to k tokens (with q, when the draft sampled them).
             draft_tokens: list[int] = []
+            draft_probs = []
             draft_s = 0.0
             if k > 0:
                 proposal = await draft_session.propose(len(history), history[draft_synced:], k)
                 draft_synced = len(history)
-                draft_tokens, draft_s = proposal.draft_tokens[:k], proposal.compute_s
+                draft_tokens, draft_probs = proposal.draft_tokens[:k], proposal.draft_probs[:k]
+                draft_s = proposal.compute_s
 
             # 3. Verify all drafts in one target pass of len(drafts) + 1 positions.
-            verdict = await target_session.verify(len(history), draft_tokens)
+            verdict = await target_session.verify(len(history), draft_tokens, draft_probs)
 
             # 4. Commit the accepted drafts and the recovered/bonus token.
             committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
@@ -137,6 +149,7 @@ async def generate(
             stats.accepted_tokens += verdict.num_accepted
             for position in range(verdict.num_accepted):
                 stats.accepted_per_position[position] += 1
+            stats.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
             stats.draft_time_s += draft_s
             stats.verify_time_s += verdict.compute_s
             stats.rpc_time_s += time.perf_counter() - round_started - draft_s - verdict.compute_s

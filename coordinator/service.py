@@ -3,6 +3,7 @@ run the round loop, translate its deltas back."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ from coordinator.loop import Delta, GenerationRequest, Models, Stats, generate
 from coordinator.workers import DraftClient, TargetClient
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
+from outrider.sampling import SamplingParams, Verification
+from outrider.wire import VERIFICATION_TO_PB, verification_from_pb
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
 
@@ -121,6 +124,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.draft is None:
             k = 0
 
+        try:
+            sampling_params = SamplingParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+                min_p=sampling.min_p,
+                # Unseeded requests get a fresh seed, reported in the stats for replay.
+                seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
+                verification=verification_from_pb(
+                    request.speculation.verification, temperature=sampling.temperature
+                ),
+            )
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -128,6 +146,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             stop=tuple(sampling.stop),
             stop_token_ids=frozenset(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
+            sampling=sampling_params,
             request_id=request_id,
         )
 
@@ -190,6 +209,9 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         time_to_first_token_s=stats.time_to_first_token_s,
         total_time_s=stats.total_time_s,
         num_speculative_tokens=stats.num_speculative_tokens,
+        seed=stats.seed,
+        verification=VERIFICATION_TO_PB[Verification(stats.verification)],
+        draft_probs_bytes=stats.draft_probs_bytes,
     )
 
 

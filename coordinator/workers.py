@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -20,8 +20,10 @@ import grpc
 from outrider.engine_thread import EngineThread
 from outrider.errors import Unavailable
 from outrider.rpc import CHANNEL_OPTIONS, REQUEST_ID_KEY, error_from_status
+from outrider.sampling import CompactProbs, SamplingParams
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
+from outrider.wire import probs_from_pb, probs_to_pb, sampling_to_pb
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class WorkerInfo:
 class Proposal:
     draft_tokens: list[int]
     compute_s: float
+    draft_probs: list[CompactProbs] = field(default_factory=list)
+    """q of each draft token (rejection mode with a sampling draft), else empty."""
 
 
 @dataclass(frozen=True)
@@ -52,20 +56,24 @@ class DraftSession(Protocol):
 
 
 class TargetSession(Protocol):
-    async def verify(self, committed_len: int, draft_tokens: Sequence[int]) -> VerifyResult: ...
+    async def verify(
+        self, committed_len: int, draft_tokens: Sequence[int], draft_probs: Sequence[CompactProbs] = ()
+    ) -> VerifyResult: ...
     async def close(self) -> None: ...
 
 
 class DraftClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(
-        self, tokens: Sequence[int], *, request_id: str, target: WorkerInfo
+        self, tokens: Sequence[int], *, request_id: str, target: WorkerInfo, sampling: SamplingParams
     ) -> tuple[DraftSession, float]: ...
 
 
 class TargetClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
-    async def open(self, tokens: Sequence[int], *, request_id: str) -> tuple[TargetSession, float]: ...
+    async def open(
+        self, tokens: Sequence[int], *, request_id: str, sampling: SamplingParams
+    ) -> tuple[TargetSession, float]: ...
 
 
 # --- gRPC ------------------------------------------------------------------
@@ -128,15 +136,22 @@ class GrpcDraftSession(_GrpcSession):
                 )
             )
         )
-        return Proposal(list(response.proposal.draft_token_ids), response.proposal.compute_s)
+        proposal = response.proposal
+        return Proposal(list(proposal.draft_token_ids), proposal.compute_s, probs_from_pb(proposal.draft_probs))
 
 
 class GrpcTargetSession(_GrpcSession):
     role = "target"
 
-    async def verify(self, committed_len: int, draft_tokens: Sequence[int]) -> VerifyResult:
+    async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
         response = await self.exchange(
-            pb.VerifyRequest(round=pb.VerifyRound(committed_len=committed_len, draft_token_ids=draft_tokens))
+            pb.VerifyRequest(
+                round=pb.VerifyRound(
+                    committed_len=committed_len,
+                    draft_token_ids=draft_tokens,
+                    draft_probs=probs_to_pb(draft_probs),
+                )
+            )
         )
         verdict = response.verdict
         return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
@@ -207,13 +222,14 @@ class GrpcDraftClient:
         """Waits up to ``timeout_s`` for the first replica to answer."""
         return await _wait_ready(self.replicas, "draft", timeout_s=timeout_s)
 
-    async def open(self, tokens, *, request_id: str, target: WorkerInfo):
+    async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         request = pb.DraftRequest(
             open=pb.SessionOpen(
                 token_ids=tokens,
                 request_id=request_id,
                 target_vocab_size=target.vocab_size,
                 target_vocab_fingerprint=target.vocab_fingerprint,
+                sampling=sampling_to_pb(sampling),
             )
         )
         return await _open(self.replicas, GrpcDraftSession, request, request_id=request_id)
@@ -230,8 +246,10 @@ class GrpcTargetClient:
         """Waits up to ``timeout_s`` for the first replica to answer."""
         return await _wait_ready(self.replicas, "target", timeout_s=timeout_s)
 
-    async def open(self, tokens, *, request_id: str):
-        request = pb.VerifyRequest(open=pb.SessionOpen(token_ids=tokens, request_id=request_id))
+    async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
+        request = pb.VerifyRequest(
+            open=pb.SessionOpen(token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling))
+        )
         return await _open(self.replicas, GrpcTargetSession, request, request_id=request_id)
 
     async def close(self) -> None:
@@ -252,11 +270,11 @@ class InProcessTargetClient:
         i = self.engine.info
         return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context)
 
-    async def open(self, tokens, *, request_id: str):
+    async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
         loop = asyncio.get_running_loop()
         start = loop.time()
-        await self.thread.run(self.engine.open, session_id, list(tokens))
+        await self.thread.run(self.engine.open, session_id, list(tokens), sampling)
         return _InProcessTargetSession(self, session_id), loop.time() - start
 
 
@@ -265,11 +283,11 @@ class _InProcessTargetSession:
         self.client = client
         self.session_id = session_id
 
-    async def verify(self, committed_len, draft_tokens) -> VerifyResult:
+    async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
         loop = asyncio.get_running_loop()
         start = loop.time()
         v = await self.client.thread.run(
-            self.client.engine.verify, self.session_id, committed_len, list(draft_tokens)
+            self.client.engine.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
         )
         return VerifyResult(v.num_accepted, v.next_token, loop.time() - start)
 
@@ -289,12 +307,12 @@ class InProcessDraftClient:
         i = self.engine.info
         return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context)
 
-    async def open(self, tokens, *, request_id: str, target: WorkerInfo):
+    async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
         loop = asyncio.get_running_loop()
         start = loop.time()
         await self.thread.run(
-            self.engine.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint
+            self.engine.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint, sampling
         )
         return _InProcessDraftSession(self, session_id), loop.time() - start
 
@@ -307,10 +325,10 @@ class _InProcessDraftSession:
     async def propose(self, committed_len, new_tokens, k) -> Proposal:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        drafts = await self.client.thread.run(
+        tokens, probs = await self.client.thread.run(
             self.client.engine.propose, self.session_id, committed_len, list(new_tokens), k
         )
-        return Proposal(drafts, loop.time() - start)
+        return Proposal(tokens, loop.time() - start, probs)
 
     async def close(self) -> None:
         self.client.thread.submit(self.client.engine.close, self.session_id)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from outrider.drafters import Drafter
 from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.sampling import CompactProbs, SamplingParams, compact
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
 
@@ -52,6 +53,7 @@ class DraftEngine:
         tokens: Sequence[int],
         target_vocab_size: int,
         target_fingerprint: str,
+        sampling: SamplingParams = SamplingParams(),
     ) -> int:
         """Opens a session on the committed history and prefills all but its
         last token. Returns the committed length."""
@@ -61,7 +63,9 @@ class DraftEngine:
         check_token_ids(tokens, self.drafter.vocab_size or target_vocab_size or None, what="token_ids")
         check_context(len(tokens), self.info.max_context, what="the history")
         runner = self.drafter.runner
-        session = self.store.create(session_id, tokens, kv=runner.new_kv() if runner else None)
+        session = self.store.create(
+            session_id, tokens, kv=runner.new_kv() if runner else None, sampling=sampling
+        )
         if runner is not None and len(tokens) > 1:
             runner.extend(session.kv, tokens[:-1], last_only=True)
         return session.committed_len
@@ -72,9 +76,10 @@ class DraftEngine:
         committed_len: int,
         new_tokens: Sequence[int],
         num_draft_tokens: int,
-    ) -> list[int]:
+    ) -> tuple[list[int], list[CompactProbs]]:
         """Appends the tokens committed since the last round, then proposes
-        up to ``num_draft_tokens`` tokens."""
+        up to ``num_draft_tokens`` tokens, with their q in wire form when the
+        draft sampled them (else none: a point mass)."""
         session = self.store.get(session_id)
         if session.committed_len + len(new_tokens) != committed_len:
             raise FailedPrecondition(
@@ -90,9 +95,10 @@ class DraftEngine:
         k = min(num_draft_tokens, self.info.max_context - committed_len)
         session.tokens.extend(new_tokens)
         if k <= 0:
-            return []
+            return [], []
         self.store.reserve(session, committed_len + k - 1)
-        return self.drafter.propose(session, k)
+        proposal = self.drafter.propose(session, k)
+        return proposal.tokens, [compact(q) for q in proposal.probs or ()]
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)

@@ -7,6 +7,7 @@ import time
 from draft_worker.engine import DraftEngine
 from outrider.engine_thread import EngineThread
 from outrider.session_stream import session_stream
+from outrider.wire import probs_to_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
@@ -34,6 +35,7 @@ class DraftWorkerService(worker_pb2_grpc.DraftWorkerServicer):
             list(request.token_ids),
             request.target_vocab_size,
             request.target_vocab_fingerprint,
+            sampling_from_pb(request.sampling),
         )
         return pb.DraftResponse(
             opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
@@ -41,7 +43,7 @@ class DraftWorkerService(worker_pb2_grpc.DraftWorkerServicer):
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
         start = time.perf_counter()
-        drafts = await self.thread.run(
+        tokens, probs = await self.thread.run(
             self.engine.propose,
             session_id,
             request.committed_len,
@@ -49,7 +51,9 @@ class DraftWorkerService(worker_pb2_grpc.DraftWorkerServicer):
             request.num_draft_tokens,
         )
         return pb.DraftResponse(
-            proposal=pb.DraftProposal(draft_token_ids=drafts, compute_s=time.perf_counter() - start)
+            proposal=pb.DraftProposal(
+                draft_token_ids=tokens, draft_probs=probs_to_pb(probs), compute_s=time.perf_counter() - start
+            )
         )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:

@@ -130,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: the server's)")
     gen.add_argument("--k", type=int, help="draft tokens per round (0: target only; default: the server's)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability")
+    gen.add_argument("--seed", type=int, help="seed of the random draws (default: a fresh one, reported in the stats)")
+    gen.add_argument(
+        "--verification",
+        choices=["greedy", "rejection", "gumbel"],
+        help="how drafts are verified when sampling (default: rejection)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids, finish reason and stats")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
 
@@ -300,13 +310,19 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         num_speculative_tokens=args.k,
         stop=args.stop,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        verification=args.verification,
         timeout=args.timeout,
     )
     try:
         with Client(args.address) as client:
             if args.json:
                 result = client.generate(**prompt, **options)
-                print(json.dumps(result.to_dict()))
+                print(json.dumps({**result.to_dict(), "seed": result.stats.seed}))
                 return 0
             stats = None
             for chunk in client.stream(**prompt, **options):

@@ -97,6 +97,11 @@ class GenerationStats:
     total_time_s: float
     num_speculative_tokens: int
     """The K the request ran with."""
+    seed: int = 0
+    """The seed the request ran with; send it back to replay the request."""
+    verification: str = "greedy"
+    draft_probs_bytes: int = 0
+    """Bytes of draft probabilities (q) sent to the target, over all rounds."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
@@ -167,6 +172,14 @@ class ModelInfo:
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
+_VERIFICATIONS = {
+    "greedy": pb.VERIFICATION_GREEDY,
+    "rejection": pb.VERIFICATION_REJECTION,
+    "gumbel": pb.VERIFICATION_GUMBEL,
+}
+_VERIFICATION_NAMES = {v: k for k, v in _VERIFICATIONS.items()}
+
+
 def _build_request(
     prompt: str | None,
     messages: Sequence[ChatMessage | Mapping[str, str]] | None,
@@ -177,6 +190,12 @@ def _build_request(
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
     num_speculative_tokens: int | None,
+    temperature: float,
+    top_k: int,
+    top_p: float | None,
+    min_p: float,
+    seed: int | None,
+    verification: str | None,
     request_id: str | None,
 ) -> pb.GenerateRequest:
     """The ``GenerateRequest`` for the arguments of ``generate``/``stream``.
@@ -197,9 +216,22 @@ def _build_request(
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
             ignore_eos=ignore_eos,
+            temperature=temperature,
+            top_k=top_k,
+            min_p=min_p,
         ),
         request_id=request_id or "",
     )
+    # Explicit presence: unset means "off" (top_p) or "pick a fresh one" (seed).
+    if top_p is not None:
+        request.sampling.top_p = top_p
+    if seed is not None:
+        request.sampling.seed = seed
+    if verification is not None:
+        try:
+            request.speculation.verification = _VERIFICATIONS[verification]
+        except KeyError:
+            raise ValueError(f"verification must be one of {', '.join(_VERIFICATIONS)}, not {verification!r}") from None
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
@@ -236,6 +268,7 @@ def _stats_from_pb(stats: pb.GenerationStats) -> GenerationStats:
         field.name: getattr(stats, field.name) for field in dataclasses.fields(GenerationStats)
     }
     values["accepted_per_position"] = tuple(stats.accepted_per_position)
+    values["verification"] = _VERIFICATION_NAMES.get(stats.verification, "greedy")
     return GenerationStats(**values)
 
 
@@ -307,6 +340,12 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        verification: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> Generation:
@@ -323,6 +362,15 @@ class Client:
             ignore_eos: Keep generating past the model's end-of-sequence tokens.
             num_speculative_tokens: Draft tokens per round (``None``: the
                 server default; ``0``: plain target decoding).
+            temperature: ``0`` (the default) is greedy decoding.
+            top_k: Keep the ``top_k`` most likely tokens (``0``: off).
+            top_p: Nucleus sampling mass in ``(0, 1]`` (``None``: off).
+            min_p: Drop tokens below ``min_p`` times the top probability.
+            seed: Seed of the request's draws (``None``: a fresh one,
+                reported as ``stats.seed``); a seeded request reproduces.
+            verification: ``"greedy"``, ``"rejection"`` (default when
+                sampling) or ``"gumbel"`` (output independent of the drafter
+                and K for a given seed).
             request_id: Id bound into the server's log lines for this request.
             timeout: Deadline in seconds; ``None`` uses the client's default.
 
@@ -339,6 +387,12 @@ class Client:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            verification=verification,
             request_id=request_id,
         )
         return _generation_from_pb(self._stub.Complete(request, timeout=self._deadline(timeout)))
@@ -354,6 +408,12 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        verification: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> Generator[Chunk, None, None]:
@@ -377,6 +437,12 @@ class Client:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            verification=verification,
             request_id=request_id,
         )
         return self._stream(request, self._deadline(timeout))
@@ -448,6 +514,12 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        verification: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> Generation:
@@ -461,6 +533,12 @@ class AsyncClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            verification=verification,
             request_id=request_id,
         )
         return _generation_from_pb(
@@ -478,6 +556,12 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        verification: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> AsyncGenerator[Chunk, None]:
@@ -495,6 +579,12 @@ class AsyncClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            verification=verification,
             request_id=request_id,
         )
         return self._stream(request, self._deadline(timeout))

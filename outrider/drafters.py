@@ -1,7 +1,9 @@
 """Drafters: what proposes the K tokens the target verifies.
 
 A drafter is one class with ``kind``, ``model_name``, ``uses_kv`` and
-``propose(session, k)``. The draft worker owns sessions and their caches; a
+``propose(session, k)``. It draws its tokens the way the session's sampling
+says (``outrider.sampling.draw``): greedy, sampled from q (rejection mode,
+returning q), or with the position's Gumbel noise. The draft worker owns sessions and their caches; a
 drafter only reads the committed history and, if it has a model, extends the
 session's cache.
 
@@ -16,12 +18,23 @@ session's cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from outrider.runner import ModelRunner
+from outrider.sampling import Stream, draw
 from outrider.session import Session
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    probs: list[torch.Tensor] | None = None
+    """q of each token when the draft sampled it (rejection mode); None: the
+    draft is deterministic, a point mass on each token."""
 
 
 class Drafter(Protocol):
@@ -34,7 +47,7 @@ class Drafter(Protocol):
     vocab_size: int | None
     """Size of the id space the drafter proposes from; None: any (model-free)."""
 
-    def propose(self, session: Session, k: int) -> list[int]:
+    def propose(self, session: Session, k: int) -> Proposal:
         """Proposes up to ``k`` tokens to follow ``session.tokens``."""
         ...
 
@@ -48,17 +61,20 @@ class ModelDrafter:
         self.model_name = model_name
         self.vocab_size = runner.vocab_size
 
-    def propose(self, session: Session, k: int) -> list[int]:
-        assert session.kv is not None
+    def propose(self, session: Session, k: int) -> Proposal:
         # Sync: crop the cache to what it shares with the committed history
         # and feed the rest (the draft has not seen the last committed token).
         logits = self.runner.extend(session.kv, session.tokens, last_only=True)
-        drafts = [int(logits[-1].argmax())]
+        position = len(session.tokens)
+        tokens, probs = [], []
         # Draft: one token per step; the last draft is never fed.
-        while len(drafts) < k:
-            logits = self.runner.feed(session.kv, drafts[-1:])
-            drafts.append(int(logits[-1].argmax()))
-        return drafts
+        while True:
+            token, q = draw(logits[-1], session.sampling, position + len(tokens), Stream.DRAFT)
+            tokens.append(token)
+            probs.append(q)
+            if len(tokens) == k:
+                return Proposal(tokens, None if q is None else probs)
+            logits = self.runner.feed(session.kv, [token])
 
 
 class EarlyExitDrafter(ModelDrafter):
@@ -81,8 +97,11 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session: Session, k: int) -> list[int]:
-        history = np.asarray(session.tokens, dtype=np.int64)
+    def propose(self, session: Session, k: int) -> Proposal:
+        return Proposal(self.lookup(session.tokens, k))
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        history = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
             # Earlier windows equal to the last n tokens; the latest one wins.
             windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)

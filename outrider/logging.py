@@ -38,3 +38,9 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr)
+    # transformers' own progress bars and notices would interleave with the
+    # structured lines.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from outrider.sampling import SamplingParams
 
 
 @dataclass
@@ -69,6 +70,8 @@ class Session:
     """The committed history, as this worker knows it."""
     kv: KVCache | None = None
     """The model's cache; None for model-free drafters."""
+    sampling: SamplingParams = SamplingParams()
+    """How this session turns logits into tokens (the same on both workers)."""
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -99,7 +102,13 @@ class SessionStore:
     def cached_tokens(self) -> int:
         return sum(s.cached_tokens for s in self._sessions.values())
 
-    def create(self, session_id: str, tokens: Sequence[int], kv: KVCache | None = None) -> Session:
+    def create(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        kv: KVCache | None = None,
+        sampling: SamplingParams = SamplingParams(),
+    ) -> Session:
         if session_id in self._sessions:
             raise InvalidArgument(f"session {session_id!r} is already open")
         if len(self._sessions) >= self.max_sessions:
@@ -109,7 +118,7 @@ class SessionStore:
             )
         if kv is not None:
             self._check_fits(len(tokens), others=self.cached_tokens)
-        session = Session(session_id=session_id, tokens=list(tokens), kv=kv)
+        session = Session(session_id=session_id, tokens=list(tokens), kv=kv, sampling=sampling)
         self._sessions[session_id] = session
         return session
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.runner import ModelRunner
+from outrider.sampling import CompactProbs, SamplingParams, expand
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
-from outrider.verify import Verdict, verify_greedy
+from outrider.verify import Verdict, verify
 
 
 @dataclass(frozen=True)
@@ -28,19 +31,27 @@ class TargetEngine:
         self.store = store
         self.info = info
 
-    def open(self, session_id: str, tokens: Sequence[int]) -> int:
+    def open(
+        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
+    ) -> int:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. Returns the committed length."""
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
         check_token_ids(tokens, self.info.vocab_size, what="token_ids")
         check_context(len(tokens), self.info.max_context, what="the history")
-        session = self.store.create(session_id, tokens, kv=self.runner.new_kv())
+        session = self.store.create(session_id, tokens, kv=self.runner.new_kv(), sampling=sampling)
         if len(tokens) > 1:
             self.runner.extend(session.kv, tokens[:-1], last_only=True)
         return session.committed_len
 
-    def verify(self, session_id: str, committed_len: int, draft_tokens: Sequence[int]) -> Verdict:
+    def verify(
+        self,
+        session_id: str,
+        committed_len: int,
+        draft_tokens: Sequence[int],
+        draft_probs: Sequence[CompactProbs] = (),
+    ) -> Verdict:
         session = self.store.get(session_id)
         if committed_len != session.committed_len:
             raise FailedPrecondition(
@@ -49,12 +60,16 @@ class TargetEngine:
             )
         check_token_ids(draft_tokens, self.info.vocab_size, what="draft_token_ids")
         k = len(draft_tokens)
+        q = self.draft_distribution(draft_probs, k)
         check_context(committed_len + k, self.info.max_context, what="history plus draft tokens")
         self.store.reserve(session, committed_len + k)
 
         # One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
         logits = self.runner.extend(session.kv, [*session.tokens, *draft_tokens])[-(k + 1) :]
-        verdict = verify_greedy(draft_tokens, logits)
+        try:
+            verdict = verify(draft_tokens, q, logits, session.sampling, start_position=committed_len)
+        except ValueError as exc:  # e.g. a draft token its own q gives no mass
+            raise InvalidArgument(str(exc)) from None
 
         # Commit the accepted drafts and the recovered/bonus token; keep in
         # the cache everything committed but that last token.
@@ -62,6 +77,17 @@ class TargetEngine:
         session.kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)
         return verdict
+
+    def draft_distribution(self, rows: Sequence[CompactProbs], k: int) -> torch.Tensor | None:
+        """q as the draft sent it, [K, vocab]; None for a deterministic draft."""
+        if not rows:
+            return None
+        if len(rows) != k:
+            raise InvalidArgument(f"{len(rows)} draft_probs rows for {k} draft tokens: send one per token or none")
+        try:
+            return torch.stack([expand(row, self.info.vocab_size) for row in rows])
+        except ValueError as exc:
+            raise InvalidArgument(f"draft_probs: {exc}") from None
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)

@@ -6,6 +6,7 @@ import time
 
 from outrider.engine_thread import EngineThread
 from outrider.session_stream import session_stream
+from outrider.wire import probs_from_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from target_worker.engine import TargetEngine
@@ -28,7 +29,9 @@ class TargetWorkerService(worker_pb2_grpc.TargetWorkerServicer):
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
         start = time.perf_counter()
-        committed_len = await self.thread.run(self.engine.open, session_id, list(request.token_ids))
+        committed_len = await self.thread.run(
+            self.engine.open, session_id, list(request.token_ids), sampling_from_pb(request.sampling)
+        )
         return pb.VerifyResponse(
             opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
         )
@@ -36,7 +39,11 @@ class TargetWorkerService(worker_pb2_grpc.TargetWorkerServicer):
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
         start = time.perf_counter()
         verdict = await self.thread.run(
-            self.engine.verify, session_id, request.committed_len, list(request.draft_token_ids)
+            self.engine.verify,
+            session_id,
+            request.committed_len,
+            list(request.draft_token_ids),
+            probs_from_pb(request.draft_probs),
         )
         return pb.VerifyResponse(
             verdict=pb.Verdict(

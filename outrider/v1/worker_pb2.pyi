@@ -1,3 +1,4 @@
+from outrider.v1 import coordinator_pb2 as _coordinator_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -29,16 +30,42 @@ class WorkerInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint")
+    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     target_vocab_size: int
     target_vocab_fingerprint: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    verification: _coordinator_pb2.Verification
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[_coordinator_pb2.Verification, str]] = ...) -> None: ...
+
+class DraftProbs(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    probs: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("committed_len", "compute_s")
@@ -67,12 +94,14 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("draft_token_ids", "compute_s")
+    __slots__ = ("draft_token_ids", "compute_s", "draft_probs")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_s: float
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "proposal")
@@ -83,12 +112,14 @@ class DraftResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
 
 class VerifyRound(_message.Message):
-    __slots__ = ("committed_len", "draft_token_ids")
+    __slots__ = ("committed_len", "draft_token_ids", "draft_probs")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
+    def __init__(self, committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("open", "round")

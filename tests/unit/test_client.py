@@ -504,6 +504,9 @@ def test_to_dict_is_json_serialisable() -> None:
             "time_to_first_token_s": 0.0625,
             "total_time_s": 1.0,
             "num_speculative_tokens": DEFAULT_K,
+            "seed": 0,
+            "verification": "greedy",
+            "draft_probs_bytes": 0,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

@@ -7,7 +7,9 @@ from outrider.session import Session
 
 
 def propose(tokens, k, **kwargs):
-    return PromptLookupDrafter(**kwargs).propose(Session("s", list(tokens)), k)
+    proposal = PromptLookupDrafter(**kwargs).propose(Session("s", list(tokens)), k)
+    assert proposal.probs is None  # deterministic: a point mass
+    return proposal.tokens
 
 
 def test_proposes_the_continuation_of_the_matching_ngram():

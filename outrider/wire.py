@@ -1,0 +1,57 @@
+"""Protobuf <-> domain conversions shared by the services (the edge)."""
+
+from __future__ import annotations
+
+from outrider.errors import InvalidArgument
+from outrider.sampling import CompactProbs, SamplingParams, Verification
+from outrider.v1 import coordinator_pb2, worker_pb2
+
+VERIFICATION_TO_PB = {
+    Verification.GREEDY: coordinator_pb2.VERIFICATION_GREEDY,
+    Verification.REJECTION: coordinator_pb2.VERIFICATION_REJECTION,
+    Verification.GUMBEL: coordinator_pb2.VERIFICATION_GUMBEL,
+}
+VERIFICATION_FROM_PB = {v: k for k, v in VERIFICATION_TO_PB.items()}
+
+
+def verification_from_pb(value: int, *, temperature: float) -> Verification:
+    """UNSPECIFIED means rejection when sampling, greedy otherwise."""
+    if value == coordinator_pb2.VERIFICATION_UNSPECIFIED:
+        return Verification.REJECTION if temperature > 0 else Verification.GREEDY
+    try:
+        return VERIFICATION_FROM_PB[value]
+    except KeyError:
+        raise InvalidArgument(f"unknown verification mode {value}: use greedy, rejection or gumbel") from None
+
+
+def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:
+    return worker_pb2.Sampling(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=params.seed,
+        verification=VERIFICATION_TO_PB[params.verification],
+    )
+
+
+def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=message.temperature,
+            top_k=message.top_k,
+            top_p=message.top_p or 1.0,
+            min_p=message.min_p,
+            seed=message.seed,
+            verification=verification_from_pb(message.verification, temperature=message.temperature),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def probs_to_pb(rows: list[CompactProbs]) -> list[worker_pb2.DraftProbs]:
+    return [worker_pb2.DraftProbs(token_ids=row.token_ids or b"", probs=row.probs) for row in rows]
+
+
+def probs_from_pb(rows) -> list[CompactProbs]:
+    return [CompactProbs(token_ids=row.token_ids or None, probs=row.probs) for row in rows]
