@@ -11,9 +11,8 @@ from draft_worker.service import DraftWorkerService
 from outrider import models
 from outrider.config import DraftWorkerConfig
 from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
-from outrider.engine_thread import EngineThread
+from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
-from outrider.rpc import serve_until_signalled, start_server
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
@@ -60,25 +59,17 @@ def warm_up(engine: DraftEngine) -> None:
 
 
 async def serve(config: DraftWorkerConfig) -> None:
-    thread = EngineThread(torch_threads=config.threads)
     log.info("loading drafter", drafter=config.drafter, model=config.model, dtype=config.dtype)
-    engine = await thread.run(build_engine, config)
-    running = await start_server(
-        lambda server: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+    await serve_worker(
+        config.address,
+        threads=config.threads,
+        build_engine=lambda: build_engine(config),
+        warm_up=warm_up,
+        add_servicer=lambda engine, thread, server: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
             DraftWorkerService(engine, thread), server
         ),
-        [SERVICE_NAME],
-        host=config.address.host,
-        port=config.address.port,
+        service_name=SERVICE_NAME,
     )
-    try:
-        await serve_until_signalled(
-            running,
-            warmup=lambda: thread.run(warm_up, engine),
-            ready_file=config.address.ready_file,
-        )
-    finally:
-        thread.shutdown()
 
 
 def main(config: DraftWorkerConfig) -> None:

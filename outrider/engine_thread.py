@@ -12,9 +12,13 @@ import asyncio
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import grpc
 import torch
+
+from outrider.config import ServiceAddress
+from outrider.rpc import serve_until_signalled, start_server
 
 T = TypeVar("T")
 
@@ -44,3 +48,30 @@ class EngineThread:
 def _init_thread(torch_threads: int | None) -> None:
     if torch_threads:
         torch.set_num_threads(torch_threads)
+
+
+async def serve_worker(
+    address: ServiceAddress,
+    *,
+    threads: int,
+    build_engine: Callable[[], Any],
+    warm_up: Callable[[Any], None],
+    add_servicer: Callable[[Any, EngineThread, grpc.aio.Server], None],
+    service_name: str,
+) -> None:
+    """Runs a worker: builds its engine on the engine thread, serves it, flips
+    health to SERVING after one warm-up session, drains on SIGTERM."""
+    thread = EngineThread(torch_threads=threads)
+    try:
+        engine = await thread.run(build_engine)
+        running = await start_server(
+            lambda server: add_servicer(engine, thread, server),
+            [service_name],
+            host=address.host,
+            port=address.port,
+        )
+        await serve_until_signalled(
+            running, warmup=lambda: thread.run(warm_up, engine), ready_file=address.ready_file
+        )
+    finally:
+        thread.shutdown()

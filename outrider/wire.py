@@ -15,13 +15,13 @@ VERIFICATION_FROM_PB = {v: k for k, v in VERIFICATION_TO_PB.items()}
 
 
 def verification_from_pb(value: int, *, temperature: float) -> Verification:
-    """UNSPECIFIED means rejection when sampling, greedy otherwise."""
-    if value == coordinator_pb2.VERIFICATION_UNSPECIFIED:
-        return Verification.REJECTION if temperature > 0 else Verification.GREEDY
-    try:
-        return VERIFICATION_FROM_PB[value]
-    except KeyError:
-        raise InvalidArgument(f"unknown verification mode {value}: use greedy, rejection or gumbel") from None
+    """Temperature 0 is greedy whatever was asked; UNSPECIFIED while sampling
+    means rejection."""
+    if value != coordinator_pb2.VERIFICATION_UNSPECIFIED and value not in VERIFICATION_FROM_PB:
+        raise InvalidArgument(f"unknown verification mode {value}: use greedy, rejection or gumbel")
+    if temperature == 0:
+        return Verification.GREEDY
+    return VERIFICATION_FROM_PB.get(value, Verification.REJECTION)
 
 
 def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:

@@ -12,16 +12,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from measure_drafters import prompts
 from outrider import Client
 from outrider.stack import start_stack
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
 DRAFT_ARGS = ["--drafter", "model", "--dtype", "bfloat16"]
-
-
-def prompts(n: int) -> list[str]:
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-    return [row["turns"][0] for row in rows[:n]]
 
 
 def main() -> None:

@@ -8,9 +8,8 @@ import torch
 
 from outrider import models
 from outrider.config import TargetWorkerConfig
-from outrider.engine_thread import EngineThread
+from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
-from outrider.rpc import serve_until_signalled, start_server
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
@@ -45,25 +44,17 @@ def warm_up(engine: TargetEngine) -> None:
 
 
 async def serve(config: TargetWorkerConfig) -> None:
-    thread = EngineThread(torch_threads=config.threads)
     log.info("loading target model", model=config.model or models.DEFAULT_MODEL, dtype=config.dtype)
-    engine = await thread.run(build_engine, config)
-    running = await start_server(
-        lambda server: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+    await serve_worker(
+        config.address,
+        threads=config.threads,
+        build_engine=lambda: build_engine(config),
+        warm_up=warm_up,
+        add_servicer=lambda engine, thread, server: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
             TargetWorkerService(engine, thread), server
         ),
-        [SERVICE_NAME],
-        host=config.address.host,
-        port=config.address.port,
+        service_name=SERVICE_NAME,
     )
-    try:
-        await serve_until_signalled(
-            running,
-            warmup=lambda: thread.run(warm_up, engine),
-            ready_file=config.address.ready_file,
-        )
-    finally:
-        thread.shutdown()
 
 
 def main(config: TargetWorkerConfig) -> None:

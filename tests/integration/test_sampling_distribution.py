@@ -1,0 +1,427 @@
+"""Speculative sampling leaves the target's distribution unchanged, end to
+end through the round loop (after vLLM's rejection-sampler convergence test).
+
+A tiny Llama with a 16-token vocabulary is the target. For each sampling
+setting and each verification mode, many seeded generations (seeds
+0 .. N-1, every seed an independent draw: all randomness is keyed by
+(seed, stream, position)) of 3 new tokens with K = 2 draft tokens run
+through ``coordinator.loop.generate`` with the in-process worker clients and
+the real target and draft engines. The empirical distribution of each of the
+first three generated tokens (the marginals at positions 1, 2, 3) is
+compared with the EXACT target-only distribution, computed by enumerating
+every prefix with the target model and ``outrider.sampling.probabilities``
+(the very logits processing the workers use): chi-square, cells with an
+expected count below 5 pooled, each check asserts p > 0.01 and prints its
+p-value. The seeds are fixed, so the checks are deterministic. Tokens the
+reference gives no mass (outside top-k / top-p / min-p) must never appear.
+
+Drafts: ``good`` (a copy of the target with a perturbed head: most drafts
+accepted, some rejected), ``bad`` (an unrelated model: most rejected), and
+``prompt-lookup`` (a deterministic point-mass draft; the prompt holds every
+token, so it always finds a continuation to propose). With 3 new tokens a
+round drafts at most 2 (the loop never drafts past max_new_tokens), so
+K = 2 is the largest K that matters here.
+
+Speed (the machine has two cores): the engines run their models through
+``TableLM``, the tiny Llamas' logits precomputed (one batched forward) for
+every sequence a 3-token generation can reach, served through the same
+``ModelRunner`` / ``DynamicCache`` interface (the cache holds one
+placeholder per token, so the runner's crops and rollbacks decide what the
+model sees, as with the real model). A separate check decodes with the real
+Hugging Face models and asserts identical tokens.
+Engine calls run inline on the event loop instead of on engine threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM
+
+import coordinator.loop as loop_module
+import target_worker.engine as target_engine_module
+from coordinator.loop import GenerationRequest, Models, generate
+from coordinator.workers import InProcessDraftClient, InProcessTargetClient, WorkerInfo
+from draft_worker.engine import DraftEngine, DraftInfo
+from outrider.drafters import ModelDrafter, PromptLookupDrafter
+from outrider.runner import ModelRunner
+from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
+from outrider.session import SessionStore
+from outrider.verify import Verdict
+from target_worker.engine import TargetEngine, TargetInfo
+from tests.tiny import build_tiny_llama
+
+VOCAB = 16
+TARGET_SEED, BAD_DRAFT_SEED, PERTURB_SEED = 11, 12, 13
+HIDDEN = 16  # small hidden size: flat enough distributions for the test to have power
+# Holds every token id, so prompt lookup always finds the last token earlier.
+PROMPT = (3, 7, 1, 12, 5, 0, 9, 14, 2, 11, 6, 15, 8, 4, 13, 10, 7, 3)
+NEW_TOKENS = 3
+K = 2
+# Seeded generations per configuration. (Gumbel coupling with a draft must
+# reproduce target-only Gumbel decoding seed for seed, which is checked
+# exactly, so those runs need fewer seeds.) Bounded by the test's time budget
+# on a two-core machine: about 3 ms per generation.
+N = 600
+N_GUMBEL_DRAFTED = 300
+ALPHA = 0.01  # every check asserts p > ALPHA (deterministic: the seeds are fixed)
+CONTROL_ALPHA = 1e-3  # negative controls assert p < CONTROL_ALPHA
+
+SETTINGS: dict[str, dict] = {
+    "T=1.0": dict(temperature=1.0),
+    "T=0.7,top_k=5": dict(temperature=0.7, top_k=5),
+    "T=1.3,top_p=0.8": dict(temperature=1.3, top_p=0.8),
+    "T=1.0,min_p=0.1": dict(temperature=1.0, min_p=0.1),
+}
+DRAFTED = [
+    ("rejection", "good"),
+    ("rejection", "bad"),
+    ("rejection", "prompt-lookup"),
+    ("gumbel", "good"),
+    ("gumbel", "bad"),
+]
+TARGET_ONLY = "none (K=0)"
+
+
+# --- the models ----------------------------------------------------------------
+
+
+class TableLM(torch.nn.Module):
+    """A causal LM whose logits are looked up: ``model``'s logits for every
+    prefix of ``prompt + s`` for all ``s`` of ``depth`` tokens, computed in one
+    batched forward pass. Called the way ``ModelRunner`` calls a Hugging Face
+    model. The cache's layer 0 holds one placeholder per token, so the
+    runner's crops and rollbacks decide what the model sees, as they do for
+    the real model."""
+
+    def __init__(self, model: torch.nn.Module, prompt: tuple[int, ...], depth: int) -> None:
+        super().__init__()
+        self.config = model.config
+        self._device_anchor = torch.nn.Parameter(torch.zeros(()), requires_grad=False)
+        vocab = model.config.vocab_size
+        seqs = torch.tensor([[*prompt, *s] for s in itertools.product(range(vocab), repeat=depth)])
+        with torch.inference_mode():
+            logits = model(input_ids=seqs).logits
+        self.table: dict[tuple[int, ...], torch.Tensor] = {}
+        for seq, rows in zip(seqs.tolist(), logits):
+            for i in range(len(seq)):
+                self.table.setdefault(tuple(seq[: i + 1]), rows[i].clone())
+
+    def forward(self, input_ids, past_key_values, use_cache=True, logits_to_keep=0, **_):
+        new = input_ids[0].tolist()
+        layer = past_key_values.layers[0]
+        past_len = layer.keys.shape[-2] if layer.is_initialized else 0
+        # The ids ride along on the cache object; its length (after the
+        # runner's crops) says how many of them are still cached.
+        seq = getattr(past_key_values, "table_ids", [])[:past_len] + new
+        past_key_values.table_ids = seq
+        slot = torch.zeros(1, 1, len(new), 1)
+        past_key_values.update(slot, slot, 0)
+        try:
+            rows = [self.table[tuple(seq[:i])] for i in range(past_len + 1, len(seq) + 1)]
+        except KeyError:
+            raise AssertionError(f"TableLM has no logits for {seq}: the test asked beyond its table") from None
+        if logits_to_keep == 1:
+            rows = rows[-1:]
+        return SimpleNamespace(logits=torch.stack(rows).unsqueeze(0))
+
+
+class Letters:
+    """The one tokenizer method the loop needs (stop strings are not used here)."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+class InlineThread:
+    """Stands in for ``EngineThread``: engine calls run inline on the event loop."""
+
+    async def run(self, fn, *args):
+        return fn(*args)
+
+    def submit(self, fn, *args):
+        fn(*args)
+
+
+class QuietLog:
+    def info(self, *args, **kwargs):
+        pass
+
+
+def load_llama(path: Path, seed: int) -> torch.nn.Module:
+    build_tiny_llama(path, vocab_size=VOCAB, seed=seed, hidden_size=HIDDEN)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+
+
+def store() -> SessionStore:
+    return SessionStore(max_sessions=8, max_cached_tokens=1 << 20)
+
+
+def target_client(model: torch.nn.Module) -> InProcessTargetClient:
+    info = TargetInfo(model_name="target", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
+    return InProcessTargetClient(TargetEngine(ModelRunner(model), store(), info), InlineThread())
+
+
+def draft_client(drafter) -> InProcessDraftClient:
+    info = DraftInfo(vocab_fingerprint="", max_context=512, max_draft_tokens=16)
+    return InProcessDraftClient(DraftEngine(drafter, store(), info), InlineThread())
+
+
+def exact_marginals(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:
+    """``[3, V]``: the exact distribution of each of the first three tokens of
+    target-only sampling, by enumerating every prefix (float64)."""
+    vocab = model.config.vocab_size
+    seqs = torch.tensor([[*PROMPT, a, b] for a, b in itertools.product(range(vocab), repeat=2)])
+    with torch.inference_mode():
+        logits = model(input_ids=seqs).logits  # [V*V, P+2, V]
+    n = len(PROMPT)
+    p1 = probabilities(logits[0, n - 1], params)  # after the prompt
+    p2 = probabilities(logits[::vocab, n], params)  # [a, V]: after prompt + a
+    p3 = probabilities(logits[:, n + 1], params).view(vocab, vocab, vocab)  # [a, b, V]
+    m2 = p1 @ p2
+    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    marginals = torch.stack([p1, m2, m3])
+    assert torch.allclose(marginals.sum(-1), torch.ones(3, dtype=torch.float64))
+    return marginals
+
+
+# --- the chi-square check -----------------------------------------------------------
+
+
+def chi_square_p(tokens: np.ndarray, probs: torch.Tensor) -> float:
+    """p-value of the observed ``tokens`` against ``probs`` (``[V]``); cells with
+    an expected count below 5 are pooled. Tokens without mass must not occur."""
+    probs = probs.numpy()
+    counts = np.bincount(tokens, minlength=len(probs)).astype(np.float64)
+    outside = np.flatnonzero((probs == 0) & (counts > 0))
+    assert outside.size == 0, f"tokens {outside.tolist()} have no mass in the reference but were sampled"
+    expected = probs * len(tokens)
+    big = expected >= 5
+    obs, exp = list(counts[big]), list(expected[big])
+    if (~big).any():
+        pooled_obs, pooled_exp = counts[~big].sum(), expected[~big].sum()
+        if pooled_exp < 5 and exp:  # still too small: merge it into the smallest big cell
+            i = int(np.argmin(exp))
+            obs[i] += pooled_obs
+            exp[i] += pooled_exp
+        else:
+            obs.append(pooled_obs)
+            exp.append(pooled_exp)
+    if len(obs) < 2:
+        return 1.0  # a point mass: nothing to test beyond the support check above
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+# --- the world: models, clients, exact references, samples -----------------------------
+
+
+@dataclass
+class World:
+    target_model: torch.nn.Module
+    good_model: torch.nn.Module
+    target: InProcessTargetClient
+    drafts: dict[str, InProcessDraftClient]
+    models: Models
+    references: dict[str, torch.Tensor] = field(default_factory=dict)
+    samples: dict[tuple[str, str, str, int], "Samples"] = field(default_factory=dict)
+
+    def reference(self, setting: str) -> torch.Tensor:
+        if setting not in self.references:
+            self.references[setting] = exact_marginals(self.target_model, SamplingParams(**SETTINGS[setting]))
+        return self.references[setting]
+
+
+@dataclass(frozen=True)
+class Samples:
+    tokens: np.ndarray  # [n, 3]: the generated tokens of seeds 0 .. n-1
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+
+P_VALUES: list[tuple[str, str, str, int, int, float, str]] = []
+
+
+def format_p(p: float) -> str:
+    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def report(mode: str, draft: str, setting: str, position: int, n: int, p: float, note: str = "") -> None:
+    P_VALUES.append((mode, draft, setting, position, n, p, note))
+    print(
+        f"[sampling-distribution] mode={mode:<9} draft={draft:<13} setting={setting:<16} "
+        f"position={position} n={n} p={format_p(p)}{'  ' + note if note else ''}",
+        flush=True,
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_quiet_loop():
+    # Tiny tensors: a thread pool only adds overhead; and one log line per
+    # generation would drown the p-values.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop_module, "log", QuietLog())
+        yield
+    torch.set_num_threads(threads)
+    if P_VALUES:
+        print("\n[sampling-distribution] summary (check: p > %g; negative controls: p < %g)" % (ALPHA, CONTROL_ALPHA))
+        print(f"  {'mode':<9} {'draft':<13} {'setting':<16} {'pos':>3} {'n':>5}  {'p':>8}")
+        for mode, draft, setting, position, n, p, note in P_VALUES:
+            print(f"  {mode:<9} {draft:<13} {setting:<16} {position:>3} {n:>5}  {format_p(p):>8}  {note}")
+        P_VALUES.clear()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("sampling-distribution")
+    target = load_llama(root / "target", TARGET_SEED)
+    bad = load_llama(root / "bad-draft", BAD_DRAFT_SEED)
+    good = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(PERTURB_SEED)
+    with torch.no_grad():
+        head = good.lm_head.weight
+        head.add_(0.15 * torch.randn(head.shape, generator=generator, dtype=head.dtype))
+    depth = NEW_TOKENS - 1  # the logits of prompt + up to 2 tokens are all a 3-token run reads
+    target_client_ = target_client(TableLM(target, PROMPT, depth))
+    drafts = {
+        "good": draft_client(ModelDrafter(ModelRunner(TableLM(good, PROMPT, depth)), model_name="good")),
+        "bad": draft_client(ModelDrafter(ModelRunner(TableLM(bad, PROMPT, depth)), model_name="bad")),
+        "prompt-lookup": draft_client(PromptLookupDrafter()),
+    }
+    info = WorkerInfo(model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
+    return World(target, good, target_client_, drafts, Models(Letters(), frozenset(), info))
+
+
+def request(setting: str, mode: str, seed: int, k: int) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=PROMPT,
+        max_new_tokens=NEW_TOKENS,
+        num_speculative_tokens=k,
+        ignore_eos=True,
+        sampling=SamplingParams(**SETTINGS[setting], seed=seed, verification=Verification(mode)),
+    )
+
+
+async def run_once(models, target, draft, req) -> tuple[list[int], object]:
+    deltas = [delta async for delta in generate(req, models, target, draft)]
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == NEW_TOKENS and deltas[-1].finish_reason == "length"
+    return tokens, deltas[-1].stats
+
+
+async def samples(world: World, mode: str, draft: str, setting: str, n: int = N) -> Samples:
+    """The generations of seeds 0 .. n-1 (memoised per module)."""
+    key = (mode, draft, setting, n)
+    if key not in world.samples:
+        draft_client_ = world.drafts.get(draft)
+        k = K if draft_client_ is not None else 0
+        out = np.empty((n, NEW_TOKENS), dtype=np.int64)
+        drafted = accepted = 0
+        for seed in range(n):
+            tokens, st = await run_once(world.models, world.target, draft_client_, request(setting, mode, seed, k))
+            out[seed] = tokens
+            drafted += st.draft_tokens
+            accepted += st.accepted_tokens
+        world.samples[key] = Samples(out, drafted, accepted)
+    return world.samples[key]
+
+
+def check(world: World, tokens: np.ndarray, mode: str, draft: str, setting: str, note: str = "") -> list[float]:
+    reference = world.reference(setting)
+    p_values = []
+    for position in range(NEW_TOKENS):
+        p = chi_square_p(tokens[:, position], reference[position])
+        report(mode, draft, setting, position + 1, len(tokens), p, note)
+        p_values.append(p)
+    return p_values
+
+
+# --- the checks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+async def test_target_only_matches_the_exact_distribution(world, mode, setting):
+    """K = 0 (no draft): the reference itself is right."""
+    result = await samples(world, mode, TARGET_ONLY, setting)
+    assert result.draft_tokens == 0
+    p_values = check(world, result.tokens, mode, TARGET_ONLY, setting)
+    assert min(p_values) > ALPHA, p_values
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize(("mode", "draft"), DRAFTED)
+async def test_speculative_sampling_matches_the_target_distribution(world, mode, draft, setting):
+    result = await samples(world, mode, draft, setting, N if mode == "rejection" else N_GUMBEL_DRAFTED)
+    acceptance = result.acceptance_rate
+    p_values = check(world, result.tokens, mode, draft, setting, note=f"(acceptance rate {acceptance:.3f})")
+    assert min(p_values) > ALPHA, p_values
+    # The drafts do what their names say, so the accept paths (accepted
+    # drafts, bonus tokens) and the reject paths (recovered tokens) all ran.
+    assert result.draft_tokens > 0
+    assert 0 < result.accepted_tokens < result.draft_tokens
+    if draft == "good":
+        assert acceptance > 0.5
+    elif draft == "bad":
+        assert acceptance < 0.5
+    if mode == "gumbel":
+        # Gumbel coupling: for a seed the output does not depend on the draft.
+        target_only = await samples(world, mode, TARGET_ONLY, setting)
+        assert np.array_equal(result.tokens, target_only.tokens[: len(result.tokens)])
+
+
+async def test_negative_control_a_wrong_temperature_is_detected(world):
+    """Power: the same samples against the reference at another temperature fail."""
+    tokens = (await samples(world, "rejection", "good", "T=1.0")).tokens
+    wrong = exact_marginals(world.target_model, SamplingParams(temperature=0.8))
+    p_values = [chi_square_p(tokens[:, i], wrong[i]) for i in range(NEW_TOKENS)]
+    for i, p in enumerate(p_values):
+        report("rejection", "good", "T=1.0 vs T=0.8", i + 1, len(tokens), p, f"negative control: expect p < {CONTROL_ALPHA:g}")
+    assert max(p_values) < CONTROL_ALPHA, p_values
+
+
+async def test_negative_control_a_broken_acceptance_rule_is_detected(world):
+    """Power: a verifier that accepts every draft token (no rejection test)
+    commits the draft's distribution, and the check catches it."""
+
+    def accept_everything(draft_tokens, draft_probs, target_logits, params, start_position):
+        k = len(draft_tokens)
+        bonus = probabilities(target_logits[k], params)
+        return Verdict(k, sample(bonus, uniform(params.seed, Stream.TARGET, start_position + k)))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(target_engine_module, "verify", accept_everything)
+        out = np.empty((N, NEW_TOKENS), dtype=np.int64)
+        for seed in range(N):
+            out[seed], _ = await run_once(
+                world.models, world.target, world.drafts["bad"], request("T=1.0", "rejection", seed, K)
+            )
+    p_values = check(world, out, "BROKEN", "bad", "T=1.0", note=f"negative control: expect p < {CONTROL_ALPHA:g}")
+    assert p_values[0] < CONTROL_ALPHA, p_values
+
+
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+async def test_table_models_decode_as_the_real_models(world, mode):
+    """The lookup models stand for the real tiny Llamas: the same seeds give
+    the same tokens with the Hugging Face models behind the engines."""
+    real_target = target_client(world.target_model)
+    real_good = draft_client(ModelDrafter(ModelRunner(world.good_model), model_name="good"))
+    for seed in range(12):
+        for setting in ("T=1.0", "T=1.3,top_p=0.8"):
+            req = request(setting, mode, seed, K)
+            table, _ = await run_once(world.models, world.target, world.drafts["good"], req)
+            real, _ = await run_once(world.models, real_target, real_good, req)
+            assert table == real, (seed, setting)
