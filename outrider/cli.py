@@ -272,7 +272,8 @@ def _demo(args: argparse.Namespace) -> int:
         return 1
     with stack, Client(stack.coordinator.address) as client:
         info = client.model_info()
-        print(f"target: {info.target_model}   drafter: {info.drafter} ({info.draft_model})   K={args.k}")
+        drafter = info.drafter if info.draft_model == info.drafter else f"{info.drafter} ({info.draft_model})"
+        print(f"target: {info.target_model}   drafter: {drafter}   K={args.k}")
         print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
         stats = None
         for chunk in client.stream(messages=[{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens):
