@@ -12,10 +12,12 @@ tokens itself and says so through the committed length of the next round).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from coordinator.policy import AdaptiveK, CostModel
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
@@ -34,6 +36,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    adaptive: bool = False
+    """Choose K per round (up to num_speculative_tokens)."""
     sampling: SamplingParams = SamplingParams()
     request_id: str = ""
 
@@ -58,6 +62,13 @@ class Stats:
     verification: str = "greedy"
     draft_probs_bytes: int = 0
     """Bytes of q relayed from draft to target (rejection mode)."""
+    adaptive: bool = False
+    overheads_s: list[float] = field(default_factory=list, repr=False)
+    """Per round: wall time outside the workers' compute (RPC + coordinator)."""
+
+    @property
+    def overhead_s_p50(self) -> float:
+        return statistics.median(self.overheads_s) if self.overheads_s else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -93,8 +104,10 @@ async def generate(
     models: Models,
     target: TargetClient,
     draft: DraftClient | None,
+    costs: CostModel | None = None,
 ) -> AsyncIterator[Delta]:
     started = time.perf_counter()
+    costs = costs if costs is not None else CostModel()
     history = list(request.prompt_ids)
     max_len = min(len(history) + request.max_new_tokens, models.target.max_context)
     k_max = request.num_speculative_tokens if draft is not None else 0
@@ -104,7 +117,9 @@ async def generate(
         num_speculative_tokens=k_max,
         seed=request.sampling.seed,
         verification=request.sampling.verification.value,
+        adaptive=request.adaptive and k_max > 0,
     )
+    policy = AdaptiveK(k_max, costs) if stats.adaptive else None
     stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else models.eos_token_ids)
     text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
 
@@ -126,7 +141,8 @@ async def generate(
         while finish_reason is None:
             round_started = time.perf_counter()
             # Never draft past the length limit: a round commits up to K + 1.
-            k = min(k_max, max_len - len(history) - 1)
+            room = max_len - len(history) - 1
+            k = policy.choose(room) if policy else min(k_max, room)
 
             # 2. Draft: sync the tokens committed since the last propose, then
             #    propose up to k tokens (with q, when the draft sampled them).
@@ -149,10 +165,21 @@ async def generate(
             stats.accepted_tokens += verdict.num_accepted
             for position in range(verdict.num_accepted):
                 stats.accepted_per_position[position] += 1
+            overhead_s = time.perf_counter() - round_started - draft_s - verdict.compute_s
             stats.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
             stats.draft_time_s += draft_s
             stats.verify_time_s += verdict.compute_s
-            stats.rpc_time_s += time.perf_counter() - round_started - draft_s - verdict.compute_s
+            stats.rpc_time_s += overhead_s
+            stats.overheads_s.append(overhead_s)
+            costs.observe(
+                num_drafts=len(draft_tokens),
+                draft_s=draft_s,
+                verify_s=verdict.compute_s,
+                overhead_s=overhead_s,
+                drafted=k > 0,
+            )
+            if policy:
+                policy.observe(len(draft_tokens), verdict.num_accepted)
 
             # 5. Stop conditions, token by token: nothing after a stop is emitted.
             new_text, new_ids = [], []

@@ -35,6 +35,7 @@ async def serve(config: CoordinatorConfig) -> None:
         default_k=config.num_speculative_tokens if draft else 0,
         max_k=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,
+        default_adaptive=config.adaptive and draft is not None,
     )
     try:
         # The coordinator serves once its target has described itself.

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from coordinator.loop import Delta, GenerationRequest, Models, Stats, generate
+from coordinator.policy import CostModel
 from coordinator.workers import DraftClient, TargetClient
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
@@ -29,6 +30,8 @@ class SpeculationPolicy:
     default_k: int
     max_k: int
     default_max_new_tokens: int
+    default_adaptive: bool = False
+    """Requests that leave K unset choose it per round (up to max_k)."""
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -47,14 +50,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.policy = policy
         self.draft_model = draft_model
         self.drafter = drafter
+        # Round costs are the deployment's: every session teaches adaptive K.
+        self.costs = CostModel()
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft):
+        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft, self.costs):
             yield delta_to_pb(delta)
 
     async def Complete(self, request: pb.GenerateRequest, context) -> pb.CompleteResponse:
         text, token_ids = [], []
-        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft):
+        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft, self.costs):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
         return pb.CompleteResponse(
@@ -75,6 +80,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             default_num_speculative_tokens=self.policy.default_k,
             max_num_speculative_tokens=self.policy.max_k,
             default_max_new_tokens=self.policy.default_max_new_tokens,
+            default_adaptive=self.policy.default_adaptive,
         )
 
     # --- from_pb -------------------------------------------------------------
@@ -114,13 +120,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
 
-        k = self.policy.default_k
-        if request.speculation.HasField("num_speculative_tokens"):
-            k = request.speculation.num_speculative_tokens
+        # A K the request sets wins; else adaptive (asked, or the server's
+        # default) drafts up to max_k; else the server's default K.
+        speculation = request.speculation
+        adaptive = False
+        if speculation.HasField("num_speculative_tokens"):
+            k = speculation.num_speculative_tokens
             if k > self.policy.max_k:
                 raise InvalidArgument(
                     f"num_speculative_tokens = {k} is above this server's maximum of {self.policy.max_k}"
                 )
+        elif speculation.adaptive or self.policy.default_adaptive:
+            k, adaptive = self.policy.max_k, True
+        else:
+            k = self.policy.default_k
         if self.draft is None:
             k = 0
 
@@ -146,6 +159,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             stop=tuple(sampling.stop),
             stop_token_ids=frozenset(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
+            adaptive=adaptive,
             sampling=sampling_params,
             request_id=request_id,
         )
@@ -212,6 +226,8 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         seed=stats.seed,
         verification=VERIFICATION_TO_PB[Verification(stats.verification)],
         draft_probs_bytes=stats.draft_probs_bytes,
+        adaptive=stats.adaptive,
+        overhead_s_p50=stats.overhead_s_p50,
     )
 
 

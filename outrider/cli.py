@@ -47,6 +47,19 @@ def _parse_bool(raw: str) -> bool:
     return raw.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _k_value(raw: str | int) -> int | str:
+    """A K: a non-negative integer, or "auto" (adaptive)."""
+    if str(raw).strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be a non-negative integer or 'auto', not {raw!r}") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"K must be non-negative, not {k}")
+    return k
+
+
 def _addresses(raw: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in raw.split(",") if a.strip())
 
@@ -84,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--drafter", choices=["model", "prompt-lookup", "early-exit"], help="drafter kind (default: prompt-lookup)")
         p.add_argument("--draft-layers", type=int, help="layers kept by the early-exit drafter")
         p.add_argument("--draft-dtype", default="float32", help="dtype of the draft model")
-        p.add_argument("--k", type=int, default=4, help="default draft tokens per round")
+        p.add_argument("--k", type=_k_value, default=4, help="default draft tokens per round, or 'auto' (adaptive)")
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
         p.add_argument("--log-level", default="warning", help="log level of the three services")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port (0: any free port)")
@@ -101,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add("--target", type=_addresses, help="target worker address(es), HOST:PORT[,HOST:PORT...] (required)")
     flags.add("--draft", type=_addresses, default=(), help="draft worker address(es); none: target-only decoding")
     flags.add("--tokenizer", help="tokenizer: embedded name, directory or hub id (default: the default model's)")
-    flags.add("--num-speculative-tokens", default=4, type=int, help="default draft tokens per round (K)")
+    flags.add(
+        "--num-speculative-tokens",
+        default=4,
+        type=_k_value,
+        help="default draft tokens per round (K), or 'auto': choose K per round from acceptance and costs",
+    )
     flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
     flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
     flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait for the target worker at start")
@@ -128,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}", help="coordinator HOST:PORT")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the target's chat template)")
     gen.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: the server's)")
-    gen.add_argument("--k", type=int, help="draft tokens per round (0: target only; default: the server's)")
+    gen.add_argument(
+        "--k", type=_k_value, help="draft tokens per round (0: target only; 'auto': adaptive; default: the server's)"
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -172,7 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
                 target=args.target,
                 draft=args.draft,
                 tokenizer=args.tokenizer,
-                num_speculative_tokens=args.num_speculative_tokens,
+                num_speculative_tokens=0 if args.num_speculative_tokens == "auto" else args.num_speculative_tokens,
+                adaptive=args.num_speculative_tokens == "auto",
                 max_num_speculative_tokens=args.max_num_speculative_tokens,
                 default_max_new_tokens=args.default_max_new_tokens,
                 worker_wait_s=args.worker_wait_s,
@@ -309,7 +330,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
     options = dict(
         max_new_tokens=args.max_new_tokens,
-        num_speculative_tokens=args.k,
+        num_speculative_tokens=None if args.k == "auto" else args.k,
+        adaptive=args.k == "auto",
         stop=args.stop,
         temperature=args.temperature,
         top_k=args.top_k,

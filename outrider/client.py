@@ -102,6 +102,10 @@ class GenerationStats:
     verification: str = "greedy"
     draft_probs_bytes: int = 0
     """Bytes of draft probabilities (q) sent to the target, over all rounds."""
+    adaptive: bool = False
+    """Whether K was chosen per round."""
+    overhead_s_p50: float = 0.0
+    """Median per-round time outside the workers' compute (RPC + coordinator)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
@@ -160,6 +164,8 @@ class ModelInfo:
     default_num_speculative_tokens: int
     max_num_speculative_tokens: int
     default_max_new_tokens: int
+    default_adaptive: bool = False
+    """Requests that leave K unset choose it per round."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
@@ -190,6 +196,7 @@ def _build_request(
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
     num_speculative_tokens: int | None,
+    adaptive: bool,
     temperature: float,
     top_k: int,
     top_p: float | None,
@@ -245,6 +252,7 @@ def _build_request(
     # The field has explicit presence: 0 means "no drafting", unset the server default.
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
+    request.speculation.adaptive = adaptive
     return request
 
 
@@ -340,6 +348,7 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        adaptive: bool = False,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -362,6 +371,9 @@ class Client:
             ignore_eos: Keep generating past the model's end-of-sequence tokens.
             num_speculative_tokens: Draft tokens per round (``None``: the
                 server default; ``0``: plain target decoding).
+            adaptive: Choose K each round from the running acceptance and
+                the measured costs (down to 0 when drafting does not pay);
+                a ``num_speculative_tokens`` that is given wins.
             temperature: ``0`` (the default) is greedy decoding.
             top_k: Keep the ``top_k`` most likely tokens (``0``: off).
             top_p: Nucleus sampling mass in ``(0, 1]`` (``None``: off).
@@ -387,6 +399,7 @@ class Client:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            adaptive=adaptive,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -408,6 +421,7 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        adaptive: bool = False,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -437,6 +451,7 @@ class Client:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            adaptive=adaptive,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -514,6 +529,7 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        adaptive: bool = False,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -533,6 +549,7 @@ class AsyncClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            adaptive=adaptive,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -556,6 +573,7 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
+        adaptive: bool = False,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -579,6 +597,7 @@ class AsyncClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
+            adaptive=adaptive,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

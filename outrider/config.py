@@ -90,6 +90,8 @@ class CoordinatorConfig:
     tokenizer: str | None = None
     """Tokenizer (model id or directory); None: the default model's."""
     num_speculative_tokens: int = 4
+    adaptive: bool = False
+    """Requests that leave K unset choose it per round (up to the maximum)."""
     max_num_speculative_tokens: int = 16
     default_max_new_tokens: int = 256
     worker_wait_s: float = 300.0

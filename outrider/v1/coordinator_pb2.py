@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1doutrider/v1/coordinator.proto\x12\x0boutrider.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.outrider.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcf\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x84\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12/\n\x0cverification\x18\x02 \x01(\x0e\x32\x19.outrider.v1.VerificationB\x19\n\x17_num_speculative_tokens\"\xfa\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.outrider.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.outrider.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.outrider.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1e.outrider.v1.SpeculationParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\xc9\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\t \x01(\x01\x12\x15\n\rverify_time_s\x18\n \x01(\x01\x12\x12\n\nrpc_time_s\x18\x0b \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x0c \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\r \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\r\x12\x0c\n\x04seed\x18\x0f \x01(\x04\x12/\n\x0cverification\x18\x10 \x01(\x0e\x32\x19.outrider.v1.Verification\x12\x19\n\x11\x64raft_probs_bytes\x18\x11 \x01(\x04\"\x92\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.outrider.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.outrider.v1.GenerationStats\"\x92\x01\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.outrider.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.outrider.v1.GenerationStats\"\x15\n\x13GetModelInfoRequest\"\xe3\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x06 \x01(\r\x12\"\n\x1amax_num_speculative_tokens\x18\x07 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x08 \x01(\r*z\n\x0cVerification\x12\x1c\n\x18VERIFICATION_UNSPECIFIED\x10\x00\x12\x17\n\x13VERIFICATION_GREEDY\x10\x01\x12\x1a\n\x16VERIFICATION_REJECTION\x10\x02\x12\x17\n\x13VERIFICATION_GUMBEL\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xeb\x01\n\x0b\x43oordinator\x12I\n\x08Generate\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.CompleteResponse\x12H\n\x0cGetModelInfo\x12 .outrider.v1.GetModelInfoRequest\x1a\x16.outrider.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1doutrider/v1/coordinator.proto\x12\x0boutrider.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.outrider.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcf\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x96\x01\n\x11SpeculationParams\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12/\n\x0cverification\x18\x02 \x01(\x0e\x32\x19.outrider.v1.Verification\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x42\x19\n\x17_num_speculative_tokens\"\xfa\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.outrider.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.outrider.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.outrider.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1e.outrider.v1.SpeculationParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\xf3\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\t \x01(\x01\x12\x15\n\rverify_time_s\x18\n \x01(\x01\x12\x12\n\nrpc_time_s\x18\x0b \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x0c \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\r \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x0e \x01(\r\x12\x0c\n\x04seed\x18\x0f \x01(\x04\x12/\n\x0cverification\x18\x10 \x01(\x0e\x32\x19.outrider.v1.Verification\x12\x19\n\x11\x64raft_probs_bytes\x18\x11 \x01(\x04\x12\x10\n\x08\x61\x64\x61ptive\x18\x12 \x01(\x08\x12\x16\n\x0eoverhead_s_p50\x18\x13 \x01(\x01\"\x92\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.outrider.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.outrider.v1.GenerationStats\"\x92\x01\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.outrider.v1.FinishReason\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.outrider.v1.GenerationStats\"\x15\n\x13GetModelInfoRequest\"\xfd\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x06 \x01(\r\x12\"\n\x1amax_num_speculative_tokens\x18\x07 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65\x66\x61ult_adaptive\x18\t \x01(\x08*z\n\x0cVerification\x12\x1c\n\x18VERIFICATION_UNSPECIFIED\x10\x00\x12\x17\n\x13VERIFICATION_GREEDY\x10\x01\x12\x1a\n\x16VERIFICATION_REJECTION\x10\x02\x12\x17\n\x13VERIFICATION_GUMBEL\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xeb\x01\n\x0b\x43oordinator\x12I\n\x08Generate\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.CompleteResponse\x12H\n\x0cGetModelInfo\x12 .outrider.v1.GetModelInfoRequest\x1a\x16.outrider.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'outrider.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFICATION']._serialized_start=1786
-  _globals['_VERIFICATION']._serialized_end=1908
-  _globals['_FINISHREASON']._serialized_start=1910
-  _globals['_FINISHREASON']._serialized_end=2005
+  _globals['_VERIFICATION']._serialized_start=1872
+  _globals['_VERIFICATION']._serialized_end=1994
+  _globals['_FINISHREASON']._serialized_start=1996
+  _globals['_FINISHREASON']._serialized_end=2091
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_CHATMESSAGES']._serialized_start=92
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=178
   _globals['_SAMPLINGPARAMS']._serialized_end=385
   _globals['_SPECULATIONPARAMS']._serialized_start=388
-  _globals['_SPECULATIONPARAMS']._serialized_end=520
-  _globals['_GENERATEREQUEST']._serialized_start=523
-  _globals['_GENERATEREQUEST']._serialized_end=773
-  _globals['_GENERATIONSTATS']._serialized_start=776
-  _globals['_GENERATIONSTATS']._serialized_end=1233
-  _globals['_GENERATERESPONSE']._serialized_start=1236
-  _globals['_GENERATERESPONSE']._serialized_end=1382
-  _globals['_COMPLETERESPONSE']._serialized_start=1385
-  _globals['_COMPLETERESPONSE']._serialized_end=1531
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1533
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1554
-  _globals['_MODELINFO']._serialized_start=1557
-  _globals['_MODELINFO']._serialized_end=1784
-  _globals['_COORDINATOR']._serialized_start=2008
-  _globals['_COORDINATOR']._serialized_end=2243
+  _globals['_SPECULATIONPARAMS']._serialized_end=538
+  _globals['_GENERATEREQUEST']._serialized_start=541
+  _globals['_GENERATEREQUEST']._serialized_end=791
+  _globals['_GENERATIONSTATS']._serialized_start=794
+  _globals['_GENERATIONSTATS']._serialized_end=1293
+  _globals['_GENERATERESPONSE']._serialized_start=1296
+  _globals['_GENERATERESPONSE']._serialized_end=1442
+  _globals['_COMPLETERESPONSE']._serialized_start=1445
+  _globals['_COMPLETERESPONSE']._serialized_end=1591
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1593
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1614
+  _globals['_MODELINFO']._serialized_start=1617
+  _globals['_MODELINFO']._serialized_end=1870
+  _globals['_COORDINATOR']._serialized_start=2094
+  _globals['_COORDINATOR']._serialized_end=2329
 # @@protoc_insertion_point(module_scope)

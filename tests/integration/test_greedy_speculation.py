@@ -240,3 +240,28 @@ async def test_chat_prompt_uses_the_chat_template(tiny_target_dir):
             raw = await client.generate(token_ids=list(ids), max_new_tokens=8, ignore_eos=True)
     assert chat.token_ids == raw.token_ids
     assert chat.stats.prompt_tokens == len(ids)
+
+
+async def test_adaptive_k_keeps_the_output_and_backs_off_a_useless_draft(
+    tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference
+):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address) as client:
+            # Teach the coordinator's cost model, then ask adaptively.
+            await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+            result = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, adaptive=True)
+    stats = result.stats
+    assert list(result.token_ids) == reference
+    assert stats.adaptive and stats.num_speculative_tokens == 16
+    # Almost nothing is accepted, so most rounds draft nothing.
+    assert stats.draft_tokens < stats.rounds * 2
+
+
+async def test_a_fixed_k_wins_over_adaptive(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=2, adaptive=True
+        )
+    assert list(result.token_ids) == reference
+    assert not result.stats.adaptive and result.stats.num_speculative_tokens == 2
+    assert result.stats.overhead_s_p50 > 0

@@ -507,6 +507,8 @@ def test_to_dict_is_json_serialisable() -> None:
             "seed": 0,
             "verification": "greedy",
             "draft_probs_bytes": 0,
+            "adaptive": False,
+            "overhead_s_p50": 0.0,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

@@ -1,0 +1,69 @@
+"""Adaptive K on hand-made costs, where the best K is known."""
+
+import pytest
+
+from coordinator.policy import AdaptiveK, CostModel, expected_tokens
+
+
+def costs(*, draft: float, verify: dict[int, float], overhead: float = 0.0) -> CostModel:
+    model = CostModel(decay=0.0)  # no smoothing: the last sample is the value
+    for k, seconds in verify.items():
+        model.observe(num_drafts=k, draft_s=draft * k, verify_s=seconds, overhead_s=overhead, drafted=k > 0)
+    return model
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_free_drafts_and_flat_verify_draft_the_maximum():
+    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.0}))
+    policy.accepted, policy.rejected = 9.0, 1.0
+    assert policy.choose(limit=100) == 8
+
+
+def test_hopeless_drafts_fall_back_to_target_only_and_probe():
+    policy = AdaptiveK(8, costs(draft=0.3, verify={0: 1.0, 4: 1.45, 8: 1.85}))
+    policy.accepted, policy.rejected = 0.0, 10.0
+    choices = [policy.choose(limit=100) for _ in range(16)]
+    assert choices.count(0) == 14 and choices.count(1) == 2  # a probe every 8th round
+
+
+def test_cpu_verify_costs_favour_a_middle_k():
+    # DESIGN §8: a verify pass of 5 tokens costs 1.45 steps, of 9 tokens 1.85.
+    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.45, 8: 1.85}))
+    policy.accepted, policy.rejected = 6.0, 4.0  # α = 0.6
+    k = policy.choose(limit=100)
+    assert 1 <= k <= 4
+    best = max(range(9), key=lambda k: expected_tokens(0.6, k) / policy.costs.round_cost(k))
+    assert k == best
+
+
+def test_the_room_left_caps_k():
+    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.0}))
+    policy.accepted, policy.rejected = 9.0, 1.0
+    assert policy.choose(limit=3) == 3
+    assert policy.choose(limit=0) == 0
+
+
+def test_without_measurements_it_drafts_to_learn():
+    assert AdaptiveK(6, CostModel()).choose(limit=100) == 6
+
+
+def test_acceptance_estimate_follows_the_rounds():
+    policy = AdaptiveK(4, CostModel())
+    for _ in range(20):
+        policy.observe(num_drafts=4, num_accepted=4)
+    assert policy.alpha > 0.95
+    for _ in range(20):
+        policy.observe(num_drafts=4, num_accepted=0)
+    assert policy.alpha < 0.1
+
+
+def test_verify_cost_extrapolates_linearly_and_never_decreases():
+    model = costs(draft=0.0, verify={0: 1.0, 4: 1.4})
+    assert model.verify_cost(8) == pytest.approx(1.8)
+    falling = costs(draft=0.0, verify={0: 1.0, 4: 0.9})
+    assert falling.verify_cost(8) >= falling.verify_cost(4)
