@@ -252,7 +252,8 @@ def _build_request(
     # The field has explicit presence: 0 means "no drafting", unset the server default.
     if num_speculative_tokens is not None:
         request.speculation.num_speculative_tokens = num_speculative_tokens
-    request.speculation.adaptive = adaptive
+    if adaptive:
+        request.speculation.adaptive = True
     return request
 
 
