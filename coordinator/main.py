@@ -12,7 +12,7 @@ from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
-from outrider.rpc import serve_until_signalled, start_server
+from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = get_logger(__name__)
@@ -64,4 +64,4 @@ async def serve(config: CoordinatorConfig) -> None:
 
 
 def main(config: CoordinatorConfig) -> None:
-    asyncio.run(serve(config))
+    run_service(serve(config))

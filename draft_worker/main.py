@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from draft_worker.engine import DraftEngine, DraftInfo
@@ -13,6 +11,7 @@ from outrider.config import DraftWorkerConfig
 from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
 from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
+from outrider.rpc import run_service
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
@@ -73,4 +72,4 @@ async def serve(config: DraftWorkerConfig) -> None:
 
 
 def main(config: DraftWorkerConfig) -> None:
-    asyncio.run(serve(config))
+    run_service(serve(config))

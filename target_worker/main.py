@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from outrider import models
 from outrider.config import TargetWorkerConfig
 from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
+from outrider.rpc import run_service
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
@@ -58,4 +57,4 @@ async def serve(config: TargetWorkerConfig) -> None:
 
 
 def main(config: TargetWorkerConfig) -> None:
-    asyncio.run(serve(config))
+    run_service(serve(config))
