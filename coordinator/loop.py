@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.policy import AdaptiveK, CostModel
+from coordinator.recovery import DraftLink, TargetLink
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
@@ -91,6 +92,16 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """How the loop rides out worker loss (``coordinator.recovery``)."""
+
+    draft_deadline_s: float = 5.0
+    """A draft answer later than this drops the round to K = 0."""
+    target_attempts: int = 6
+    """Opens of a target session (with back-off) before a request fails."""
+
+
+@dataclass(frozen=True)
 class Models:
     """What the loop needs to know about the served models."""
 
@@ -105,6 +116,7 @@ async def generate(
     target: TargetClient,
     draft: DraftClient | None,
     costs: CostModel | None = None,
+    recovery: Recovery = Recovery(),
 ) -> AsyncIterator[Delta]:
     started = time.perf_counter()
     costs = costs if costs is not None else CostModel()
@@ -124,18 +136,21 @@ async def generate(
     text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
 
     # 1. Open the sessions: each worker prefills the prompt.
-    target_session, compute_s = await target.open(
-        history, request_id=request.request_id, sampling=request.sampling
+    target_link = TargetLink(
+        target, request_id=request.request_id, sampling=request.sampling, attempts=recovery.target_attempts
     )
-    stats.verify_time_s += compute_s
-    draft_session = None
+    draft_link = None
+    stats.verify_time_s += await target_link.open(history)
     try:
         if k_max > 0:
-            draft_session, compute_s = await draft.open(
-                history, request_id=request.request_id, target=models.target, sampling=request.sampling
+            draft_link = DraftLink(
+                draft,
+                request_id=request.request_id,
+                target=models.target,
+                sampling=request.sampling,
+                deadline_s=recovery.draft_deadline_s,
             )
-            stats.draft_time_s += compute_s
-        draft_synced = len(history)
+            stats.draft_time_s += await draft_link.start(history)
 
         finish_reason = None
         while finish_reason is None:
@@ -146,17 +161,18 @@ async def generate(
 
             # 2. Draft: sync the tokens committed since the last propose, then
             #    propose up to k tokens (with q, when the draft sampled them).
+            #    A lost draft proposes nothing: the round is target-only.
             draft_tokens: list[int] = []
             draft_probs = []
             draft_s = 0.0
-            if k > 0:
-                proposal = await draft_session.propose(len(history), history[draft_synced:], k)
-                draft_synced = len(history)
+            proposal = await draft_link.propose(history, k) if k > 0 else None
+            if proposal is not None:
                 draft_tokens, draft_probs = proposal.draft_tokens[:k], proposal.draft_probs[:k]
                 draft_s = proposal.compute_s
 
             # 3. Verify all drafts in one target pass of len(drafts) + 1 positions.
-            verdict = await target_session.verify(len(history), draft_tokens, draft_probs)
+            verdict, reopen_s = await target_link.verify(history, draft_tokens, draft_probs)
+            stats.verify_time_s += reopen_s
 
             # 4. Commit the accepted drafts and the recovered/bonus token.
             committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
@@ -165,7 +181,7 @@ async def generate(
             stats.accepted_tokens += verdict.num_accepted
             for position in range(verdict.num_accepted):
                 stats.accepted_per_position[position] += 1
-            overhead_s = time.perf_counter() - round_started - draft_s - verdict.compute_s
+            overhead_s = time.perf_counter() - round_started - draft_s - verdict.compute_s - reopen_s
             stats.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
             stats.draft_time_s += draft_s
             stats.verify_time_s += verdict.compute_s
@@ -176,7 +192,7 @@ async def generate(
                 draft_s=draft_s,
                 verify_s=verdict.compute_s,
                 overhead_s=overhead_s,
-                drafted=k > 0,
+                drafted=proposal is not None,
             )
             if policy:
                 policy.observe(len(draft_tokens), verdict.num_accepted)
@@ -214,9 +230,9 @@ async def generate(
                 yield Delta("".join(new_text), new_ids, finish_reason, stats)
     finally:
         # 7. Close both sessions: the workers free their caches at once.
-        await target_session.close()
-        if draft_session is not None:
-            await draft_session.close()
+        await target_link.close()
+        if draft_link is not None:
+            await draft_link.close()
 
 
 def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,10 +97,17 @@ class _GrpcSession:
 
     role = "worker"
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, address: str, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        address: str,
+        release: Callable[[], None],
+        failed: Callable[[], None] = lambda: None,
+    ) -> None:
         self._call = call
         self.address = address
         self._release = release
+        self._failed = failed
 
     async def exchange(self, request):
         try:
@@ -110,7 +118,10 @@ class _GrpcSession:
             code, details = await self._call.code(), await self._call.details()
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details()
-        raise error_from_status(code, f"{self.role} worker {self.address}: {details}")
+        error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
+        if isinstance(error, Unavailable):
+            self._failed()
+        raise error
 
     async def close(self) -> None:
         if self._release is not None:
@@ -173,12 +184,19 @@ class _Replicas:
         ]
         self.stubs = [stub_class(ch) for ch in self._channels]
         self.load = [0] * len(self.addresses)
+        self.down_until = [0.0] * len(self.addresses)
         self._tiebreak = itertools.count()
 
     def pick(self) -> int:
+        """The replica to open a session on: one not recently failed, then
+        the least loaded, ties taken in turn."""
         turn = next(self._tiebreak)
         n = len(self.load)
-        return min(range(n), key=lambda i: (self.load[i], (i - turn) % n))
+        now = time.monotonic()
+        return min(range(n), key=lambda i: (self.down_until[i] > now, self.load[i], (i - turn) % n))
+
+    def failed(self, index: int, *, for_s: float = 5.0) -> None:
+        self.down_until[index] = time.monotonic() + for_s
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close() for ch in self._channels))
@@ -205,7 +223,7 @@ async def _open(replicas: _Replicas, session_class, request, *, request_id: str)
         replicas.load[index] -= 1
 
     call = replicas.stubs[index].Session(metadata=((REQUEST_ID_KEY, request_id),))
-    session = session_class(call, replicas.addresses[index], release)
+    session = session_class(call, replicas.addresses[index], release, lambda: replicas.failed(index))
     try:
         response = await session.exchange(request)
     except BaseException:
