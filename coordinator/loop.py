@@ -97,6 +97,8 @@ class Recovery:
 
     draft_deadline_s: float = 5.0
     """A draft answer later than this drops the round to K = 0."""
+    draft_backoff_s: float = 0.5
+    """First wait before a lost draft is reopened (doubling, up to 8 s)."""
     target_attempts: int = 6
     """Opens of a target session (with back-off) before a request fails."""
 
@@ -149,6 +151,7 @@ async def generate(
                 target=models.target,
                 sampling=request.sampling,
                 deadline_s=recovery.draft_deadline_s,
+                backoff_s=recovery.draft_backoff_s,
             )
             stats.draft_time_s += await draft_link.start(history)
 

@@ -7,7 +7,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from coordinator.loop import Delta, GenerationRequest, Models, Stats, generate
+from coordinator.loop import Delta, GenerationRequest, Models, Recovery, Stats, generate
 from coordinator.policy import CostModel
 from coordinator.workers import DraftClient, TargetClient
 from outrider.errors import InvalidArgument
@@ -43,6 +43,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         policy: SpeculationPolicy,
         draft_model: str = "",
         drafter: str = "",
+        recovery: Recovery = Recovery(),
     ) -> None:
         self.models = models
         self.target = target
@@ -50,16 +51,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.policy = policy
         self.draft_model = draft_model
         self.drafter = drafter
+        self.recovery = recovery
         # Round costs are the deployment's: every session teaches adaptive K.
         self.costs = CostModel()
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft, self.costs):
+        async for delta in generate(
+            self.request_from_pb(request), self.models, self.target, self.draft, self.costs, self.recovery
+        ):
             yield delta_to_pb(delta)
 
     async def Complete(self, request: pb.GenerateRequest, context) -> pb.CompleteResponse:
         text, token_ids = [], []
-        async for delta in generate(self.request_from_pb(request), self.models, self.target, self.draft, self.costs):
+        async for delta in generate(
+            self.request_from_pb(request), self.models, self.target, self.draft, self.costs, self.recovery
+        ):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
         return pb.CompleteResponse(

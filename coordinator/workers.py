@@ -115,9 +115,9 @@ class _GrpcSession:
             response = await self._call.read()
             if response is not grpc.aio.EOF:
                 return response
-            code, details = await self._call.code(), await self._call.details()
-        except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call has ended; its status says why
+        code, details = await self._call.code(), await self._call.details()
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
         if isinstance(error, Unavailable):
             self._failed()
@@ -168,6 +168,16 @@ class GrpcTargetSession(_GrpcSession):
         return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
 
 
+# A worker that comes back is found again within a second or two, not after
+# gRPC's default reconnect back-off of up to two minutes.
+WORKER_CHANNEL_OPTIONS = (
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
 class _Replicas:
     """Channels to one role's worker replicas; new sessions go to the replica
     with the fewest sessions opened by this coordinator."""
@@ -177,9 +187,9 @@ class _Replicas:
             raise ValueError("at least one worker address is needed")
         self.addresses = list(addresses)
         self._channels = [
-            grpc.aio.secure_channel(a, credentials, options=CHANNEL_OPTIONS)
+            grpc.aio.secure_channel(a, credentials, options=WORKER_CHANNEL_OPTIONS)
             if credentials
-            else grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+            else grpc.aio.insecure_channel(a, options=WORKER_CHANNEL_OPTIONS)
             for a in self.addresses
         ]
         self.stubs = [stub_class(ch) for ch in self._channels]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from coordinator.loop import Models
+from coordinator.loop import Models, Recovery
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
@@ -34,12 +34,16 @@ class Stack:
     address: str
     target: TargetEngine
     draft: DraftEngine | None
+    targets: list[TargetEngine]
+    target_servers: list[RunningServer]
+    draft_server: RunningServer | None
+    draft_thread: EngineThread | None = None
 
     async def sessions_left(self, timeout_s: float = 5.0) -> tuple[int, int]:
-        """Open sessions on (target, draft) once pending closes have run."""
+        """Open sessions on (all targets, draft) once pending closes have run."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            counts = (len(self.target.store), len(self.draft.store) if self.draft else 0)
+            counts = (sum(len(t.store) for t in self.targets), len(self.draft.store) if self.draft else 0)
             if counts == (0, 0) or asyncio.get_running_loop().time() > deadline:
                 return counts
             await asyncio.sleep(0.02)
@@ -55,24 +59,30 @@ async def running_stack(
     k: int = 4,
     eos_token_ids: Collection[int] | None = None,
     limits: WorkerLimits = WorkerLimits(),
+    target_replicas: int = 1,
+    recovery: Recovery = Recovery(),
 ) -> AsyncIterator[Stack]:
     servers: list[RunningServer] = []
     threads: list[EngineThread] = []
     clients = []
     try:
-        thread = EngineThread()
-        threads.append(thread)
         target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), dtype="float64", limits=limits)
-        target_engine = await thread.run(target_main.build_engine, target_config)
-        servers.append(
-            await start_server(
-                lambda s: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                    TargetWorkerService(target_engine, thread), s
-                ),
-                [target_main.SERVICE_NAME],
+        target_engines, target_servers = [], []
+        for _ in range(target_replicas):
+            thread = EngineThread()
+            threads.append(thread)
+            engine = await thread.run(target_main.build_engine, target_config)
+            target_engines.append(engine)
+            target_servers.append(
+                await start_server(
+                    lambda s, engine=engine, thread=thread: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                        TargetWorkerService(engine, thread), s
+                    ),
+                    [target_main.SERVICE_NAME],
+                )
             )
-        )
-        target = GrpcTargetClient([servers[-1].address])
+        servers.extend(target_servers)
+        target = GrpcTargetClient([server.address for server in target_servers])
         clients.append(target)
 
         draft_engine, draft = None, None
@@ -108,6 +118,7 @@ async def running_stack(
             target,
             draft,
             SpeculationPolicy(default_k=k, max_k=16, default_max_new_tokens=64),
+            recovery=recovery,
             draft_model=draft_info.model if draft else "",
             drafter=draft_info.drafter if draft else "",
         )
@@ -119,7 +130,15 @@ async def running_stack(
         )
         for server in servers:
             await server.set_serving(True)
-        yield Stack(servers[-1].address, target_engine, draft_engine)
+        yield Stack(
+            servers[-1].address,
+            target_engines[0],
+            draft_engine,
+            target_engines,
+            target_servers,
+            servers[target_replicas] if draft is not None else None,
+            threads[-1] if draft is not None else None,
+        )
     finally:
         for server in reversed(servers):
             await server.stop(None)
