@@ -67,6 +67,27 @@ class Stats:
     overheads_s: list[float] = field(default_factory=list, repr=False)
     """Per round: wall time outside the workers' compute (RPC + coordinator)."""
 
+    def record_round(
+        self,
+        draft_tokens: Sequence[int],
+        draft_probs: Sequence,
+        num_accepted: int,
+        *,
+        draft_s: float,
+        verify_s: float,
+        overhead_s: float,
+    ) -> None:
+        self.rounds += 1
+        self.draft_tokens += len(draft_tokens)
+        self.accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        self.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
+        self.draft_time_s += draft_s
+        self.verify_time_s += verify_s
+        self.rpc_time_s += overhead_s
+        self.overheads_s.append(overhead_s)
+
     @property
     def overhead_s_p50(self) -> float:
         return statistics.median(self.overheads_s) if self.overheads_s else 0.0
@@ -177,19 +198,14 @@ async def generate(
             verdict, reopen_s = await target_link.verify(history, draft_tokens, draft_probs)
             stats.verify_time_s += reopen_s
 
-            # 4. Commit the accepted drafts and the recovered/bonus token.
+            # 4. Commit the accepted drafts and the recovered/bonus token;
+            #    learn from the round.
             committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
-            stats.rounds += 1
-            stats.draft_tokens += len(draft_tokens)
-            stats.accepted_tokens += verdict.num_accepted
-            for position in range(verdict.num_accepted):
-                stats.accepted_per_position[position] += 1
             overhead_s = time.perf_counter() - round_started - draft_s - verdict.compute_s - reopen_s
-            stats.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
-            stats.draft_time_s += draft_s
-            stats.verify_time_s += verdict.compute_s
-            stats.rpc_time_s += overhead_s
-            stats.overheads_s.append(overhead_s)
+            stats.record_round(
+                draft_tokens, draft_probs, verdict.num_accepted,
+                draft_s=draft_s, verify_s=verdict.compute_s, overhead_s=overhead_s,
+            )
             costs.observe(
                 num_drafts=len(draft_tokens),
                 draft_s=draft_s,
