@@ -11,7 +11,6 @@ import structlog
 
 get_logger = structlog.get_logger
 bind_contextvars = structlog.contextvars.bind_contextvars
-bound_contextvars = structlog.contextvars.bound_contextvars
 get_contextvars = structlog.contextvars.get_contextvars
 
 

@@ -23,8 +23,7 @@ session rebuilds it by prefilling the history the coordinator sends.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +71,6 @@ class Session:
     """The model's cache; None for model-free drafters."""
     sampling: SamplingParams = SamplingParams()
     """How this session turns logits into tokens (the same on both workers)."""
-    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def committed_len(self) -> int:
@@ -94,9 +92,6 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
-
-    def __iter__(self) -> Iterator[Session]:
-        return iter(list(self._sessions.values()))
 
     @property
     def cached_tokens(self) -> int:
@@ -124,11 +119,9 @@ class SessionStore:
 
     def get(self, session_id: str) -> Session:
         try:
-            session = self._sessions[session_id]
+            return self._sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id!r} on this worker") from None
-        session.last_used = time.monotonic()
-        return session
 
     def reserve(self, session: Session, cached_len: int) -> None:
         """Raises ResourceExhausted unless ``session`` may grow its cache to
@@ -150,7 +143,3 @@ class SessionStore:
         if session is not None and session.kv is not None:
             session.kv.crop(0)
             session.kv = None
-
-    def clear(self) -> None:
-        for session_id in list(self._sessions):
-            self.close(session_id)
