@@ -29,8 +29,9 @@ def load_generation_config(spec: str | None) -> GenerationConfig | None:
 async def serve(config: CoordinatorConfig) -> None:
     tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
     generation_config = await asyncio.to_thread(load_generation_config, config.tokenizer)
-    target = GrpcTargetClient(config.target)
-    draft = GrpcDraftClient(config.draft) if config.draft else None
+    worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
+    target = GrpcTargetClient(config.target, credentials=worker_credentials)
+    draft = GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None
     policy = SpeculationPolicy(
         default_k=config.num_speculative_tokens if draft else 0,
         max_k=config.max_num_speculative_tokens,
@@ -55,6 +56,8 @@ async def serve(config: CoordinatorConfig) -> None:
             [SERVICE_NAME],
             host=config.address.host,
             port=config.address.port,
+            credentials=config.address.tls.credentials() if config.address.tls else None,
+            tokens=config.auth_tokens,
         )
         await serve_until_signalled(running, ready_file=config.address.ready_file)
     finally:

@@ -69,6 +69,9 @@ def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
     flags.add("--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)")
     flags.add("--ready-file", type=Path, help="write the bound port to this file once SERVING")
     flags.add("--log-level", default="info", help="debug, info, warning or error")
+    flags.add("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
+    flags.add("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
+    flags.add("--tls-client-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)")
 
 
 def _add_worker_flags(flags: _EnvFlags) -> None:
@@ -123,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
     flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
     flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait for the target worker at start")
+    flags.add("--worker-tls-ca", type=Path, help="reach the workers over TLS, trusting this CA (PEM)")
+    flags.add("--worker-tls-cert", type=Path, help="client certificate to present to workers that require one")
+    flags.add("--worker-tls-key", type=Path, help="private key of --worker-tls-cert")
+    flags.add("--auth-tokens-file", type=Path, help="require a bearer token from this file (one per line)")
 
     target = roles.add_parser("target", help="the target model: verifies K drafts in one forward pass")
     flags = _EnvFlags(target)
@@ -162,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids, finish reason and stats")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
+    gen.add_argument("--tls-ca", type=Path, help="connect over TLS, trusting this CA (PEM)")
+    gen.add_argument("--token-file", type=Path, help="send the bearer token in this file")
+
 
     # models
     models = commands.add_parser("models", help="the embedded default model")
@@ -182,8 +192,15 @@ def _serve(args: argparse.Namespace) -> int:
     from outrider import config as cfg
     from outrider.logging import configure_logging
 
-    address = cfg.ServiceAddress(host=args.host, port=args.port, ready_file=args.ready_file)
+    from outrider import security
+
     try:
+        address = cfg.ServiceAddress(
+            host=args.host,
+            port=args.port,
+            ready_file=args.ready_file,
+            tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
+        )
         if args.role == "coordinator":
             if not args.target:
                 raise ValueError("--target HOST:PORT is required (or OUTRIDER_TARGET)")
@@ -197,6 +214,10 @@ def _serve(args: argparse.Namespace) -> int:
                 max_num_speculative_tokens=args.max_num_speculative_tokens,
                 default_max_new_tokens=args.default_max_new_tokens,
                 worker_wait_s=args.worker_wait_s,
+                worker_tls=security.ClientTls(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+                if args.worker_tls_ca or args.worker_tls_cert
+                else None,
+                auth_tokens=security.load_tokens(args.auth_tokens_file) if args.auth_tokens_file else frozenset(),
             )
             from coordinator.main import main as run
         else:
@@ -222,7 +243,7 @@ def _serve(args: argparse.Namespace) -> int:
                     max_ngram=args.max_ngram,
                 )
                 from draft_worker.main import main as run
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level)
@@ -341,8 +362,10 @@ def _generate(args: argparse.Namespace) -> int:
         verification=args.verification,
         timeout=args.timeout,
     )
+    credentials = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
+    token = args.token_file.read_text().strip() if args.token_file else None
     try:
-        with Client(args.address) as client:
+        with Client(args.address, credentials=credentials, token=token) as client:
             if args.json:
                 result = client.generate(**prompt, **options)
                 print(json.dumps({**result.to_dict(), "seed": result.stats.seed}))

@@ -318,6 +318,7 @@ class Client:
             ``None`` opens an insecure channel.
         timeout: Default deadline of each call, in seconds (``None``: none).
         options: gRPC channel options, e.g. ``[("grpc.max_receive_message_length", -1)]``.
+        token: Bearer token, for a coordinator started with ``--auth-tokens-file``.
 
     The channel connects lazily, on the first call. Close the client (or use
     it as a context manager) to release it.
@@ -330,6 +331,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
     ) -> None:
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=list(options))
@@ -337,6 +339,8 @@ class Client:
             self._channel = grpc.secure_channel(address, credentials, options=list(options))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
+        # Sent with every call when the coordinator requires a bearer token.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def generate(
         self,
@@ -409,7 +413,8 @@ class Client:
             verification=verification,
             request_id=request_id,
         )
-        return _generation_from_pb(self._stub.Complete(request, timeout=self._deadline(timeout)))
+        response = self._stub.Complete(request, metadata=self._metadata, timeout=self._deadline(timeout))
+        return _generation_from_pb(response)
 
     def stream(
         self,
@@ -466,7 +471,7 @@ class Client:
     def _stream(
         self, request: pb.GenerateRequest, timeout: float | None
     ) -> Generator[Chunk, None, None]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
         try:
             for response in call:
                 yield _chunk_from_pb(response)
@@ -480,7 +485,9 @@ class Client:
             grpc.RpcError: The call failed; see ``.code()``.
         """
         return _model_info_from_pb(
-            self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout))
+            self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), metadata=self._metadata, timeout=self._deadline(timeout)
+            )
         )
 
     def close(self) -> None:
@@ -511,6 +518,7 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
     ) -> None:
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=list(options))
@@ -518,6 +526,8 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(address, credentials, options=list(options))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
+        # Sent with every call when the coordinator requires a bearer token.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def generate(
         self,
@@ -560,7 +570,7 @@ class AsyncClient:
             request_id=request_id,
         )
         return _generation_from_pb(
-            await self._stub.Complete(request, timeout=self._deadline(timeout))
+            await self._stub.Complete(request, metadata=self._metadata, timeout=self._deadline(timeout))
         )
 
     def stream(
@@ -612,7 +622,7 @@ class AsyncClient:
     async def _stream(
         self, request: pb.GenerateRequest, timeout: float | None
     ) -> AsyncGenerator[Chunk, None]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
         try:
             async for response in call:
                 yield _chunk_from_pb(response)
@@ -623,7 +633,7 @@ class AsyncClient:
         """Describes the served models and the speculation defaults."""
         return _model_info_from_pb(
             await self._stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=self._deadline(timeout)
+                pb.GetModelInfoRequest(), metadata=self._metadata, timeout=self._deadline(timeout)
             )
         )
 

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from outrider.security import ClientTls, ServerTls
+
 DRAFTERS = ("model", "prompt-lookup", "early-exit")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -39,6 +41,8 @@ class ServiceAddress:
     port: int = 0
     ready_file: Path | None = None
     """Where to write the bound port once the service is SERVING."""
+    tls: ServerTls | None = None
+    """None: plaintext."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ class CoordinatorConfig:
     default_max_new_tokens: int = 256
     worker_wait_s: float = 300.0
     """How long to wait for a target worker at start-up."""
+    worker_tls: ClientTls | None = None
+    """How to reach TLS workers; None: plaintext."""
+    auth_tokens: frozenset[str] = frozenset()
+    """Bearer tokens clients must present; empty: no authentication."""
 
     def __post_init__(self) -> None:
         if not self.target:

@@ -69,6 +69,7 @@ async def serve_worker(
             [service_name],
             host=address.host,
             port=address.port,
+            credentials=address.tls.credentials() if address.tls else None,
         )
         await serve_until_signalled(
             running, warmup=lambda: thread.run(warm_up, engine), ready_file=address.ready_file

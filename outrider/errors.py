@@ -29,3 +29,7 @@ class FailedPrecondition(OutriderError):
 
 class Unavailable(OutriderError):
     """A worker the request needs cannot be reached."""
+
+
+class Unauthenticated(OutriderError):
+    """The call carries no valid credentials for this service."""

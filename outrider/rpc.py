@@ -5,6 +5,7 @@ health (SERVING only after warm-up), reflection, and start/stop."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,7 +29,11 @@ STATUS_OF: dict[type[errors.OutriderError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
+
+# Probes and tools reach these without a token.
+PUBLIC_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -57,7 +62,24 @@ def error_from_status(code: grpc.StatusCode, message: str) -> errors.OutriderErr
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Binds the call's request id into structlog, turns a domain error into
     its status code, and any other exception into INTERNAL without leaking a
-    stack trace to the client (it is logged instead)."""
+    stack trace to the client (it is logged instead). With ``tokens``, every
+    call but health and reflection needs ``authorization: Bearer <token>``
+    (compared in constant time), else UNAUTHENTICATED."""
+
+    def __init__(self, tokens: frozenset[str] = frozenset()) -> None:
+        self._tokens = tuple(token.encode() for token in tokens)
+
+    def _authorize(self, metadata: dict, method: str) -> None:
+        if not self._tokens or method.startswith(PUBLIC_SERVICES):
+            return
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        presented = token.strip().encode()
+        # Compare against every token, so timing says nothing about which matched.
+        matches = [hmac.compare_digest(presented, known) for known in self._tokens]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise errors.Unauthenticated(
+                "this service needs a bearer token: send metadata 'authorization: Bearer <token>'"
+            )
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -78,6 +100,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def wrapped(request, context):
                 bind_contextvars(request_id=request_id)
                 try:
+                    self._authorize(metadata, method)
                     return await behavior(request, context)
                 except Exception as exc:
                     if _is_abort(exc):
@@ -90,6 +113,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def wrapped(request, context):
                 bind_contextvars(request_id=request_id)
                 try:
+                    self._authorize(metadata, method)
                     async for response in behavior(request, context):
                         yield response
                 except Exception as exc:
@@ -162,9 +186,12 @@ async def start_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    credentials: grpc.ServerCredentials | None = None,
+    tokens: frozenset[str] = frozenset(),
 ) -> RunningServer:
-    """Starts a service that reports NOT_SERVING until ``set_serving(True)``."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=list(CHANNEL_OPTIONS))
+    """Starts a service that reports NOT_SERVING until ``set_serving(True)``;
+    TLS when ``credentials`` is given, bearer tokens required when ``tokens`` is."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(tokens)], options=list(CHANNEL_OPTIONS))
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -172,7 +199,8 @@ async def start_server(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()

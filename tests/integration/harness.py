@@ -21,6 +21,7 @@ from draft_worker.service import DraftWorkerService
 from outrider.config import DraftWorkerConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
 from outrider.engine_thread import EngineThread
 from outrider.rpc import RunningServer, start_server
+from outrider.security import ClientTls, ServerTls
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from target_worker import main as target_main
 from target_worker.engine import TargetEngine
@@ -61,7 +62,12 @@ async def running_stack(
     limits: WorkerLimits = WorkerLimits(),
     target_replicas: int = 1,
     recovery: Recovery = Recovery(),
+    worker_tls: tuple[ServerTls, ClientTls] | None = None,
+    coordinator_tls: ServerTls | None = None,
+    tokens: frozenset[str] = frozenset(),
 ) -> AsyncIterator[Stack]:
+    worker_credentials = worker_tls[0].credentials() if worker_tls else None
+    worker_client_credentials = worker_tls[1].credentials() if worker_tls else None
     servers: list[RunningServer] = []
     threads: list[EngineThread] = []
     clients = []
@@ -79,10 +85,13 @@ async def running_stack(
                         TargetWorkerService(engine, thread), s
                     ),
                     [target_main.SERVICE_NAME],
+                    credentials=worker_credentials,
                 )
             )
         servers.extend(target_servers)
-        target = GrpcTargetClient([server.address for server in target_servers])
+        target = GrpcTargetClient(
+            [server.address for server in target_servers], credentials=worker_client_credentials
+        )
         clients.append(target)
 
         draft_engine, draft = None, None
@@ -104,9 +113,10 @@ async def running_stack(
                         DraftWorkerService(draft_engine, draft_thread), s
                     ),
                     [draft_main.SERVICE_NAME],
+                    credentials=worker_credentials,
                 )
             )
-            draft = GrpcDraftClient([servers[-1].address])
+            draft = GrpcDraftClient([servers[-1].address], credentials=worker_client_credentials)
             clients.append(draft)
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -126,6 +136,8 @@ async def running_stack(
             await start_server(
                 lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
                 ["outrider.v1.Coordinator"],
+                credentials=coordinator_tls.credentials() if coordinator_tls else None,
+                tokens=tokens,
             )
         )
         for server in servers:
