@@ -5,6 +5,7 @@
   outrider serve ROLE  run one service (coordinator, draft or target)
   outrider generate    send a prompt to a coordinator
   outrider models      fetch the embedded default model, print its path
+  outrider bench       Outrider vs Hugging Face generate and assisted generation, in one run
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", type=Path, help="connect over TLS, trusting this CA (PEM)")
     gen.add_argument("--token-file", type=Path, help="send the bearer token in this file")
 
+    # bench
+    _add_bench_parser(commands)
 
     # models
     models = commands.add_parser("models", help="the embedded default model")
@@ -406,9 +409,61 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- outrider bench ------------------------------------------------------------------
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark Outrider against Hugging Face generate and assisted generation, in one run",
+        description=(
+            "Runs a prompt set through every configuration in one run, interleaved (for each prompt, "
+            "every configuration in turn): plain Hugging Face generate (hf-generate, the baseline), "
+            "Outrider target-only (outrider-k0), Outrider with each drafter and K and with adaptive K, "
+            "and Hugging Face assisted generation on the same models. Greedy decoding; outputs are "
+            "checked to be identical. Reports tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance "
+            "rate, mean acceptance length, accepted per position, the per-round time split and the "
+            "analytic bound E·t_target/T of DESIGN §5, per configuration and per prompt category. "
+            "Starts its own services (one target worker, one draft worker and coordinator per drafter)."
+        ),
+    )
+    bench.add_argument(
+        "--prompts", action="append", metavar="FILE",
+        help="JSONL prompt file, rows with `turns` (the first is used) or `prompt`, and optionally "
+        "`category` (else the file stem); each is sent as one user chat message (repeatable; "
+        "default: ../shared/data/mt_bench/question.jsonl next to the repository)",
+    )  # fmt: skip
+    bench.add_argument("--limit", type=int, help="prompts per file, spread evenly over the file (default: all)")
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    bench.add_argument("--k", default="4", metavar="LIST", help="fixed K values, comma-separated (default: 4); K=0 always runs")
+    bench.add_argument(
+        "--drafters", default="prompt-lookup,bf16", metavar="LIST",
+        help="drafters, comma-separated: prompt-lookup, bf16 (the target itself in bfloat16), "
+        "early-exit-L (the target's first L layers; no HF peer) (default: prompt-lookup,bf16)",
+    )  # fmt: skip
+    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face configurations (speedup is then vs outrider-k0)")
+    bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K configurations")
+    bench.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
+    bench.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+        help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
+    )  # fmt: skip
+    bench.add_argument("--threads", type=int, help="torch threads of this process and of each worker (default: all cores)")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON (one object with a `configs` list)")
+    bench.add_argument("--plot", type=Path, metavar="FILE.png", help="plot speedup and acceptance by configuration and category (needs matplotlib: outrider[bench])")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bench.add_argument("--log-level", default="warning", help="log level of the services (default: warning)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from outrider import bench
+
+    return bench.main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "up": _up, "demo": _demo, "generate": _generate, "models": _models}
+    handlers = {"serve": _serve, "up": _up, "demo": _demo, "generate": _generate, "models": _models, "bench": _bench}
     return handlers[args.command](args)
 
 

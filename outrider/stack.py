@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,19 +43,25 @@ class Stack:
 
     workdir: Path
     services: list[Service] = field(default_factory=list)
+    coordinators: dict[str | None, Service] = field(default_factory=dict)
+    """Coordinators by drafter label (``start_shared_target_stack``; None: no draft worker)."""
 
     @property
     def coordinator(self) -> Service:
         return next(s for s in self.services if s.name == "coordinator")
 
-    def start(self, name: str, args: Sequence[str], *, port: int = 0, timeout_s: float) -> Service:
-        ready_file = self.workdir / f"{name}.port"
+    def start(
+        self, name: str, args: Sequence[str], *, port: int = 0, timeout_s: float, label: str | None = None
+    ) -> Service:
+        """Starts ``outrider serve NAME``; ``label`` names the service when several share a role."""
+        label = label or name
+        ready_file = self.workdir / f"{label}.port"
         command = [
             sys.executable, "-m", "outrider", "serve", name,
             "--port", str(port), "--ready-file", str(ready_file), *args,
         ]
         process = subprocess.Popen(command, start_new_session=True)
-        service = Service(name, process, ready_file)
+        service = Service(label, process, ready_file)
         self.services.append(service)
         self._wait_ready(service, timeout_s)
         return service
@@ -112,6 +118,40 @@ def start_stack(
             draft = stack.start("draft", draft_args, timeout_s=timeout_s)
             coordinator += ["--draft", draft.address]
         stack.start("coordinator", [*coordinator, *coordinator_args], port=coordinator_port, timeout_s=timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def start_shared_target_stack(
+    *,
+    target_args: Sequence[str] = (),
+    drafts: Mapping[str, Sequence[str]],
+    coordinator_args: Sequence[str] = (),
+    timeout_s: float = 300.0,
+) -> Stack:
+    """One target worker shared by one draft worker + coordinator pair per drafter (``outrider bench``).
+
+    ``drafts`` maps a drafter label to its draft worker's flags; the pair's
+    coordinator is ``stack.coordinators[label]``. With no drafts, one
+    coordinator without a draft worker is ``stack.coordinators[None]``.
+    """
+    stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-")))
+    try:
+        target = stack.start("target", target_args, timeout_s=timeout_s)
+        if not drafts:
+            stack.coordinators[None] = stack.start(
+                "coordinator", ["--target", target.address, *coordinator_args], timeout_s=timeout_s
+            )
+        for label, draft_args in drafts.items():
+            draft = stack.start("draft", draft_args, timeout_s=timeout_s, label=f"draft-{label}")
+            stack.coordinators[label] = stack.start(
+                "coordinator",
+                ["--target", target.address, "--draft", draft.address, *coordinator_args],
+                timeout_s=timeout_s,
+                label=f"coordinator-{label}",
+            )
     except BaseException:
         stack.stop()
         raise

@@ -1,0 +1,323 @@
+"""`outrider bench`'s pure parts: prompt loading, aggregation, the analytic bound,
+Hugging Face round counting and the report's shape, on hand-made numbers."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from outrider import bench
+from outrider.bench import (
+    Config,
+    Measurement,
+    Prompt,
+    aggregate,
+    analytic_bound,
+    build_report,
+    expected_tokens_per_round,
+    load_prompts,
+    rounds_from_forward_calls,
+)
+
+# --- prompts -----------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_mt_bench_rows_use_their_first_turn_and_category(tmp_path):
+    path = write_jsonl(
+        tmp_path / "question.jsonl",
+        [
+            {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+            {"question_id": 101, "category": "reasoning", "turns": ["Why?"]},
+        ],
+    )
+    prompts = load_prompts(path)
+    assert [p.text for p in prompts] == ["Write a poem.", "Why?"]
+    assert [p.category for p in prompts] == ["writing", "reasoning"]
+    assert prompts[0].id == "question:81"
+
+
+def test_prompt_rows_without_category_take_the_file_stem(tmp_path):
+    path = write_jsonl(
+        tmp_path / "HumanEval_prompts.jsonl",
+        [{"task_id": "HumanEval/0", "prompt": "def f():\n"}, {"prompt": "x", "category": "code"}],
+    )
+    prompts = load_prompts(path)
+    assert [p.category for p in prompts] == ["humaneval", "code"]
+    assert prompts[0].text == "def f():\n"
+    assert prompts[0].id == "HumanEval_prompts:HumanEval/0"
+
+
+@pytest.mark.parametrize(
+    ("stem", "category"),
+    [("HumanEval_prompts", "humaneval"), ("my-questions", "my"), ("summaries", "summaries"), ("prompts", "prompts")],
+)
+def test_category_of_file(stem, category):
+    assert bench.category_of_file(Path(f"{stem}.jsonl")) == category
+
+
+def test_limit_spreads_over_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": str(i)} for i in range(80)])
+    assert [p.text for p in load_prompts(path, limit=4)] == ["0", "20", "40", "60"]
+    assert len(load_prompts(path, limit=500)) == 80
+
+
+def test_a_row_without_turns_or_prompt_is_refused_with_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"text": "no"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2: a row needs `turns`"):
+        load_prompts(path)
+
+
+# --- flags ---------------------------------------------------------------------------
+
+
+def test_k_list_and_drafters_parse():
+    assert bench.parse_k_list("8,4,4") == [4, 8]
+    with pytest.raises(ValueError):
+        bench.parse_k_list("0")
+    with pytest.raises(ValueError):
+        bench.parse_k_list("four")
+    assert bench.parse_drafter("bf16", target_model="/m").draft_args == (
+        "--drafter", "model", "--dtype", "bfloat16", "--model", "/m",
+    )  # fmt: skip
+    assert bench.parse_drafter("early-exit-8", target_model=None).hf_peer is None
+    with pytest.raises(ValueError, match="unknown drafter"):
+        bench.parse_drafter("medusa", target_model=None)
+
+
+def test_bench_has_help_naming_every_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "outrider", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    for flag in (
+        "--prompts", "--limit", "--max-new-tokens", "--k", "--drafters", "--no-hf", "--no-adaptive",
+        "--json", "--plot", "--threads", "--target-model", "--dtype",
+    ):  # fmt: skip
+        assert flag in out.stdout
+
+
+def test_missing_prompt_file_is_a_clear_error(capsys):
+    from outrider.cli import main
+
+    assert main(["bench", "--prompts", "/nonexistent.jsonl"]) == 1
+    assert "--prompts /nonexistent.jsonl: no such file" in capsys.readouterr().err
+
+
+# --- Hugging Face round counting -----------------------------------------------------
+
+
+def test_rounds_of_plain_generate_verify_nothing():
+    # Prompt of 26: prefill, then one token per call; 4 tokens generated.
+    calls = [(26, 0), (1, 26), (1, 27), (1, 28)]
+    assert rounds_from_forward_calls(calls, 26, 30) == (0, 0, ())
+
+
+def test_rounds_of_assisted_generation():
+    # Recorded from transformers 5.23 with an assistant that agrees on everything:
+    # 4 drafts + bonus, 4 drafts + bonus, then 1 draft + bonus = 12 tokens.
+    calls = [(30, 0), (5, 30), (2, 35)]
+    assert rounds_from_forward_calls(calls, 26, 38) == (9, 9, (3, 2, 2, 2))
+
+
+def test_rounds_of_prompt_lookup_with_rejections():
+    # Round 1: 4 drafts, none accepted (commits 1). Round 2: 3 drafts, 2 accepted
+    # (commits 3). Round 3: no draft (commits 1).
+    calls = [(14, 0), (4, 10), (1, 13)]
+    assert rounds_from_forward_calls(calls, 10, 15) == (7, 2, (1, 1))
+
+
+# --- aggregation and the bound -----------------------------------------------------
+
+
+def m(tokens: int, wall: float, rounds: int, drafted: int = 0, accepted: int = 0, per_position=(), **times) -> Measurement:
+    return Measurement(
+        token_ids=tuple(range(tokens)), prompt_tokens=10, wall_s=wall, rounds=rounds,
+        draft_tokens=drafted, accepted_tokens=accepted, accepted_per_position=tuple(per_position), **times,
+    )  # fmt: skip
+
+
+def test_aggregate_sums_and_pads_the_histograms():
+    a = m(10, 1.0, 4, 8, 6, (3, 2, 1), draft_time_s=0.1, verify_time_s=0.5, rpc_time_s=0.01, overhead_s=0.001)
+    b = m(30, 2.0, 10, 40, 20, (8, 6, 4, 2), draft_time_s=0.2, verify_time_s=1.0, rpc_time_s=0.02, overhead_s=0.003)
+    c = m(20, 1.0, 5, 20, 15, (5, 5, 3, 2), draft_time_s=0.1, verify_time_s=0.5, rpc_time_s=0.01, overhead_s=0.002)
+    t = aggregate([a, b, c])
+    assert (t.generated_tokens, t.rounds, t.draft_tokens, t.accepted_tokens) == (60, 19, 68, 41)
+    assert t.accepted_per_position == (16, 13, 8, 4)
+    assert t.tokens_per_s == pytest.approx(15.0)
+    assert t.acceptance_rate == pytest.approx(41 / 68)
+    assert t.mean_acceptance_length == pytest.approx((41 + 19) / 19)
+    assert t.overhead_s_p50 == pytest.approx(0.002)
+    assert t.verify_time_s == pytest.approx(2.0)
+
+
+def test_aggregate_without_time_split_has_none():
+    t = aggregate([m(10, 1.0, 10)])
+    assert t.draft_time_s is None and t.overhead_s_p50 is None
+    assert t.acceptance_rate is None  # nothing drafted
+    assert t.mean_acceptance_length == 1.0
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "expected"),
+    [(1.0, 4, 5.0), (0.0, 4, 1.0), (0.5, 2, 1.75), (0.8, 4, (1 - 0.8**5) / 0.2), (0.3, 0, 1.0), (1.0, 2.5, 3.5)],
+)
+def test_expected_tokens_per_round(alpha, k, expected):
+    assert expected_tokens_per_round(alpha, k) == pytest.approx(expected)
+
+
+def test_bound_on_hand_made_numbers():
+    # outrider-k0: 100 rounds, 8 s of verify -> t_target = 80 ms.
+    k0 = aggregate([m(100, 9.0, 100, verify_time_s=8.0, draft_time_s=0.0, rpc_time_s=0.1)])
+    # 50 rounds, K=4 drafted in full (200 drafts), α = 0.5, draft 2 ms a token,
+    # verify 120 ms a round, rpc 1 ms a round.
+    spec = aggregate(
+        [m(150, 7.0, 50, 200, 100, draft_time_s=0.4, verify_time_s=6.0, rpc_time_s=0.05)]
+    )
+    bound = analytic_bound(spec, k0)
+    e = (1 - 0.5**5) / 0.5  # 1.9375
+    t = 4 * 0.002 + 0.120 + 0.001  # 0.129
+    assert bound.expected_tokens_per_round == pytest.approx(e)
+    assert bound.round_time_s == pytest.approx(t)
+    assert bound.speedup == pytest.approx(e * 0.080 / t)
+
+
+def test_bound_uses_the_mean_drafts_per_round():
+    # Prompt lookup proposed 2 tokens a round on average, all accepted: E = 3.
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    spec = aggregate([m(30, 1.0, 10, 20, 20, draft_time_s=0.0, verify_time_s=1.5, rpc_time_s=0.0)])
+    bound = analytic_bound(spec, k0)
+    assert bound.mean_draft_tokens == 2.0
+    assert bound.speedup == pytest.approx(3 * 0.1 / 0.15)
+
+
+def test_no_bound_without_time_split():
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    assert analytic_bound(aggregate([m(10, 1.0, 10)]), k0) is None
+
+
+def test_interleaved_order_rotates():
+    configs = [Config(n, "hf", lambda p, k: None) for n in "abc"]
+    assert [c.name for c in bench.interleaved_order(configs, 0)] == ["a", "b", "c"]
+    assert [c.name for c in bench.interleaved_order(configs, 4)] == ["b", "c", "a"]
+
+
+def approx4(value: float):
+    """The report rounds to 4 decimals."""
+    return pytest.approx(value, abs=1e-4)
+
+
+# --- the report -----------------------------------------------------------------------
+
+
+def make_report() -> dict:
+    prompts = [Prompt("q:1", "writing", "a"), Prompt("q:2", "humaneval", "b")]
+    t = dict(draft_time_s=0.0, verify_time_s=0.8, rpc_time_s=0.01, overhead_s=0.0004)
+    configs = [
+        Config("hf-generate", "hf", None, k=0),
+        Config("outrider-k0", "outrider", None, k=0),
+        Config("outrider-prompt-lookup-k4", "outrider", None, "prompt-lookup", 4),
+        Config("hf-assisted-prompt-lookup-k4", "hf", None, "prompt-lookup", 4),
+    ]
+    same = m(10, 1.0, 10)
+    results = {
+        "hf-generate": [same, m(10, 2.0, 10)],
+        "outrider-k0": [m(10, 1.0, 10, **t), m(10, 2.0, 10, **t)],
+        "outrider-prompt-lookup-k4": [
+            m(10, 0.5, 4, 16, 6, (3, 2, 1), **t),
+            # A different output on the second prompt.
+            Measurement((0, 1, 2, 99), 10, 1.0, 2, 4, 2, (1, 1), 0.001, 0.2, 0.002, 0.0005),
+        ],
+        "hf-assisted-prompt-lookup-k4": [m(10, 0.8, 5, 12, 5), m(10, 1.5, 5, 12, 5)],
+    }
+    return build_report(configs, prompts, results, {"title": "test"})
+
+
+def test_report_has_every_config_with_the_required_keys():
+    report = make_report()
+    names = [c["name"] for c in report["configs"]]
+    assert names == ["hf-generate", "outrider-k0", "outrider-prompt-lookup-k4", "hf-assisted-prompt-lookup-k4"]
+    for config in report["configs"]:
+        assert set(bench.REQUIRED_CONFIG_KEYS) <= config.keys()
+        assert set(config["by_category"]) == {"writing", "humaneval"}
+    json.dumps(report)  # serialisable
+
+
+def test_report_numbers():
+    report = make_report()
+    rows = {c["name"]: c for c in report["configs"]}
+    assert rows["hf-generate"]["tokens_per_s"] == approx4(20 / 3)
+    assert rows["hf-generate"]["speedup"] == 1.0
+    assert rows["outrider-prompt-lookup-k4"]["tokens_per_s"] == approx4(14 / 1.5)
+    assert rows["outrider-prompt-lookup-k4"]["speedup"] == pytest.approx(round(14 / 1.5 / (20 / 3), 4))
+    assert rows["outrider-prompt-lookup-k4"]["accepted_per_position"] == [4, 3, 1]
+    assert rows["outrider-prompt-lookup-k4"]["bound_speedup"] is not None
+    assert rows["outrider-k0"]["overhead_ms_per_round"] == approx4(0.4)
+    assert rows["hf-generate"]["bound_speedup"] is None
+    assert rows["hf-generate"]["overhead_ms_per_round"] is None
+    assert rows["hf-assisted-prompt-lookup-k4"]["acceptance_rate"] == approx4(10 / 24)
+    writing = rows["outrider-prompt-lookup-k4"]["by_category"]["writing"]
+    assert writing["tokens_per_s"] == approx4(20.0) and writing["speedup"] == approx4(2.0)
+
+
+def test_report_flags_mismatches_against_hf_generate():
+    report = make_report()
+    assert report["mismatch_reference"] == "hf-generate"
+    assert report["mismatches"] == [
+        {
+            "config": "outrider-prompt-lookup-k4", "prompt": "q:2", "first_difference_at": 3,
+            "tokens": 4, "reference_tokens": 10, "prompt_tokens": 10, "reference_prompt_tokens": 10,
+        }
+    ]  # fmt: skip
+    rows = {c["name"]: c for c in report["configs"]}
+    assert rows["outrider-prompt-lookup-k4"]["mismatches"] == 1
+    assert rows["outrider-k0"]["mismatches"] == 0
+
+
+def test_headline_compares_best_outrider_with_best_hf_assisted():
+    h = make_report()["headline"]
+    assert h["best_outrider"] == "outrider-prompt-lookup-k4"
+    assert h["best_hf_assisted"] == "hf-assisted-prompt-lookup-k4"
+    assert h["best_outrider_over_best_hf_assisted"] == pytest.approx(round((14 / 1.5) / (20 / 2.3), 4))
+    assert h["outrider_k0_over_hf_generate"] == 1.0
+    assert h["outrider_k0_within_5pct_of_hf_generate"] is True
+
+
+def test_without_hf_speedup_is_against_outrider_k0():
+    prompts = [Prompt("q:1", "writing", "a")]
+    configs = [Config("outrider-k0", "outrider", None, k=0)]
+    report = build_report(configs, prompts, {"outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]})
+    assert report["baseline"] == "outrider-k0"
+    assert report["configs"][0]["speedup"] == 1.0
+
+
+def test_render_prints_tables_and_the_headline():
+    buffer = io.StringIO()
+    bench.render(make_report(), buffer)
+    text = buffer.getvalue()
+    assert "outrider-prompt-lookup-k4" in text and "humaneval" in text
+    assert "MISMATCH" in text
+    assert "speedup = tokens/s ÷ tokens/s of hf-generate" in text
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match=r"outrider\[bench\]"):
+        bench.plot(make_report(), tmp_path / "x.png")
+
+
+def test_a_failing_run_names_the_configuration_and_the_prompt():
+    def run(prompt, max_new_tokens):
+        raise ValueError("the prompt is too long")
+
+    with pytest.raises(RuntimeError, match=r"outrider-k0 failed on q:1: the prompt is too long"):
+        bench.run_interleaved([Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False)
