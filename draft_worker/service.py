@@ -5,27 +5,14 @@ from __future__ import annotations
 import time
 
 from draft_worker.engine import DraftEngine
-from outrider.engine_thread import EngineThread
-from outrider.session_stream import session_stream
+from outrider.session_stream import SessionServicer
 from outrider.wire import probs_to_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
 
-class DraftWorkerService(worker_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, engine: DraftEngine, thread: EngineThread) -> None:
-        self.engine = engine
-        self.thread = thread
-
-    async def Session(self, request_iterator, context):
-        async for response in session_stream(
-            request_iterator,
-            thread=self.thread,
-            on_open=self._open,
-            on_round=self._round,
-            close=self.engine.close,
-        ):
-            yield response
+class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
+    engine: DraftEngine
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
         start = time.perf_counter()

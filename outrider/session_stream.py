@@ -54,3 +54,22 @@ async def session_stream(
         # Queued behind any forward pass still running for this session.
         thread.submit(close, session_id)
         log.debug("session closed")
+
+
+class SessionServicer:
+    """The ``Session`` RPC of a worker servicer: each subclass provides the
+    engine (with ``close``) and the translations ``_open`` and ``_round``."""
+
+    def __init__(self, engine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    async def Session(self, request_iterator, context):
+        async for response in session_stream(
+            request_iterator,
+            thread=self.thread,
+            on_open=self._open,
+            on_round=self._round,
+            close=self.engine.close,
+        ):
+            yield response

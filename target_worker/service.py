@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import time
 
-from outrider.engine_thread import EngineThread
-from outrider.session_stream import session_stream
+from outrider.session_stream import SessionServicer
 from outrider.wire import probs_from_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from target_worker.engine import TargetEngine
 
 
-class TargetWorkerService(worker_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, engine: TargetEngine, thread: EngineThread) -> None:
-        self.engine = engine
-        self.thread = thread
-
-    async def Session(self, request_iterator, context):
-        async for response in session_stream(
-            request_iterator,
-            thread=self.thread,
-            on_open=self._open,
-            on_round=self._round,
-            close=self.engine.close,
-        ):
-            yield response
+class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer):
+    engine: TargetEngine
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
         start = time.perf_counter()
