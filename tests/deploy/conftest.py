@@ -1,0 +1,90 @@
+"""Fixtures of the deployment tests: helm (installed on first use by
+scripts/install_tools.py, the same code `make tools` runs) and the chart
+rendered with the default and the full-featured values."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "outrider"
+FULL_VALUES = CHART / "ci" / "full-values.yaml"
+RELEASE, NAMESPACE = "demo", "inference"
+
+
+def _load_install_tools():
+    spec = importlib.util.spec_from_file_location("install_tools", ROOT / "scripts" / "install_tools.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+install_tools = _load_install_tools()
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    try:
+        return install_tools.ensure_helm()
+    except (install_tools.ToolError, OSError, subprocess.SubprocessError) as exc:
+        pytest.fail(f"helm is needed by the chart tests and could not be installed: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def python_tool() -> Callable[[str], Path]:
+    def find(name: str) -> Path:
+        try:
+            return install_tools.python_tool(name)
+        except install_tools.ToolError as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+    return find
+
+
+Render = Callable[..., list[dict]]
+
+
+@pytest.fixture(scope="session")
+def render(helm) -> Render:
+    """``render(*values_files, set=[...])`` -> the rendered objects; raises
+    CalledProcessError (with helm's stderr) when rendering fails."""
+
+    def run(*values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
+        command = [str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+        for path in values:
+            command += ["--values", str(path)]
+        for item in sets:
+            command += ["--set", item]
+        result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60)
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def default_objects(render) -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="session")
+def full_objects(render) -> list[dict]:
+    return render(FULL_VALUES)
+
+
+@pytest.fixture(params=["default", "full"])
+def objects(request, default_objects, full_objects) -> list[dict]:
+    return default_objects if request.param == "default" else full_objects
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def component(objects: list[dict], kind: str, name: str) -> dict:
+    return by_kind(objects, kind)[f"{RELEASE}-outrider-{name}"]

@@ -1,0 +1,67 @@
+"""The container image: hadolint-clean, non-root, no build tools in the final
+stage, one entrypoint for the three services. (No Docker daemon here: the
+build itself is not run by the tests.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.deploy.conftest import ROOT
+
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+
+
+def stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuation lines joined), one list per stage."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    instructions = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    result: list[list[str]] = []
+    for instruction in instructions:
+        if instruction.startswith("FROM "):
+            result.append([])
+        if result:
+            result[-1].append(instruction)
+    return result
+
+
+def test_hadolint_passes(python_tool):
+    result = subprocess.run(
+        [str(python_tool("hadolint")), "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_final_stage_runs_outrider_as_a_numeric_non_root_user():
+    final = stages()[-1]
+    (user,) = [i for i in final if i.startswith("USER ")]
+    uid, _, gid = user.split()[1].partition(":")
+    assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0
+    assert 'ENTRYPOINT ["outrider"]' in final
+    assert 'CMD ["serve", "coordinator"]' in final
+    assert not any(i.startswith("HEALTHCHECK") for i in final)  # Kubernetes probes instead
+
+
+def test_the_final_stage_installs_nothing_and_copies_only_the_venv():
+    builder, final = stages()
+    assert not any(re.search(r"\b(apt-get|pip|gcc|make)\b", i) for i in final if i.startswith("RUN "))
+    copies = [i for i in final if i.startswith("COPY ")]
+    assert copies == ["COPY --from=builder /opt/outrider /opt/outrider"]
+    # torch is pinned and comes from the CPU index unless a build argument says otherwise
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in builder
+    assert any('"torch==${TORCH_VERSION}"' in i for i in builder)
+
+
+def test_the_image_holds_every_python_package_of_the_project():
+    """The builder copies each package pyproject.toml installs, and
+    .dockerignore lets each through."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {m.group(1) for i in stages()[0] if (m := re.match(r"COPY (\w+) \./\1$", i))}
+    assert copied == packages
+    allowed = set((ROOT / ".dockerignore").read_text().split())
+    assert {f"!{p}/" for p in packages} | {"!pyproject.toml", "!README.md"} <= allowed
