@@ -50,6 +50,8 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0
+    num_drafts: int = 0
+    """Rounds that verified at least one draft token (vLLM's drafts)."""
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -78,6 +80,7 @@ class Stats:
         overhead_s: float,
     ) -> None:
         self.rounds += 1
+        self.num_drafts += bool(draft_tokens)
         self.draft_tokens += len(draft_tokens)
         self.accepted_tokens += num_accepted
         for position in range(num_accepted):
@@ -158,24 +161,25 @@ async def generate(
     stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else models.eos_token_ids)
     text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
 
-    # 1. Open the sessions: each worker prefills the prompt.
+    # 1. Open the target session: it prefills the prompt. The draft session
+    #    opens at the first round that drafts.
     target_link = TargetLink(
         target, request_id=request.request_id, sampling=request.sampling, attempts=recovery.target_attempts
     )
-    draft_link = None
+    draft_link = (
+        DraftLink(
+            draft,
+            request_id=request.request_id,
+            target=models.target,
+            sampling=request.sampling,
+            deadline_s=recovery.draft_deadline_s,
+            backoff_s=recovery.draft_backoff_s,
+        )
+        if k_max > 0
+        else None
+    )
     stats.verify_time_s += await target_link.open(history)
     try:
-        if k_max > 0:
-            draft_link = DraftLink(
-                draft,
-                request_id=request.request_id,
-                target=models.target,
-                sampling=request.sampling,
-                deadline_s=recovery.draft_deadline_s,
-                backoff_s=recovery.draft_backoff_s,
-            )
-            stats.draft_time_s += await draft_link.start(history)
-
         finish_reason = None
         while finish_reason is None:
             round_started = time.perf_counter()

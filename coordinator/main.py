@@ -6,12 +6,13 @@ import asyncio
 
 from transformers import GenerationConfig
 
-from coordinator.loop import Models, eos_token_ids
+from coordinator.loop import Models, Recovery, eos_token_ids
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
+from outrider.metrics import CoordinatorMetrics, MetricsEndpoint, RpcMetrics, serving_metrics
 from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -26,7 +27,7 @@ def load_generation_config(spec: str | None) -> GenerationConfig | None:
         return None
 
 
-async def serve(config: CoordinatorConfig) -> None:
+async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = None) -> None:
     tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
     generation_config = await asyncio.to_thread(load_generation_config, config.tokenizer)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
@@ -39,7 +40,11 @@ async def serve(config: CoordinatorConfig) -> None:
         default_adaptive=config.adaptive and draft is not None,
     )
     try:
-        # The coordinator serves once its target has described itself.
+        # The coordinator serves once its target has described itself
+        # (with k8s:// addresses: once a discovered endpoint is ready).
+        await target.start()
+        if draft:
+            await draft.start()
         target_info = await target.info(config.worker_wait_s)
         draft_info = await draft.info(config.worker_wait_s) if draft else None
         service = CoordinatorService(
@@ -49,6 +54,14 @@ async def serve(config: CoordinatorConfig) -> None:
             policy,
             draft_model=draft_info.model if draft_info else "",
             drafter=draft_info.drafter if draft_info else "",
+            recovery=Recovery(draft_deadline_s=config.draft_deadline_s),
+            metrics=CoordinatorMetrics(
+                metrics.registry,
+                model_name=target_info.model,
+                max_num_speculative_tokens=policy.max_k if draft else 0,
+            )
+            if metrics
+            else None,
         )
         log.info("workers ready", target=target_info.model, draft=draft_info.model if draft_info else None)
         running = await start_server(
@@ -58,8 +71,11 @@ async def serve(config: CoordinatorConfig) -> None:
             port=config.address.port,
             credentials=config.address.tls.credentials() if config.address.tls else None,
             tokens=config.auth_tokens,
+            metrics=RpcMetrics(metrics.registry) if metrics else None,
         )
-        await serve_until_signalled(running, ready_file=config.address.ready_file)
+        await serve_until_signalled(
+            running, ready_file=config.address.ready_file, grace_s=config.address.shutdown_grace_s
+        )
     finally:
         await target.close()
         if draft:
@@ -67,4 +83,5 @@ async def serve(config: CoordinatorConfig) -> None:
 
 
 def main(config: CoordinatorConfig) -> None:
-    run_service(serve(config))
+    with serving_metrics(config.address) as metrics:
+        run_service(serve(config, metrics))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from coordinator.workers import DraftClient, Proposal, TargetClient, VerifyResult, WorkerInfo
 from outrider.errors import OutriderError, ResourceExhausted, Unavailable
@@ -53,49 +54,68 @@ class DraftLink:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.session = None
+        self.opening: asyncio.Task | None = None
+        """An open still running after its round's deadline (a slow prefill, a frozen draft)."""
+        self.opened = False
         self.synced = 0
         self.failures = 0
         self.retry_at = 0.0
 
-    async def start(self, history: Sequence[int]) -> float:
-        """Opens the first session. A refusal of the request (a bad argument,
-        a vocabulary mismatch) propagates; a draft that is down, slow or full
-        only means K = 0 for now."""
-        try:
-            return await asyncio.wait_for(self._open(history), self.open_deadline_s)
-        except (Unavailable, ResourceExhausted, TimeoutError) as exc:
-            self._lost(exc)
-            return 0.0
-
-    async def _open(self, history: Sequence[int]) -> float:
-        self.session, compute_s = await self.client.open(
-            history, request_id=self.request_id, target=self.target, sampling=self.sampling
-        )
-        self.synced = len(history)
-        return compute_s
-
     async def propose(self, history: list[int], k: int) -> Proposal | None:
-        """Syncs and proposes; None when the draft is lost (draft nothing)."""
+        """Syncs and proposes; None when the draft is lost (draft nothing).
+
+        The session opens at the first round that drafts, prefilled with the
+        history, so a generation whose rounds never draft (adaptive K at 0)
+        never costs the draft worker anything. A refusal of that first open
+        (a bad argument, a vocabulary mismatch) reaches the client; a draft
+        that is down, slow or full only means K = 0 for now. An open waits no
+        longer than a round: past the deadline it goes on in the background
+        while the rounds go on at K = 0, so a frozen draft never stalls the
+        stream for more than one deadline."""
+        open_s = 0.0
         if self.session is None:
-            if time.monotonic() < self.retry_at:
+            started_here = self.opening is None
+            if started_here:
+                if time.monotonic() < self.retry_at:
+                    return None
+                # A copy: the history grows while an open runs in the background.
+                self.opening = asyncio.ensure_future(asyncio.wait_for(self._open(list(history)), self.open_deadline_s))
+                await asyncio.wait({self.opening}, timeout=self.deadline_s)
+            if not self.opening.done():
                 return None
+            opening, self.opening = self.opening, None
             try:
-                await asyncio.wait_for(self._open(history), self.open_deadline_s)
-            except (OutriderError, TimeoutError) as exc:
+                prefill_s = opening.result()
+            except (Unavailable, ResourceExhausted, TimeoutError) as exc:
                 self._lost(exc)
                 return None
-            log.info("draft session reopened", committed_len=len(history))
+            except OutriderError as exc:
+                if not self.opened:
+                    raise
+                self._lost(exc)
+                return None
+            if self.failures:
+                log.info("draft session reopened", committed_len=self.synced)
+            if started_here:  # else the prefill overlapped earlier rounds
+                open_s = prefill_s
         try:
-            proposal = await asyncio.wait_for(
-                self.session.propose(len(history), history[self.synced :], k), self.deadline_s
-            )
+            async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
+                proposal = await self.session.propose(len(history), history[self.synced :], k)
         except (OutriderError, TimeoutError) as exc:
             await self.close()
             self._lost(exc)
             return None
         self.synced = len(history)
         self.failures = 0
-        return proposal
+        return replace(proposal, compute_s=open_s + proposal.compute_s) if open_s else proposal
+
+    async def _open(self, history: Sequence[int]) -> float:
+        self.session, compute_s = await self.client.open(
+            history, request_id=self.request_id, target=self.target, sampling=self.sampling
+        )
+        self.opened = True
+        self.synced = len(history)
+        return compute_s
 
     def _lost(self, exc: BaseException) -> None:
         self.failures += 1
@@ -105,6 +125,10 @@ class DraftLink:
         log.warning("draft lost: continuing at K=0", error=reason, retry_in_s=delay)
 
     async def close(self) -> None:
+        opening, self.opening = self.opening, None
+        if opening is not None:
+            opening.cancel()  # an open cut short closes its stream itself
+            await asyncio.gather(opening, return_exceptions=True)
         session, self.session = self.session, None
         if session is not None:
             await session.close()

@@ -4,7 +4,9 @@ run the round loop, translate its deltas back."""
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from coordinator.loop import Delta, GenerationRequest, Models, Recovery, Stats, generate
@@ -12,7 +14,9 @@ from coordinator.policy import CostModel
 from coordinator.workers import DraftClient, TargetClient
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
+from outrider.metrics import CoordinatorMetrics
 from outrider.sampling import SamplingParams, Verification
+from outrider.validation import check_request_id
 from outrider.wire import VERIFICATION_TO_PB, verification_from_pb
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
@@ -44,6 +48,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         draft_model: str = "",
         drafter: str = "",
         recovery: Recovery = Recovery(),
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.models = models
         self.target = target
@@ -52,20 +57,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.draft_model = draft_model
         self.drafter = drafter
         self.recovery = recovery
+        self.metrics = metrics
         # Round costs are the deployment's: every session teaches adaptive K.
         self.costs = CostModel()
 
-    async def Generate(self, request: pb.GenerateRequest, context):
-        async for delta in generate(
+    def deltas(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
+        """Runs the round loop on a request (recorded in the metrics, if any)."""
+        received = time.perf_counter()
+        deltas = generate(
             self.request_from_pb(request), self.models, self.target, self.draft, self.costs, self.recovery
-        ):
+        )
+        return self.metrics.track(deltas, received) if self.metrics else deltas
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        async for delta in self.deltas(request):
             yield delta_to_pb(delta)
 
     async def Complete(self, request: pb.GenerateRequest, context) -> pb.CompleteResponse:
         text, token_ids = [], []
-        async for delta in generate(
-            self.request_from_pb(request), self.models, self.target, self.draft, self.costs, self.recovery
-        ):
+        async for delta in self.deltas(request):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
         return pb.CompleteResponse(
@@ -95,6 +105,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # One id per request, in every log line of all three services: the
         # client's if it sent one, else the one the interceptor made up.
         if request.request_id:
+            check_request_id(request.request_id)
             bind_contextvars(request_id=request.request_id)
         request_id = get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
         prompt_ids = self.prompt_ids(request)
@@ -196,6 +207,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )["input_ids"]
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidArgument("token_ids.ids is empty: send at least one token id")
             self.check_token_ids(ids, "token_ids.ids")
         else:
             raise InvalidArgument("the request has no prompt: set text, chat or token_ids")
@@ -218,6 +231,7 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         prompt_tokens=stats.prompt_tokens,
         generated_tokens=stats.generated_tokens,
         rounds=stats.rounds,
+        num_drafts=stats.num_drafts,
         draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens,
         accepted_per_position=stats.accepted_per_position,

@@ -9,8 +9,6 @@ in one process in unit tests) — the same loop code either way.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,9 +16,10 @@ from typing import Protocol
 
 import grpc
 
+from coordinator.replicas import Replicas
 from outrider.engine_thread import EngineThread
-from outrider.errors import Unavailable
-from outrider.rpc import CHANNEL_OPTIONS, REQUEST_ID_KEY, error_from_status
+from outrider.errors import SessionExpired, Unavailable
+from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling import CompactProbs, SamplingParams
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
@@ -119,7 +118,7 @@ class _GrpcSession:
             pass  # the call has ended; its status says why
         code, details = await self._call.code(), await self._call.details()
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
-        if isinstance(error, Unavailable):
+        if isinstance(error, Unavailable) and not isinstance(error, SessionExpired):
             self._failed()
         raise error
 
@@ -168,72 +167,15 @@ class GrpcTargetSession(_GrpcSession):
         return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
 
 
-# A worker that comes back is found again within a second or two, not after
-# gRPC's default reconnect back-off of up to two minutes.
-WORKER_CHANNEL_OPTIONS = (
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
-
-
-class _Replicas:
-    """Channels to one role's worker replicas; new sessions go to the replica
-    with the fewest sessions opened by this coordinator."""
-
-    def __init__(self, addresses: Sequence[str], stub_class, *, credentials=None) -> None:
-        if not addresses:
-            raise ValueError("at least one worker address is needed")
-        self.addresses = list(addresses)
-        self._channels = [
-            grpc.aio.secure_channel(a, credentials, options=WORKER_CHANNEL_OPTIONS)
-            if credentials
-            else grpc.aio.insecure_channel(a, options=WORKER_CHANNEL_OPTIONS)
-            for a in self.addresses
-        ]
-        self.stubs = [stub_class(ch) for ch in self._channels]
-        self.load = [0] * len(self.addresses)
-        self.down_until = [0.0] * len(self.addresses)
-        self._tiebreak = itertools.count()
-
-    def pick(self) -> int:
-        """The replica to open a session on: one not recently failed, then
-        the least loaded, ties taken in turn."""
-        turn = next(self._tiebreak)
-        n = len(self.load)
-        now = time.monotonic()
-        return min(range(n), key=lambda i: (self.down_until[i] > now, self.load[i], (i - turn) % n))
-
-    def failed(self, index: int, *, for_s: float = 5.0) -> None:
-        self.down_until[index] = time.monotonic() + for_s
-
-    async def close(self) -> None:
-        await asyncio.gather(*(ch.close() for ch in self._channels))
-
-
-async def _wait_ready(replicas: _Replicas, role: str, *, timeout_s: float) -> WorkerInfo:
-    """Waits until the first replica of a role answers; returns its description."""
-    try:
-        response = await replicas.stubs[0].GetWorkerInfo(
-            pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s
-        )
-    except grpc.aio.AioRpcError as exc:
-        raise Unavailable(
-            f"no {role} worker answered at {replicas.addresses[0]} within {timeout_s:.0f} s: {exc.details()}"
-        ) from exc
-    return _info_from_pb(response)
-
-
-async def _open(replicas: _Replicas, session_class, request, *, request_id: str):
-    index = replicas.pick()
-    replicas.load[index] += 1
+async def _open(replicas: Replicas, session_class, request, *, request_id: str):
+    replica = await replicas.choose()
+    replica.load += 1
 
     def release() -> None:
-        replicas.load[index] -= 1
+        replica.load -= 1
 
-    call = replicas.stubs[index].Session(metadata=((REQUEST_ID_KEY, request_id),))
-    session = session_class(call, replicas.addresses[index], release, lambda: replicas.failed(index))
+    call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
+    session = session_class(call, replica.address, release, replica.failed)
     try:
         response = await session.exchange(request)
     except BaseException:
@@ -243,12 +185,18 @@ async def _open(replicas: _Replicas, session_class, request, *, request_id: str)
 
 
 class GrpcDraftClient:
-    def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
-        self.replicas = _Replicas(addresses, worker_pb2_grpc.DraftWorkerStub, credentials=credentials)
+    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+        self.replicas = Replicas(
+            "draft", addresses, worker_pb2_grpc.DraftWorkerStub, credentials=credentials, kube_api=kube_api
+        )
+
+    async def start(self) -> None:
+        """Starts discovering the replicas of ``k8s://`` addresses."""
+        await self.replicas.start()
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        """Waits up to ``timeout_s`` for the first replica to answer."""
-        return await _wait_ready(self.replicas, "draft", timeout_s=timeout_s)
+        """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
+        return _info_from_pb(await self.replicas.wait_ready(timeout_s))
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         request = pb.DraftRequest(
@@ -267,12 +215,18 @@ class GrpcDraftClient:
 
 
 class GrpcTargetClient:
-    def __init__(self, addresses: Sequence[str], *, credentials=None) -> None:
-        self.replicas = _Replicas(addresses, worker_pb2_grpc.TargetWorkerStub, credentials=credentials)
+    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+        self.replicas = Replicas(
+            "target", addresses, worker_pb2_grpc.TargetWorkerStub, credentials=credentials, kube_api=kube_api
+        )
+
+    async def start(self) -> None:
+        """Starts discovering the replicas of ``k8s://`` addresses."""
+        await self.replicas.start()
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        """Waits up to ``timeout_s`` for the first replica to answer."""
-        return await _wait_ready(self.replicas, "target", timeout_s=timeout_s)
+        """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
+        return _info_from_pb(await self.replicas.wait_ready(timeout_s))
 
     async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
         request = pb.VerifyRequest(
@@ -300,10 +254,8 @@ class InProcessTargetClient:
 
     async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        await self.thread.run(self.engine.open, session_id, list(tokens), sampling)
-        return _InProcessTargetSession(self, session_id), loop.time() - start
+        _, compute_s = await self.thread.timed(self.engine.open, session_id, list(tokens), sampling)
+        return _InProcessTargetSession(self, session_id), compute_s
 
 
 class _InProcessTargetSession:
@@ -312,12 +264,10 @@ class _InProcessTargetSession:
         self.session_id = session_id
 
     async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        v = await self.client.thread.run(
+        v, compute_s = await self.client.thread.timed(
             self.client.engine.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
         )
-        return VerifyResult(v.num_accepted, v.next_token, loop.time() - start)
+        return VerifyResult(v.num_accepted, v.next_token, compute_s)
 
     async def close(self) -> None:
         self.client.thread.submit(self.client.engine.close, self.session_id)
@@ -337,12 +287,10 @@ class InProcessDraftClient:
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        await self.thread.run(
+        _, compute_s = await self.thread.timed(
             self.engine.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint, sampling
         )
-        return _InProcessDraftSession(self, session_id), loop.time() - start
+        return _InProcessDraftSession(self, session_id), compute_s
 
 
 class _InProcessDraftSession:
@@ -351,12 +299,10 @@ class _InProcessDraftSession:
         self.session_id = session_id
 
     async def propose(self, committed_len, new_tokens, k) -> Proposal:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        tokens, probs = await self.client.thread.run(
+        (tokens, probs), compute_s = await self.client.thread.timed(
             self.client.engine.propose, self.session_id, committed_len, list(new_tokens), k
         )
-        return Proposal(tokens, loop.time() - start, probs)
+        return Proposal(tokens, compute_s, probs)
 
     async def close(self) -> None:
         self.client.thread.submit(self.client.engine.close, self.session_id)

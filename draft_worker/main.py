@@ -11,6 +11,7 @@ from outrider.config import DraftWorkerConfig
 from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
 from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
+from outrider.memory import worker_cache_budget
 from outrider.rpc import run_service
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
@@ -42,9 +43,18 @@ def build_engine(config: DraftWorkerConfig) -> DraftEngine:
             drafter = EarlyExitDrafter(ModelRunner(model), model_name=f"{name}[:{config.draft_layers}]")
         else:
             drafter = ModelDrafter(ModelRunner(model), model_name=name)
-    store = SessionStore(
-        max_sessions=config.limits.max_sessions, max_cached_tokens=config.limits.max_cached_tokens
-    )
+    limits = config.limits
+    if drafter.runner is None:
+        # Model-free: sessions keep no KV cache, so the budget is never consulted.
+        max_cached_tokens = limits.max_cached_tokens or 0
+    else:
+        max_cached_tokens = worker_cache_budget(
+            drafter.runner.model,
+            max_sessions=limits.max_sessions,
+            max_context=max_context,
+            max_cached_tokens=limits.max_cached_tokens,
+        )
+    store = SessionStore(max_sessions=limits.max_sessions, max_cached_tokens=max_cached_tokens)
     info = DraftInfo(
         vocab_fingerprint=fingerprint, max_context=max_context, max_draft_tokens=config.max_draft_tokens
     )
@@ -64,10 +74,12 @@ async def serve(config: DraftWorkerConfig) -> None:
         threads=config.threads,
         build_engine=lambda: build_engine(config),
         warm_up=warm_up,
-        add_servicer=lambda engine, thread, server: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-            DraftWorkerService(engine, thread), server
+        add_servicer=lambda engine, thread, server, metrics: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+            DraftWorkerService(engine, thread, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
         ),
         service_name=SERVICE_NAME,
+        role="draft",
+        inline=config.drafter == "prompt-lookup",
     )
 
 

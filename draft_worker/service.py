@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from draft_worker.engine import DraftEngine
 from outrider.session_stream import SessionServicer
 from outrider.wire import probs_to_pb, sampling_from_pb
@@ -15,8 +13,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
     engine: DraftEngine
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
-        start = time.perf_counter()
-        committed_len = await self.thread.run(
+        committed_len, compute_s = await self.thread.timed(
             self.engine.open,
             session_id,
             list(request.token_ids),
@@ -25,12 +22,11 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             sampling_from_pb(request.sampling),
         )
         return pb.DraftResponse(
-            opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
+            opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
-        start = time.perf_counter()
-        tokens, probs = await self.thread.run(
+        (tokens, probs), compute_s = await self.thread.timed(
             self.engine.propose,
             session_id,
             request.committed_len,
@@ -39,7 +35,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
         return pb.DraftResponse(
             proposal=pb.DraftProposal(
-                draft_token_ids=tokens, draft_probs=probs_to_pb(probs), compute_s=time.perf_counter() - start
+                draft_token_ids=tokens, draft_probs=probs_to_pb(probs), compute_s=compute_s
             )
         )
 

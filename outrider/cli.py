@@ -69,6 +69,19 @@ def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
     flags.add("--host", default="127.0.0.1", help="address to bind (0.0.0.0 or [::] for all interfaces)")
     flags.add("--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)")
     flags.add("--ready-file", type=Path, help="write the bound port to this file once SERVING")
+    flags.add(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP at /metrics on --host at this port "
+        "(0: any free port, written to the --ready-file's name with .metrics-port; unset: no metrics)",
+    )
+    flags.add(
+        "--shutdown-grace-s",
+        default=10.0,
+        type=float,
+        help="on SIGTERM: report NOT_SERVING, refuse new calls with UNAVAILABLE, give calls in flight "
+        "this many seconds to finish, then cancel the rest and exit",
+    )
     flags.add("--log-level", default="info", help="debug, info, warning or error")
     flags.add("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
     flags.add("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
@@ -81,7 +94,17 @@ def _add_worker_flags(flags: _EnvFlags) -> None:
     flags.add("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16 or float64")
     flags.add("--threads", default=default_threads(), type=int, help="torch threads for forward passes")
     flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
-    flags.add("--max-cached-tokens", default=262_144, type=int, help="most tokens cached over all sessions")
+    flags.add(
+        "--max-cached-tokens",
+        type=int,
+        help="most tokens cached over all sessions (default: sized from the memory free once the model is loaded)",
+    )
+    flags.add(
+        "--session-idle-timeout-s",
+        default=300.0,
+        type=float,
+        help="close a session (and free its KV cache) whose stream brings no message for this many seconds",
+    )
     flags.add("--trust-remote-code", action="store_true", help="allow model code from the checkpoint (off by default)")
 
 
@@ -105,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
         p.add_argument("--log-level", default="warning", help="log level of the three services")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port (0: any free port)")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve the coordinator's Prometheus metrics at /metrics on this port (0: any free port) "
+        "and each worker's on a free port, all printed at start (default: no metrics)",
+    )
     demo.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message to send")
     demo.add_argument("--max-new-tokens", type=int, default=96)
 
@@ -115,8 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = roles.add_parser("coordinator", help="the public gRPC API and the round loop")
     flags = _EnvFlags(coordinator)
     _add_common_service_flags(flags, "coordinator")
-    flags.add("--target", type=_addresses, help="target worker address(es), HOST:PORT[,HOST:PORT...] (required)")
-    flags.add("--draft", type=_addresses, default=(), help="draft worker address(es); none: target-only decoding")
+    flags.add(
+        "--target",
+        type=_addresses,
+        help="target workers, comma-separated (required): HOST:PORT, or k8s://SERVICE[.NAMESPACE]:PORT to route to "
+        "the ready pods of a Kubernetes Service's EndpointSlices (PORT: their port name or number; NAMESPACE: "
+        "default the coordinator's own); sessions stay on the pod they opened on",
+    )
+    flags.add(
+        "--draft",
+        type=_addresses,
+        default=(),
+        help="draft workers, comma-separated, in the same forms as --target; none: target-only decoding",
+    )
     flags.add("--tokenizer", help="tokenizer: embedded name, directory or hub id (default: the default model's)")
     flags.add(
         "--num-speculative-tokens",
@@ -126,11 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
     flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
-    flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait for the target worker at start")
+    flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait at start for a target (and draft) worker to answer; with k8s:// addresses, for a ready endpoint")
     flags.add("--worker-tls-ca", type=Path, help="reach the workers over TLS, trusting this CA (PEM)")
     flags.add("--worker-tls-cert", type=Path, help="client certificate to present to workers that require one")
     flags.add("--worker-tls-key", type=Path, help="private key of --worker-tls-cert")
     flags.add("--auth-tokens-file", type=Path, help="require a bearer token from this file (one per line)")
+    flags.add(
+        "--draft-deadline-s",
+        default=5.0,
+        type=float,
+        help="a draft worker that has not answered a round within this many seconds is skipped: "
+        "the stream goes on at K=0 and the draft session is reopened later",
+    )
 
     target = roles.add_parser("target", help="the target model: verifies K drafts in one forward pass")
     flags = _EnvFlags(target)
@@ -203,6 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             ready_file=args.ready_file,
             tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
+            metrics_port=args.metrics_port,
+            shutdown_grace_s=args.shutdown_grace_s,
         )
         if args.role == "coordinator":
             if not args.target:
@@ -221,10 +270,15 @@ def _serve(args: argparse.Namespace) -> int:
                 if args.worker_tls_ca or args.worker_tls_cert
                 else None,
                 auth_tokens=security.load_tokens(args.auth_tokens_file) if args.auth_tokens_file else frozenset(),
+                draft_deadline_s=args.draft_deadline_s,
             )
             from coordinator.main import main as run
         else:
-            limits = cfg.WorkerLimits(max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
+            limits = cfg.WorkerLimits(
+                max_sessions=args.max_sessions,
+                max_cached_tokens=args.max_cached_tokens,
+                session_idle_timeout_s=args.session_idle_timeout_s,
+            )
             common = dict(
                 address=address,
                 model=args.model,
@@ -285,7 +339,7 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        stack = start_stack(coordinator_port=args.port, **_stack_args(args))
+        stack = start_stack(coordinator_port=args.port, metrics_port=args.metrics_port, **_stack_args(args))
     except (StackError, ValueError) as exc:
         print(f"outrider up: {exc}", file=sys.stderr)
         return 1
@@ -294,6 +348,9 @@ def _up(args: argparse.Namespace) -> int:
     with stack:
         print(f"Outrider is serving on {stack.coordinator.address}", flush=True)
         print(f"  try: outrider generate --address {stack.coordinator.address} --chat 'Hello!'", flush=True)
+        for service in stack.services:
+            if service.metrics_url:
+                print(f"  metrics of the {service.name}: {service.metrics_url}", flush=True)
         try:
             while all(s.process.poll() is None for s in stack.services):
                 time.sleep(0.5)

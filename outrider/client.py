@@ -106,6 +106,8 @@ class GenerationStats:
     """Whether K was chosen per round."""
     overhead_s_p50: float = 0.0
     """Median per-round time outside the workers' compute (RPC + coordinator)."""
+    num_drafts: int = 0
+    """Rounds that verified at least one draft token (vLLM's drafts; rounds minus the target-only ones)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""

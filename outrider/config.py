@@ -28,11 +28,18 @@ def default_threads() -> int:
 @dataclass(frozen=True)
 class WorkerLimits:
     max_sessions: int = 64
-    max_cached_tokens: int = 262_144
+    max_cached_tokens: int | None = None
+    """None: sized from the memory free once the model is loaded (``outrider.memory``)."""
+    session_idle_timeout_s: float = 300.0
+    """A session whose stream brings no message for this long is closed and its KV freed."""
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.max_cached_tokens < 1:
-            raise ValueError("max_sessions and max_cached_tokens must be positive")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
+        if self.max_cached_tokens is not None and self.max_cached_tokens < 1:
+            raise ValueError(f"max_cached_tokens must be at least 1, got {self.max_cached_tokens}")
+        if not self.session_idle_timeout_s > 0:
+            raise ValueError(f"session_idle_timeout_s must be positive, got {self.session_idle_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,21 @@ class ServiceAddress:
     """Where to write the bound port once the service is SERVING."""
     tls: ServerTls | None = None
     """None: plaintext."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP at ``/metrics`` on ``host`` at this
+    port (0: any free one); None: no metrics."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM: how long calls in flight may take to finish (new ones are
+    refused) before the rest are cancelled and the service exits."""
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be 0 or more, got {self.shutdown_grace_s}")
+        if self.metrics_port is not None:
+            if not 0 <= self.metrics_port <= 65535:
+                raise ValueError(f"metrics port {self.metrics_port} is not a port number (0 to 65535)")
+            if self.metrics_port != 0 and self.metrics_port == self.port:
+                raise ValueError(f"the metrics port must differ from the gRPC port ({self.port})")
 
 
 @dataclass(frozen=True)
@@ -104,8 +126,12 @@ class CoordinatorConfig:
     """How to reach TLS workers; None: plaintext."""
     auth_tokens: frozenset[str] = frozenset()
     """Bearer tokens clients must present; empty: no authentication."""
+    draft_deadline_s: float = 5.0
+    """A draft answer later than this drops the round to K = 0 (the stream goes on)."""
 
     def __post_init__(self) -> None:
+        if not self.draft_deadline_s > 0:
+            raise ValueError(f"draft_deadline_s must be positive, got {self.draft_deadline_s}")
         if not self.target:
             raise ValueError("the coordinator needs at least one target worker address (--target)")
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:

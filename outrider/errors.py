@@ -31,5 +31,11 @@ class Unavailable(OutriderError):
     """A worker the request needs cannot be reached."""
 
 
+class SessionExpired(Unavailable):
+    """The worker closed the session itself (its stream was idle too long)
+    and freed its cache. The worker is fine; the session is lost, and is
+    rebuilt like any lost session, by reopening it on the history."""
+
+
 class Unauthenticated(OutriderError):
     """The call carries no valid credentials for this service."""

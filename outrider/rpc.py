@@ -5,13 +5,15 @@ health (SERVING only after warm-up), reflection, and start/stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import signal
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from outrider import errors
 from outrider.logging import bind_contextvars, get_logger
+from outrider.validation import check_request_id
+
+if TYPE_CHECKING:
+    from outrider.metrics import RpcMetrics
 
 log = get_logger(__name__)
 
@@ -29,6 +35,7 @@ STATUS_OF: dict[type[errors.OutriderError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.SessionExpired: grpc.StatusCode.ABORTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
@@ -64,10 +71,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     its status code, and any other exception into INTERNAL without leaking a
     stack trace to the client (it is logged instead). With ``tokens``, every
     call but health and reflection needs ``authorization: Bearer <token>``
-    (compared in constant time), else UNAUTHENTICATED."""
+    (compared in constant time), else UNAUTHENTICATED. With ``metrics``, every
+    call is counted by its final status code and timed. Calls are admitted
+    through ``drain`` (refused once the server shuts down)."""
 
-    def __init__(self, tokens: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, tokens: frozenset[str] = frozenset(), metrics: RpcMetrics | None = None, drain: Drain | None = None
+    ) -> None:
         self._tokens = tuple(token.encode() for token in tokens)
+        self._metrics = metrics
+        self._drain = drain if drain is not None else Drain()
 
     def _authorize(self, metadata: dict, method: str) -> None:
         if not self._tokens or method.startswith(PUBLIC_SERVICES):
@@ -87,7 +100,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         metadata = dict(handler_call_details.invocation_metadata or ())
         method = handler_call_details.method
-        request_id = metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+        sent_request_id = metadata.get(REQUEST_ID_KEY)
+        request_id = sent_request_id or uuid.uuid4().hex[:16]
 
         async def guard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, errors.OutriderError):
@@ -99,27 +113,49 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(behavior):
             async def wrapped(request, context):
                 bind_contextvars(request_id=request_id)
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     self._authorize(metadata, method)
-                    return await behavior(request, context)
+                    if sent_request_id:
+                        check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
+                    with self._drain.admit(method):
+                        return await behavior(request, context)
                 except Exception as exc:
+                    code = _code_of(exc, context)
                     if _is_abort(exc):
                         raise
                     await guard(context, exc)
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = _cancelled_code(context)
+                    raise
+                finally:
+                    if self._metrics:
+                        self._metrics.observe(method, code, time.perf_counter() - started)
 
             return wrapped
 
         def wrap_stream(behavior):
             async def wrapped(request, context):
                 bind_contextvars(request_id=request_id)
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     self._authorize(metadata, method)
-                    async for response in behavior(request, context):
-                        yield response
+                    if sent_request_id:
+                        check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
+                    with self._drain.admit(method):
+                        async for response in behavior(request, context):
+                            yield response
                 except Exception as exc:
+                    code = _code_of(exc, context)
                     if _is_abort(exc):
                         raise
                     await guard(context, exc)
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = _cancelled_code(context)
+                    raise
+                finally:
+                    if self._metrics:
+                        self._metrics.observe(method, code, time.perf_counter() - started)
 
             return wrapped
 
@@ -153,14 +189,72 @@ def _is_abort(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError"
 
 
+def _code_of(exc: Exception, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that raised ``exc`` ends with."""
+    if _is_abort(exc):
+        return context.code() or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, errors.OutriderError):
+        return status_of(exc)
+    return grpc.StatusCode.INTERNAL
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """A call cancelled under the servicer: its deadline passed, or the client went away."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+class Drain:
+    """A server's calls in flight, and the switch that makes it refuse new
+    ones while those finish (graceful shutdown). Health and reflection are
+    neither counted nor refused: probes keep getting their answer."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def admit(self, method: str) -> Iterator[None]:
+        """Counts the call while it runs; UNAVAILABLE once draining."""
+        if method.startswith(PUBLIC_SERVICES):
+            yield
+            return
+        if self.draining:
+            service = method.strip("/").split("/")[0]
+            raise errors.Unavailable(f"{service} is shutting down and takes no new calls: retry on another replica")
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuses new calls from now on; True once none is in flight, False
+        if some still are after ``grace_s`` seconds."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            return False
+        return True
+
+
 @dataclass
 class RunningServer:
-    """A started service: its server, health servicer and bound port."""
+    """A started service: its server, health servicer, bound port and drain."""
 
     server: grpc.aio.Server
     health: HealthServicer
     port: int
     service_names: tuple[str, ...]
+    drain: Drain
 
     @property
     def address(self) -> str:
@@ -179,6 +273,18 @@ class RunningServer:
         await self.set_serving(False)
         await self.server.stop(grace)
 
+    async def shutdown(self, grace_s: float) -> None:
+        """Graceful stop: NOT_SERVING, new calls refused with UNAVAILABLE (a
+        coordinator opens its new sessions on another replica, a client
+        retries elsewhere), calls in flight given ``grace_s`` seconds to
+        finish; those still running then are cancelled (a coordinator
+        reopens their sessions elsewhere, from its history)."""
+        await self.set_serving(False)
+        log.info("draining", grace_s=grace_s, in_flight=self.drain.in_flight)
+        if not await self.drain.drain(grace_s):
+            log.warning("grace period over: cancelling the calls still in flight", in_flight=self.drain.in_flight)
+        await self.server.stop(None)
+
 
 async def start_server(
     add_servicers: Callable[[grpc.aio.Server], None],
@@ -188,10 +294,13 @@ async def start_server(
     port: int = 0,
     credentials: grpc.ServerCredentials | None = None,
     tokens: frozenset[str] = frozenset(),
+    metrics: RpcMetrics | None = None,
 ) -> RunningServer:
     """Starts a service that reports NOT_SERVING until ``set_serving(True)``;
-    TLS when ``credentials`` is given, bearer tokens required when ``tokens`` is."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(tokens)], options=list(CHANNEL_OPTIONS))
+    TLS when ``credentials`` is given, bearer tokens required when ``tokens`` is,
+    every call counted in ``metrics`` when given."""
+    drain = Drain()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(tokens, metrics, drain)], options=list(CHANNEL_OPTIONS))
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -204,7 +313,9 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    running = RunningServer(server=server, health=health, port=bound, service_names=tuple(service_names))
+    running = RunningServer(
+        server=server, health=health, port=bound, service_names=tuple(service_names), drain=drain
+    )
     await running.set_serving(False)
     return running
 
@@ -228,8 +339,8 @@ async def serve_until_signalled(
     grace_s: float = 10.0,
 ) -> None:
     """Warms up, flips health to SERVING, writes the bound port to
-    ``ready_file``, and on SIGTERM/SIGINT reports NOT_SERVING and lets
-    in-flight calls finish for ``grace_s`` seconds before stopping."""
+    ``ready_file``, and on SIGTERM/SIGINT shuts down gracefully
+    (:meth:`RunningServer.shutdown`) within ``grace_s`` seconds."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -243,5 +354,4 @@ async def serve_until_signalled(
         tmp.replace(ready_file)
     log.info("serving", port=running.port, services=list(running.service_names))
     await stop.wait()
-    log.info("shutting down", grace_s=grace_s)
-    await running.stop(grace_s)
+    await running.shutdown(grace_s)

@@ -78,12 +78,14 @@ class Session:
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.kv) if self.kv is not None else 0
+        kv = self.kv  # one read: the metrics thread may call this while the session closes
+        return len(kv) if kv is not None else 0
 
 
 class SessionStore:
     """Sessions of one worker, with limits on their number and on the tokens
-    they may keep cached. All methods run on the worker's event loop."""
+    they may keep cached. All methods run on the worker's engine thread; the
+    metrics endpoint only reads ``len`` and ``cached_tokens``, from its own."""
 
     def __init__(self, *, max_sessions: int, max_cached_tokens: int) -> None:
         self.max_sessions = max_sessions
@@ -95,7 +97,8 @@ class SessionStore:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(s.cached_tokens for s in self._sessions.values())
+        # A snapshot of the sessions: the metrics thread reads this too.
+        return sum(s.cached_tokens for s in list(self._sessions.values()))
 
     def create(
         self,

@@ -4,18 +4,27 @@ One bidirectional stream is one session: the first request opens it, each
 later request is one round, and when the stream ends — completed, cancelled,
 deadline, coordinator gone — the session and its KV cache are freed at once.
 Session lifetime is stream lifetime: nothing can leak, so no collector of
-orphans is needed.
+orphans is needed. A stream that stays open but brings no message for
+``idle_timeout_s`` (a stalled coordinator, a client that stopped reading)
+is ended by the worker with ABORTED, which frees the session the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from outrider.engine_thread import EngineThread
-from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.errors import FailedPrecondition, InvalidArgument, OutriderError, SessionExpired
 from outrider.logging import bind_contextvars, get_logger
+from outrider.rpc import status_of
+from outrider.validation import check_request_id
+
+if TYPE_CHECKING:
+    from outrider.metrics import WorkerMetrics
 
 log = get_logger(__name__)
 Response = TypeVar("Response")
@@ -28,41 +37,86 @@ async def session_stream(
     on_open: Callable[[str, Any], Awaitable[Response]],
     on_round: Callable[[str, Any], Awaitable[Response]],
     close: Callable[[str], None],
+    idle_timeout_s: float,
+    metrics: WorkerMetrics | None = None,
 ) -> AsyncIterator[Response]:
     session_id = uuid.uuid4().hex[:16]
     bind_contextvars(session_id=session_id)
     opened = False
+    ended = "done"  # how the stream ended, for the metrics
     try:
-        async for request in requests:
+        async for request in _until_idle(requests, idle_timeout_s):
             kind = request.WhichOneof("kind")
             if kind == "open":
                 if opened:
                     raise InvalidArgument("the session is already open: later messages must be rounds")
                 if request.open.request_id:
+                    check_request_id(request.open.request_id, what="open.request_id")
                     bind_contextvars(request_id=request.open.request_id)
-                response = await on_open(session_id, request.open)
+                started = time.perf_counter()
+                try:
+                    response = await on_open(session_id, request.open)
+                except OutriderError as exc:
+                    if metrics:
+                        metrics.rejected.labels(status_of(exc).name).inc()
+                    raise
                 opened = True
+                if metrics:
+                    metrics.session_opened(len(request.open.token_ids), time.perf_counter() - started)
                 log.debug("session opened", committed_len=len(request.open.token_ids))
                 yield response
             elif kind == "round":
                 if not opened:
                     raise FailedPrecondition("the first message of a session must open it")
-                yield await on_round(session_id, request.round)
+                started = time.perf_counter()
+                response = await on_round(session_id, request.round)
+                if metrics:
+                    metrics.round_seconds.observe(time.perf_counter() - started)
+                yield response
             else:
                 raise InvalidArgument("each session message must set either 'open' or 'round'")
+    except (asyncio.CancelledError, GeneratorExit):
+        ended = "cancelled"
+        raise
+    except Exception as exc:
+        ended = status_of(exc).name if isinstance(exc, OutriderError) else "INTERNAL"
+        raise
     finally:
         # Queued behind any forward pass still running for this session.
         thread.submit(close, session_id)
+        if metrics and opened:
+            metrics.closed.labels(ended).inc()
         log.debug("session closed")
+
+
+async def _until_idle(requests: AsyncIterable[Any], idle_timeout_s: float) -> AsyncIterator[Any]:
+    """The stream's messages; SessionExpired once none came for ``idle_timeout_s``."""
+    iterator = aiter(requests)
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout_s):
+                request = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise SessionExpired(
+                f"session idle for {idle_timeout_s:g} s: the worker closed it and freed its KV cache; "
+                "reopen it with the full history (the worker's --session-idle-timeout-s sets the limit)"
+            ) from None
+        yield request
 
 
 class SessionServicer:
     """The ``Session`` RPC of a worker servicer: each subclass provides the
     engine (with ``close``) and the translations ``_open`` and ``_round``."""
 
-    def __init__(self, engine, thread: EngineThread) -> None:
+    def __init__(
+        self, engine, thread: EngineThread, *, idle_timeout_s: float, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.thread = thread
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = metrics
 
     async def Session(self, request_iterator, context):
         async for response in session_stream(
@@ -71,5 +125,7 @@ class SessionServicer:
             on_open=self._open,
             on_round=self._round,
             close=self.engine.close,
+            idle_timeout_s=self.idle_timeout_s,
+            metrics=self.metrics,
         ):
             yield response

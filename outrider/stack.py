@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from outrider.metrics import metrics_port_file
+
 
 class StackError(RuntimeError):
     pass
@@ -31,10 +33,16 @@ class Service:
     process: subprocess.Popen
     ready_file: Path
     port: int | None = None
+    metrics_port: int | None = None
+    """Where it serves Prometheus metrics (``/metrics``); None: it does not."""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port is not None else None
 
 
 @dataclass
@@ -51,15 +59,25 @@ class Stack:
         return next(s for s in self.services if s.name == "coordinator")
 
     def start(
-        self, name: str, args: Sequence[str], *, port: int = 0, timeout_s: float, label: str | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        port: int = 0,
+        timeout_s: float,
+        label: str | None = None,
+        metrics_port: int | None = None,
     ) -> Service:
-        """Starts ``outrider serve NAME``; ``label`` names the service when several share a role."""
+        """Starts ``outrider serve NAME``; ``label`` names the service when several share a role;
+        with ``metrics_port`` (0: any free port) it serves Prometheus metrics there."""
         label = label or name
         ready_file = self.workdir / f"{label}.port"
         command = [
             sys.executable, "-m", "outrider", "serve", name,
             "--port", str(port), "--ready-file", str(ready_file), *args,
         ]
+        if metrics_port is not None:
+            command += ["--metrics-port", str(metrics_port)]
         process = subprocess.Popen(command, start_new_session=True)
         service = Service(label, process, ready_file)
         self.services.append(service)
@@ -75,6 +93,8 @@ class Stack:
                 raise StackError(f"the {service.name} did not become ready within {timeout_s:.0f} s")
             time.sleep(0.1)
         service.port = int(service.ready_file.read_text())
+        if metrics_port_file(service.ready_file).exists():
+            service.metrics_port = int(metrics_port_file(service.ready_file).read_text())
         with grpc.insecure_channel(service.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         if status.status != health_pb2.HealthCheckResponse.SERVING:
@@ -108,16 +128,26 @@ def start_stack(
     coordinator_port: int = 0,
     with_draft: bool = True,
     timeout_s: float = 300.0,
+    metrics_port: int | None = None,
 ) -> Stack:
-    """Starts target, draft and coordinator; returns when all are SERVING."""
+    """Starts target, draft and coordinator; returns when all are SERVING.
+    With ``metrics_port``, the coordinator serves its metrics there (0: any
+    free port) and each worker on a free port (``Service.metrics_port``)."""
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-up-")))
+    worker_metrics_port = None if metrics_port is None else 0
     try:
-        target = stack.start("target", target_args, timeout_s=timeout_s)
+        target = stack.start("target", target_args, timeout_s=timeout_s, metrics_port=worker_metrics_port)
         coordinator = ["--target", target.address]
         if with_draft:
-            draft = stack.start("draft", draft_args, timeout_s=timeout_s)
+            draft = stack.start("draft", draft_args, timeout_s=timeout_s, metrics_port=worker_metrics_port)
             coordinator += ["--draft", draft.address]
-        stack.start("coordinator", [*coordinator, *coordinator_args], port=coordinator_port, timeout_s=timeout_s)
+        stack.start(
+            "coordinator",
+            [*coordinator, *coordinator_args],
+            port=coordinator_port,
+            timeout_s=timeout_s,
+            metrics_port=metrics_port,
+        )
     except BaseException:
         stack.stop()
         raise

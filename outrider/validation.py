@@ -1,4 +1,4 @@
-"""Checks on token ids shared by the workers and the coordinator."""
+"""Checks on request fields shared by the workers and the coordinator."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from outrider.errors import InvalidArgument
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, *, what: str) -> None:
-    """Raises InvalidArgument naming ``what`` if an id lies outside ``[0, vocab_size)``."""
+    """Raises InvalidArgument naming ``what`` if an id lies outside ``[0, vocab_size)``
+    (is negative, when the vocabulary is unknown: model-free drafters take any id)."""
     if vocab_size is None:
+        for i, token in enumerate(ids):
+            if token < 0:
+                raise InvalidArgument(f"{what}[{i}] = {token}: token ids are never negative")
         return
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
@@ -24,3 +28,20 @@ def check_context(length: int, max_context: int, *, what: str) -> None:
             f"{what} has {length} tokens but the model's context holds {max_context}; "
             "shorten it or lower max_new_tokens"
         )
+
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def check_request_id(request_id: str, *, what: str = "request_id") -> None:
+    """Request ids travel in gRPC metadata (``x-request-id``) and in every log
+    line, so they are short printable ASCII."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"{what} has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    for i, char in enumerate(request_id):
+        if not " " <= char <= "~":
+            raise InvalidArgument(
+                f"{what}[{i}] = {char!r}: a request id must be printable ASCII (space to '~')"
+            )

@@ -8,6 +8,7 @@ from outrider import models
 from outrider.config import TargetWorkerConfig
 from outrider.engine_thread import serve_worker
 from outrider.logging import get_logger
+from outrider.memory import worker_cache_budget
 from outrider.rpc import run_service
 from outrider.runner import ModelRunner
 from outrider.session import SessionStore
@@ -29,8 +30,15 @@ def build_engine(config: TargetWorkerConfig) -> TargetEngine:
         vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
         max_context=models.context_length(model),
     )
+    limits = config.limits
     store = SessionStore(
-        max_sessions=config.limits.max_sessions, max_cached_tokens=config.limits.max_cached_tokens
+        max_sessions=limits.max_sessions,
+        max_cached_tokens=worker_cache_budget(
+            model,
+            max_sessions=limits.max_sessions,
+            max_context=info.max_context,
+            max_cached_tokens=limits.max_cached_tokens,
+        ),
     )
     return TargetEngine(ModelRunner(model), store, info)
 
@@ -49,10 +57,11 @@ async def serve(config: TargetWorkerConfig) -> None:
         threads=config.threads,
         build_engine=lambda: build_engine(config),
         warm_up=warm_up,
-        add_servicer=lambda engine, thread, server: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-            TargetWorkerService(engine, thread), server
+        add_servicer=lambda engine, thread, server, metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+            TargetWorkerService(engine, thread, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
         ),
         service_name=SERVICE_NAME,
+        role="target",
     )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from outrider.session_stream import SessionServicer
 from outrider.wire import probs_from_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
@@ -15,17 +13,15 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     engine: TargetEngine
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        start = time.perf_counter()
-        committed_len = await self.thread.run(
+        committed_len, compute_s = await self.thread.timed(
             self.engine.open, session_id, list(request.token_ids), sampling_from_pb(request.sampling)
         )
         return pb.VerifyResponse(
-            opened=pb.SessionOpened(committed_len=committed_len, compute_s=time.perf_counter() - start)
+            opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
-        start = time.perf_counter()
-        verdict = await self.thread.run(
+        verdict, compute_s = await self.thread.timed(
             self.engine.verify,
             session_id,
             request.committed_len,
@@ -36,7 +32,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
             verdict=pb.Verdict(
                 num_accepted=verdict.num_accepted,
                 next_token_id=verdict.next_token,
-                compute_s=time.perf_counter() - start,
+                compute_s=compute_s,
             )
         )
 

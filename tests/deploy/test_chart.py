@@ -269,6 +269,13 @@ def test_pod_disruption_budgets_cover_every_component(objects):
         assert budget["spec"]["maxUnavailable"] == 1
 
 
+def test_every_service_drains_within_its_pods_termination_grace_period(objects):
+    for name in ("coordinator", "target", "draft"):
+        spec = pod_spec(component(objects, "Deployment", name))
+        grace = int(env_of(spec["containers"][0])["OUTRIDER_SHUTDOWN_GRACE_S"])
+        assert 0 < grace < spec["terminationGracePeriodSeconds"]
+
+
 def test_the_hpa_scales_the_coordinator_and_owns_its_replica_count(full_objects, default_objects):
     (hpa,) = by_kind(full_objects, "HorizontalPodAutoscaler").values()
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-outrider-coordinator"}

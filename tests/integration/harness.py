@@ -4,9 +4,9 @@ test's event loop, on tiny float64 models."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from draft_worker.engine import DraftEngine
 from draft_worker.service import DraftWorkerService
 from outrider.config import DraftWorkerConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
 from outrider.engine_thread import EngineThread
+from outrider.metrics import CoordinatorMetrics, MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
@@ -39,6 +40,9 @@ class Stack:
     target_servers: list[RunningServer]
     draft_server: RunningServer | None
     draft_thread: EngineThread | None = None
+    metrics: dict[str, MetricsEndpoint] = field(default_factory=dict)
+    """With ``running_stack(metrics=True)``: each service's /metrics endpoint
+    (``target``, ``target-1``, ..., ``draft``, ``coordinator``)."""
 
     async def sessions_left(self, timeout_s: float = 5.0) -> tuple[int, int]:
         """Open sessions on (all targets, draft) once pending closes have run."""
@@ -65,34 +69,56 @@ async def running_stack(
     worker_tls: tuple[ServerTls, ClientTls] | None = None,
     coordinator_tls: ServerTls | None = None,
     tokens: frozenset[str] = frozenset(),
+    metrics: bool = False,
+    publish_targets: Callable[[list[str]], Awaitable[Sequence[str]]] | None = None,
+    kube_api=None,
 ) -> AsyncIterator[Stack]:
+    """``publish_targets`` gets the target workers' addresses and returns the
+    ones the coordinator is given (e.g. k8s:// ones after publishing
+    EndpointSlices to the API server that ``kube_api`` reaches)."""
     worker_credentials = worker_tls[0].credentials() if worker_tls else None
     worker_client_credentials = worker_tls[1].credentials() if worker_tls else None
     servers: list[RunningServer] = []
     threads: list[EngineThread] = []
     clients = []
+    endpoints: dict[str, MetricsEndpoint] = {}
+
+    def registry(name: str):
+        """A service's metrics registry, served on a free port; None without ``metrics``."""
+        if not metrics:
+            return None
+        endpoints[name] = start_metrics_endpoint("127.0.0.1", 0)
+        return endpoints[name].registry
+
     try:
         target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), dtype="float64", limits=limits)
         target_engines, target_servers = [], []
-        for _ in range(target_replicas):
+        for replica in range(target_replicas):
             thread = EngineThread()
             threads.append(thread)
             engine = await thread.run(target_main.build_engine, target_config)
             target_engines.append(engine)
+            target_registry = registry(f"target-{replica}" if replica else "target")
+            target_metrics = WorkerMetrics(target_registry, engine.store, role="target") if metrics else None
             target_servers.append(
                 await start_server(
-                    lambda s, engine=engine, thread=thread: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                        TargetWorkerService(engine, thread), s
+                    lambda s, engine=engine, thread=thread, m=target_metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                        TargetWorkerService(engine, thread, idle_timeout_s=limits.session_idle_timeout_s, metrics=m), s
                     ),
                     [target_main.SERVICE_NAME],
                     credentials=worker_credentials,
+                    metrics=RpcMetrics(target_registry) if metrics else None,
                 )
             )
         servers.extend(target_servers)
+        target_addresses = [server.address for server in target_servers]
         target = GrpcTargetClient(
-            [server.address for server in target_servers], credentials=worker_client_credentials
+            await publish_targets(target_addresses) if publish_targets else target_addresses,
+            credentials=worker_client_credentials,
+            kube_api=kube_api,
         )
         clients.append(target)
+        await target.start()
 
         draft_engine, draft = None, None
         if drafter is not None:
@@ -107,13 +133,19 @@ async def running_stack(
                 limits=limits,
             )
             draft_engine = await draft_thread.run(draft_main.build_engine, draft_config)
+            draft_registry = registry("draft")
+            draft_metrics = WorkerMetrics(draft_registry, draft_engine.store, role="draft") if metrics else None
             servers.append(
                 await start_server(
                     lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-                        DraftWorkerService(draft_engine, draft_thread), s
+                        DraftWorkerService(
+                            draft_engine, draft_thread, idle_timeout_s=limits.session_idle_timeout_s, metrics=draft_metrics
+                        ),
+                        s,
                     ),
                     [draft_main.SERVICE_NAME],
                     credentials=worker_credentials,
+                    metrics=RpcMetrics(draft_registry) if metrics else None,
                 )
             )
             draft = GrpcDraftClient([servers[-1].address], credentials=worker_client_credentials)
@@ -123,6 +155,7 @@ async def running_stack(
         target_info = await target.info(10)
         draft_info = await draft.info(10) if draft else None
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else frozenset({tokenizer.eos_token_id})
+        coordinator_registry = registry("coordinator")
         service = CoordinatorService(
             Models(tokenizer, eos, target_info),
             target,
@@ -131,6 +164,11 @@ async def running_stack(
             recovery=recovery,
             draft_model=draft_info.model if draft else "",
             drafter=draft_info.drafter if draft else "",
+            metrics=CoordinatorMetrics(
+                coordinator_registry, model_name=target_info.model, max_num_speculative_tokens=16
+            )
+            if metrics
+            else None,
         )
         servers.append(
             await start_server(
@@ -138,6 +176,7 @@ async def running_stack(
                 ["outrider.v1.Coordinator"],
                 credentials=coordinator_tls.credentials() if coordinator_tls else None,
                 tokens=tokens,
+                metrics=RpcMetrics(coordinator_registry) if metrics else None,
             )
         )
         for server in servers:
@@ -150,6 +189,7 @@ async def running_stack(
             target_servers,
             servers[target_replicas] if draft is not None else None,
             threads[-1] if draft is not None else None,
+            endpoints,
         )
     finally:
         for server in reversed(servers):
@@ -158,6 +198,8 @@ async def running_stack(
             await client.close()
         for thread in threads:
             thread.shutdown()
+        for endpoint in endpoints.values():
+            endpoint.stop()
 
 
 def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

@@ -52,6 +52,7 @@ from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import InProcessDraftClient, InProcessTargetClient, WorkerInfo
 from draft_worker.engine import DraftEngine, DraftInfo
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
+from outrider.engine_thread import InlineEngine
 from outrider.runner import ModelRunner
 from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
 from outrider.session import SessionStore
@@ -141,16 +142,6 @@ class Letters:
         return "".join(chr(ord("a") + t) for t in token_ids)
 
 
-class InlineThread:
-    """Stands in for ``EngineThread``: engine calls run inline on the event loop."""
-
-    async def run(self, fn, *args):
-        return fn(*args)
-
-    def submit(self, fn, *args):
-        fn(*args)
-
-
 class QuietLog:
     def info(self, *args, **kwargs):
         pass
@@ -167,12 +158,12 @@ def store() -> SessionStore:
 
 def target_client(model: torch.nn.Module) -> InProcessTargetClient:
     info = TargetInfo(model_name="target", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
-    return InProcessTargetClient(TargetEngine(ModelRunner(model), store(), info), InlineThread())
+    return InProcessTargetClient(TargetEngine(ModelRunner(model), store(), info), InlineEngine())
 
 
 def draft_client(drafter) -> InProcessDraftClient:
     info = DraftInfo(vocab_fingerprint="", max_context=512, max_draft_tokens=16)
-    return InProcessDraftClient(DraftEngine(drafter, store(), info), InlineThread())
+    return InProcessDraftClient(DraftEngine(drafter, store(), info), InlineEngine())
 
 
 def exact_marginals(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:

@@ -9,8 +9,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.replicas import Replicas
 from outrider.client import AsyncClient
+from outrider.rpc import start_server
 from outrider.security import ClientTls, ServerTls, load_tokens
+from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import running_stack
 
 TOKEN = "s3cret-token"
@@ -27,12 +30,12 @@ def make_ca(directory: Path, name: str) -> None:
     )  # fmt: skip
 
 
-def make_cert(directory: Path, name: str, ca: str) -> None:
+def make_cert(directory: Path, name: str, ca: str, san: str = "IP:127.0.0.1,DNS:localhost") -> None:
     openssl(
         "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
         "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory,
     )  # fmt: skip
-    (directory / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (directory / f"{name}.ext").write_text(f"subjectAltName={san}\n")
     openssl(
         "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
         "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=directory,
@@ -47,6 +50,7 @@ def pki(tmp_path_factory) -> Path:
     for name in ("server", "coordinator"):
         make_cert(directory, name, "ca")
     make_cert(directory, "intruder", "rogue-ca")
+    make_cert(directory, "pod", "ca", san="DNS:target.llm.svc")  # what a pool's certificate names
     (directory / "tokens").write_text(f"# clients\n{TOKEN}\nanother-token\n")
     return directory
 
@@ -121,3 +125,31 @@ async def test_workers_accept_the_coordinator_certificate(secure_stack, pki):
         async with grpc.aio.secure_channel(worker, tls(pki, cert="coordinator")) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_discovered_workers_are_checked_against_their_service_name(pki):
+    # A discovered pod is dialled by IP; its certificate names the Service.
+    running = await start_server(
+        lambda server: None, [], credentials=ServerTls(pki / "pod.pem", pki / "pod.key").credentials()
+    )
+    await running.set_serving(True)
+    pod = f"127.0.0.1:{running.port}"
+    discovered = Replicas(
+        "target", ["k8s://target.llm:grpc"], worker_pb2_grpc.TargetWorkerStub, credentials=tls(pki), kube_api=object()
+    )
+    static = Replicas("target", [pod], worker_pb2_grpc.TargetWorkerStub, credentials=tls(pki))
+    try:
+        discovered.update("k8s://target.llm:grpc", {pod: True})
+        health = health_pb2_grpc.HealthStub(discovered.members[pod].channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # Listed by address, the same pod is checked against 127.0.0.1, which its certificate does not name.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await health_pb2_grpc.HealthStub(static.members[pod].channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await discovered.close()
+        await static.close()
+        await running.server.stop(None)

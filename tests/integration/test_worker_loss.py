@@ -69,7 +69,9 @@ async def test_a_restarted_draft_is_used_again(tiny_target_dir, tiny_draft_same_
 
             engine, thread = stack.draft, stack.draft_thread
             restarted = await start_server(
-                lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(DraftWorkerService(engine, thread), s),
+                lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+                    DraftWorkerService(engine, thread, idle_timeout_s=60.0), s
+                ),
                 ["outrider.v1.DraftWorker"],
                 port=port,
             )

@@ -49,6 +49,7 @@ def _stats(n_tokens: int, k: int) -> pb.GenerationStats:
         prompt_tokens=n_tokens,
         generated_tokens=n_tokens,
         rounds=2,
+        num_drafts=2,
         draft_tokens=8,
         accepted_tokens=6,
         accepted_per_position=[2, 2, 1, 1],
@@ -68,6 +69,7 @@ def _expected_stats(n_tokens: int, k: int = DEFAULT_K) -> GenerationStats:
         prompt_tokens=n_tokens,
         generated_tokens=n_tokens,
         rounds=2,
+        num_drafts=2,
         draft_tokens=8,
         accepted_tokens=6,
         accepted_per_position=(2, 2, 1, 1),
@@ -509,6 +511,7 @@ def test_to_dict_is_json_serialisable() -> None:
             "draft_probs_bytes": 0,
             "adaptive": False,
             "overhead_s_p50": 0.0,
+            "num_drafts": 2,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

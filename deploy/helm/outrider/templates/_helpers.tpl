@@ -126,14 +126,18 @@ Call with (dict "root" $ "model" NAME).
 {{- end }}
 
 {{/*
-Environment every service shares: where it listens, logging, caches, metrics.
-Call with (dict "root" $ "port" PORT).
+Environment every service shares: where it listens, logging, caches, metrics,
+and how long it drains on SIGTERM (5 s inside the pod's termination grace
+period, so that it exits before the kubelet's SIGKILL).
+Call with (dict "root" $ "port" PORT "grace" TERMINATION_GRACE_SECONDS).
 */}}
 {{- define "outrider.commonEnv" -}}
 - name: OUTRIDER_HOST
   value: {{ .root.Values.listenHost | quote }}
 - name: OUTRIDER_PORT
   value: {{ .port | quote }}
+- name: OUTRIDER_SHUTDOWN_GRACE_S
+  value: {{ max 0 (sub (int .grace) 5) | quote }}
 - name: OUTRIDER_LOG_LEVEL
   value: {{ .root.Values.logLevel | quote }}
 - name: OUTRIDER_CACHE_DIR

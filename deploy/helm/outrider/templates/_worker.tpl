@@ -62,7 +62,7 @@ spec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
           env:
-            {{- include "outrider.commonEnv" (dict "root" $root "port" $values.port) | nindent 12 }}
+            {{- include "outrider.commonEnv" (dict "root" $root "port" $values.port "grace" $values.terminationGracePeriodSeconds) | nindent 12 }}
             {{- if and .usesModel $values.model }}
             - name: OUTRIDER_MODEL
               value: {{ $values.model | quote }}

@@ -1,0 +1,128 @@
+"""How many tokens a worker may keep in its sessions' KV caches.
+
+``--max-cached-tokens`` wins when it is given. Otherwise the budget is sized
+once, after the model is loaded, from the memory that is still free
+(:func:`cache_budget` is the rule)::
+
+    kv_bytes_per_token = layers × kv heads × head dim × 2 (K and V) × dtype size
+    max_cached_tokens  = (available − margin) × fraction ÷ kv_bytes_per_token,
+                         capped at max_sessions × max_context
+
+* available — ``torch.cuda.mem_get_info``'s free bytes for a model on a GPU,
+  ``MemAvailable`` of ``/proc/meminfo`` on the CPU;
+* fraction — 0.9 on a GPU, which the worker has to itself (vLLM's default
+  ``gpu_memory_utilization``); 0.4 on the CPU, whose memory the draft worker,
+  the target worker and the coordinator often share;
+* margin — 1 GiB for a forward pass's activations and allocator slack;
+* the cap — no more can ever be cached, so reserving more says nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
+
+GPU_FRACTION = 0.9
+CPU_FRACTION = 0.4
+MARGIN_BYTES = 1 << 30
+MIB = 1 << 20
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one token takes in a transformers ``DynamicCache`` of this model:
+    a key and a value vector per KV head, per layer."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * kv_heads * head_dim * 2 * dtype.itemsize
+
+
+def available_bytes(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Memory free for KV caches on ``device`` now (the model already loaded)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise OSError(f"{meminfo} has no MemAvailable line: set --max-cached-tokens")
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """A sized budget and the figures it came from (they are logged)."""
+
+    max_cached_tokens: int
+    kv_bytes_per_token: int
+    available_bytes: int
+    fraction: float
+    margin_bytes: int
+    cap_tokens: int
+
+
+def cache_budget(
+    *, kv_bytes_per_token: int, available_bytes: int, on_gpu: bool, max_sessions: int, max_context: int
+) -> CacheBudget:
+    """The rule of this module's docstring. Raises ValueError when the free
+    memory cannot hold even one token."""
+    fraction = GPU_FRACTION if on_gpu else CPU_FRACTION
+    usable = max(0, available_bytes - MARGIN_BYTES) * fraction
+    cap = max_sessions * max_context
+    tokens = min(int(usable // kv_bytes_per_token), cap)
+    if tokens < 1:
+        raise ValueError(
+            f"no memory left for KV caches: {available_bytes / MIB:.0f} MiB free, "
+            f"{MARGIN_BYTES / MIB:.0f} MiB kept as margin; free memory or set --max-cached-tokens"
+        )
+    return CacheBudget(tokens, kv_bytes_per_token, available_bytes, fraction, MARGIN_BYTES, cap)
+
+
+def worker_cache_budget(
+    model: torch.nn.Module, *, max_sessions: int, max_context: int, max_cached_tokens: int | None
+) -> int:
+    """The worker's budget: ``max_cached_tokens`` when given, else sized from
+    the memory free now on the model's device. Logs the figures either way."""
+    parameter = next(model.parameters())
+    per_token = kv_bytes_per_token(model.config, parameter.dtype)
+    if max_cached_tokens is not None:
+        log.info(
+            "kv cache budget from --max-cached-tokens",
+            max_cached_tokens=max_cached_tokens,
+            kv_bytes_per_token=per_token,
+            kv_mib=round(max_cached_tokens * per_token / MIB, 1),
+        )
+        return max_cached_tokens
+    budget = cache_budget(
+        kv_bytes_per_token=per_token,
+        available_bytes=available_bytes(parameter.device),
+        on_gpu=parameter.device.type == "cuda",
+        max_sessions=max_sessions,
+        max_context=max_context,
+    )
+    log.info(
+        "kv cache budget sized from free memory",
+        max_cached_tokens=budget.max_cached_tokens,
+        rule="min((available - margin) * fraction / kv_bytes_per_token, max_sessions * max_context)",
+        available_mib=round(budget.available_bytes / MIB, 1),
+        margin_mib=round(budget.margin_bytes / MIB, 1),
+        fraction=budget.fraction,
+        kv_bytes_per_token=per_token,
+        cap_tokens=budget.cap_tokens,
+        kv_mib=round(budget.max_cached_tokens * per_token / MIB, 1),
+    )
+    if budget.max_cached_tokens < max_context:
+        log.warning(
+            "the kv cache budget is smaller than one full-length sequence",
+            max_cached_tokens=budget.max_cached_tokens,
+            max_context=max_context,
+        )
+    return budget.max_cached_tokens

@@ -1,0 +1,225 @@
+"""Worker loss mid-stream with real processes (DESIGN §2, invariant 1: the
+coordinator's history is the truth): a draft worker SIGKILLed mid-stream in
+20 trials, a draft frozen with SIGSTOP, one of two target workers SIGKILLed,
+and the last target gone. Every stream that can finish does, with output
+identical to target-only greedy decoding; the one that cannot ends
+UNAVAILABLE within a bound, never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import grpc
+import pytest
+
+from outrider.client import AsyncClient
+from tests.stress.cluster import sessions_left, start_stack, worker_info
+from tests.stress.conftest import MAX_NEW
+
+pytestmark = pytest.mark.stress
+K = 4
+DRAFT_TRIALS = 20
+TARGET_TRIALS = 5
+
+
+async def stream(client: AsyncClient, prompt_ids, *, after_chunk=None, at: int = 0, **kwargs):
+    """Streams a generation, awaiting ``after_chunk()`` once chunk number
+    ``at`` (from 1) has arrived. Returns the token ids, the token count of
+    each chunk, the chunk index the action ran after, and the final stats."""
+    ids, sizes, stats = [], [], None
+    async for chunk in client.stream(
+        token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=K, **kwargs
+    ):
+        ids.extend(chunk.token_ids)
+        sizes.append(len(chunk.token_ids))
+        stats = chunk.stats or stats
+        if after_chunk is not None and len(sizes) == at:
+            await after_chunk()
+    return ids, sizes, stats
+
+
+async def speculation_resumes(client: AsyncClient, prompt_ids, timeout_s: float = 10.0) -> float:
+    """Seconds until a request speculates again (the coordinator's channel to a
+    restarted draft reconnects within its back-off, <= 2 s), all drafts accepted."""
+    started = time.monotonic()
+    while True:
+        result = await client.generate(
+            token_ids=prompt_ids, max_new_tokens=10, ignore_eos=True, num_speculative_tokens=K
+        )
+        if result.stats.draft_tokens:
+            assert result.stats.acceptance_rate == 1.0
+            return time.monotonic() - started
+        assert time.monotonic() - started < timeout_s, f"no speculation {timeout_s} s after the draft restarted"
+        await asyncio.sleep(0.05)
+
+
+async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finishes_identical(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    (draft,) = stack.drafts
+    rng = random.Random(20)
+    outcomes = []
+    async with AsyncClient(stack.coordinator.address, timeout=120) as client:
+        for trial in range(DRAFT_TRIALS):
+            restarted = []
+
+            async def kill_and_restart():
+                draft.signal(signal.SIGKILL)
+                restarted.append(await cluster.restart(draft, wait=False))
+
+            kill_at = rng.randint(1, 40)  # of ~80 chunks at full speculation
+            ids, sizes, stats = await stream(client, prompt_ids, after_chunk=kill_and_restart, at=kill_at)
+            draft = restarted[0]
+            await cluster.wait_ready(draft)
+            resumed_after_s = await speculation_resumes(client, prompt_ids)  # the next trial starts with it
+            before, after = sizes[:kill_at], sizes[kill_at:]
+            outcomes.append(
+                dict(
+                    identical=ids == reference,
+                    drafted_before_kill=all(n == K + 1 for n in before),
+                    k0_after_kill=1 in after,
+                    resumed_in_stream=any(n > 1 for n in after[after.index(1) :]) if 1 in after else False,
+                    resumed_after_s=resumed_after_s,
+                )
+            )
+    summary = {key: sum(bool(o[key]) for o in outcomes) for key in outcomes[0] if key != "resumed_after_s"}
+    resumed_after_s = sorted(o["resumed_after_s"] for o in outcomes)
+    print(
+        f"\ndraft SIGKILL mid-stream, {DRAFT_TRIALS} trials: {summary['identical']} finished identical to "
+        f"target-only; {summary['drafted_before_kill']} speculated (all {K} accepted) before the kill, the "
+        f"restarted draft of the trial before included; {summary['k0_after_kill']} went on at K=0 after it; "
+        f"{summary['resumed_in_stream']} resumed speculation within the same stream on the restarted draft; "
+        f"a new request speculated again {resumed_after_s[len(resumed_after_s) // 2]:.2f} s (median, max "
+        f"{resumed_after_s[-1]:.2f} s) after the restarted draft was SERVING"
+    )
+    for key in ("identical", "drafted_before_kill", "k0_after_kill"):
+        assert summary[key] == DRAFT_TRIALS, (key, outcomes)
+    assert summary["resumed_in_stream"] > 0
+    assert await sessions_left([*stack.targets, draft]) == {w.name: (0, 0) for w in stack.workers}
+
+
+async def test_restarted_draft_worker_is_used_again(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    (draft,) = stack.drafts
+    async with AsyncClient(stack.coordinator.address, timeout=60) as client:
+        draft.signal(signal.SIGKILL)
+        await draft.exit_code(5)
+        down = await client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K)
+        assert list(down.token_ids) == reference[:40] and down.stats.draft_tokens == 0
+
+        await cluster.restart(draft)
+        resumed_after_s = await speculation_resumes(client, prompt_ids)
+        up = await client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K)
+    assert list(up.token_ids) == reference[:40]
+    assert up.stats.draft_tokens > 0 and up.stats.acceptance_rate == 1.0
+    print(
+        f"\ndraft restarted: speculation resumed {resumed_after_s:.2f} s after it was SERVING, "
+        f"acceptance rate {up.stats.acceptance_rate:.2f}"
+    )
+
+
+async def test_frozen_draft_worker_the_stream_goes_on_at_k0_within_the_deadline(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    deadline_s = 1.0
+    stack = await start_stack(
+        cluster, tiny_target_dir, tiny_draft_same_dir, coordinator_args=["--draft-deadline-s", str(deadline_s)]
+    )
+    (draft,) = stack.drafts
+    async with AsyncClient(stack.coordinator.address, timeout=60) as client:
+        times = []
+
+        async def freeze():
+            draft.signal(signal.SIGSTOP)
+            times.append(time.monotonic())
+
+        started = time.monotonic()
+        ids, sizes, _ = await asyncio.wait_for(stream(client, prompt_ids, after_chunk=freeze, at=5), 60)
+        frozen_stream_s = time.monotonic() - started
+
+        # A new request while the draft is still frozen: its open waits one deadline at most.
+        started = time.monotonic()
+        new = await asyncio.wait_for(
+            client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K), 30
+        )
+        new_request_s = time.monotonic() - started
+        draft.signal(signal.SIGCONT)
+    assert ids == reference and list(new.token_ids) == reference[:40]
+    assert sizes[:5] == [K + 1] * 5 and set(sizes[5:]) == {1}, "not K=0 after the freeze"
+    assert new.stats.draft_tokens == 0
+    # One round waits for the draft's deadline; nothing waits longer.
+    k0_stream_s = 2.0 * len(reference) / 400 + 2.0  # ~2 s for 400 target-only rounds on this machine, plus slack
+    assert frozen_stream_s < deadline_s + k0_stream_s
+    assert new_request_s < deadline_s + 2.0
+    print(
+        f"\ndraft SIGSTOPped mid-stream (deadline {deadline_s:g} s): the stream went on at K=0 and finished in "
+        f"{frozen_stream_s:.2f} s, identical; a new request meanwhile took {new_request_s:.2f} s"
+    )
+
+
+async def test_one_of_two_target_workers_sigkilled_mid_stream_the_stream_finishes_on_the_other(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir, targets=2)
+    targets = list(stack.targets)
+    rng = random.Random(2)
+    identical = 0
+    async with AsyncClient(stack.coordinator.address, timeout=120) as client:
+        for trial in range(TARGET_TRIALS):
+            killed = []
+
+            async def kill_the_busy_target():
+                infos = [await worker_info(t) for t in targets]
+                (busy,) = [i for i, info in enumerate(infos) if info.active_sessions]
+                targets[busy].signal(signal.SIGKILL)
+                killed.append(busy)
+
+            kill_at = rng.randint(1, 40)
+            ids, sizes, _ = await stream(client, prompt_ids, after_chunk=kill_the_busy_target, at=kill_at)
+            assert len(sizes) > kill_at, "the stream had ended before the kill"
+            identical += ids == reference
+            (busy,) = killed
+            survivor = targets[1 - busy]
+            assert await sessions_left([survivor, *stack.drafts]) == {w.name: (0, 0) for w in [survivor, *stack.drafts]}
+            targets[busy] = await cluster.restart(targets[busy])
+    print(
+        f"\none of two targets SIGKILLed mid-stream, {TARGET_TRIALS} trials: {identical} streams finished on the "
+        "other replica, identical to target-only"
+    )
+    assert identical == TARGET_TRIALS
+
+
+async def test_no_target_worker_left_the_stream_ends_unavailable_within_a_bound(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    (target,) = stack.targets
+    bound_s = 15.0
+    async with AsyncClient(stack.coordinator.address, timeout=60) as client:
+        killed = []
+
+        async def kill_the_target():
+            target.signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        with pytest.raises(grpc.aio.AioRpcError) as in_flight:
+            await asyncio.wait_for(stream(client, prompt_ids, after_chunk=kill_the_target, at=3), bound_s)
+        in_flight_s = time.monotonic() - killed[0]
+
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as new:
+            await asyncio.wait_for(client.generate(token_ids=prompt_ids, max_new_tokens=8), bound_s)
+        new_s = time.monotonic() - started
+    for error in (in_flight.value, new.value):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no target worker" in error.details()
+    print(
+        f"\nno target left: the stream in flight ended UNAVAILABLE {in_flight_s:.2f} s after the kill, a new "
+        f"request {new_s:.2f} s after it was sent ({in_flight.value.details()!r})"
+    )
