@@ -14,7 +14,9 @@ K = 0 (target only) when speculation does not pay. α is estimated per session
 :class:`CostModel` per coordinator learns them from every session's rounds.
 
 While K = 0, nothing is learnt about α; every ``probe_every`` rounds the
-policy drafts one token to look again.
+policy drafts one token to look again — unless drafting would not pay even
+with every draft accepted (a draft as slow as the target), when looking
+again cannot change the answer.
 """
 
 from __future__ import annotations
@@ -111,16 +113,17 @@ class AdaptiveK:
             return 0
         if self.costs.round_cost(0) is None or self.costs.draft_per_token.value is None:
             return k_max  # nothing measured yet: draft, and learn the costs
-        alpha = self.alpha
-        best_k = max(
-            range(k_max + 1),
-            key=lambda k: expected_tokens(alpha, k) / self.costs.round_cost(k),
-        )
-        if best_k == 0:
-            self.rounds_at_zero += 1
-            if self.rounds_at_zero % self.probe_every == 0:
-                return 1
-        return best_k
+        best_k = self._best_k(self.alpha, k_max)
+        if best_k > 0:
+            self.rounds_at_zero = 0
+            return best_k
+        if self._best_k(1.0, k_max) == 0:
+            return 0  # drafting would not pay even if every draft were accepted
+        self.rounds_at_zero += 1
+        return 1 if self.rounds_at_zero % self.probe_every == 0 else 0
+
+    def _best_k(self, alpha: float, k_max: int) -> int:
+        return max(range(k_max + 1), key=lambda k: expected_tokens(alpha, k) / self.costs.round_cost(k))
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""

@@ -31,6 +31,15 @@ def test_hopeless_drafts_fall_back_to_target_only_and_probe():
     assert choices.count(0) == 14 and choices.count(1) == 2  # a probe every 8th round
 
 
+def test_a_draft_slower_than_the_target_is_never_consulted_again():
+    # The bfloat16 target as its own draft on a CPU: every draft is accepted,
+    # but a draft step costs more than a target step, so even α = 1 loses and
+    # probing could not change the answer.
+    policy = AdaptiveK(8, costs(draft=1.3, verify={0: 1.0, 4: 1.9, 8: 2.6}))
+    policy.accepted, policy.rejected = 10.0, 0.0
+    assert [policy.choose(limit=100) for _ in range(64)] == [0] * 64
+
+
 def test_cpu_verify_costs_favour_a_middle_k():
     # DESIGN §8: a verify pass of 5 tokens costs 1.45 steps, of 9 tokens 1.85.
     policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.45, 8: 1.85}))
