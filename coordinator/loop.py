@@ -190,10 +190,12 @@ async def generate(
             # 2. Draft: sync the tokens committed since the last propose, then
             #    propose up to k tokens (with q, when the draft sampled them).
             #    A lost draft proposes nothing: the round is target-only.
+            #    Time spent opening a session (a prefill) is the draft's, but
+            #    not what a round of K drafts costs, so the costs leave it out.
             draft_tokens: list[int] = []
             draft_probs = []
             draft_s = 0.0
-            proposal = await draft_link.propose(history, k) if k > 0 else None
+            proposal, open_s = await draft_link.propose(history, k) if k > 0 else (None, 0.0)
             if proposal is not None:
                 draft_tokens, draft_probs = proposal.draft_tokens[:k], proposal.draft_probs[:k]
                 draft_s = proposal.compute_s
@@ -205,10 +207,10 @@ async def generate(
             # 4. Commit the accepted drafts and the recovered/bonus token;
             #    learn from the round.
             committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
-            overhead_s = time.perf_counter() - round_started - draft_s - verdict.compute_s - reopen_s
+            overhead_s = time.perf_counter() - round_started - open_s - draft_s - verdict.compute_s - reopen_s
             stats.record_round(
                 draft_tokens, draft_probs, verdict.num_accepted,
-                draft_s=draft_s, verify_s=verdict.compute_s, overhead_s=overhead_s,
+                draft_s=open_s + draft_s, verify_s=verdict.compute_s, overhead_s=overhead_s,
             )
             costs.observe(
                 num_drafts=len(draft_tokens),

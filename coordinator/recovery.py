@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 from coordinator.workers import DraftClient, Proposal, TargetClient, VerifyResult, WorkerInfo
 from outrider.errors import OutriderError, ResourceExhausted, Unavailable
@@ -61,8 +60,9 @@ class DraftLink:
         self.failures = 0
         self.retry_at = 0.0
 
-    async def propose(self, history: list[int], k: int) -> Proposal | None:
-        """Syncs and proposes; None when the draft is lost (draft nothing).
+    async def propose(self, history: list[int], k: int) -> tuple[Proposal | None, float]:
+        """Syncs and proposes: the proposal (None when the draft is lost:
+        draft nothing), and the seconds this round spent opening the session.
 
         The session opens at the first round that drafts, prefilled with the
         history, so a generation whose rounds never draft (adaptive K at 0)
@@ -74,40 +74,39 @@ class DraftLink:
         stream for more than one deadline."""
         open_s = 0.0
         if self.session is None:
-            started_here = self.opening is None
-            if started_here:
+            if self.opening is None:
                 if time.monotonic() < self.retry_at:
-                    return None
+                    return None, 0.0
                 # A copy: the history grows while an open runs in the background.
                 self.opening = asyncio.ensure_future(asyncio.wait_for(self._open(list(history)), self.open_deadline_s))
+                started = time.perf_counter()
                 await asyncio.wait({self.opening}, timeout=self.deadline_s)
+                open_s = time.perf_counter() - started
             if not self.opening.done():
-                return None
+                return None, open_s
             opening, self.opening = self.opening, None
             try:
-                prefill_s = opening.result()
+                opening.result()
             except (Unavailable, ResourceExhausted, TimeoutError) as exc:
                 self._lost(exc)
-                return None
+                return None, open_s
             except OutriderError as exc:
                 if not self.opened:
                     raise
                 self._lost(exc)
-                return None
+                return None, open_s
             if self.failures:
                 log.info("draft session reopened", committed_len=self.synced)
-            if started_here:  # else the prefill overlapped earlier rounds
-                open_s = prefill_s
         try:
             async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
                 proposal = await self.session.propose(len(history), history[self.synced :], k)
         except (OutriderError, TimeoutError) as exc:
             await self.close()
             self._lost(exc)
-            return None
+            return None, open_s
         self.synced = len(history)
         self.failures = 0
-        return replace(proposal, compute_s=open_s + proposal.compute_s) if open_s else proposal
+        return proposal, open_s
 
     async def _open(self, history: Sequence[int]) -> float:
         self.session, compute_s = await self.client.open(

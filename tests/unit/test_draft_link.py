@@ -51,17 +51,19 @@ async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_
     history = [1, 2, 3]
 
     started = time.monotonic()
-    assert await draft.propose(history, 4) is None  # waited one deadline, not the whole open
-    assert time.monotonic() - started < 0.25
+    proposal, open_s = await draft.propose(history, 4)
+    assert proposal is None  # waited one deadline, not the whole open
+    assert 0.04 < open_s <= time.monotonic() - started < 0.25  # and says so: the round's time went to the draft
     history.append(4)
     started = time.monotonic()
-    assert await draft.propose(history, 4) is None  # the open is still running: no wait at all
+    assert await draft.propose(history, 4) == (None, 0.0)  # the open is still running: no wait at all
     assert time.monotonic() - started < 0.02
 
     await asyncio.sleep(0.35)
     history.append(5)
-    proposal = await draft.propose(history, 4)
+    proposal, open_s = await draft.propose(history, 4)
     assert proposal is not None and proposal.draft_tokens == [7] * 4
+    assert open_s == 0.0  # the prefill overlapped earlier rounds
     # Opened on the history as it was when the open started, then synced with what came since.
     assert client.opened_with == [[1, 2, 3]]
     assert client.sessions[0].rounds == [(5, [4, 5])]
@@ -72,7 +74,7 @@ async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_
 async def test_closing_while_an_open_runs_in_the_background_cancels_it():
     client = SlowOpenDraft(open_s=30.0)
     draft = link(client, deadline_s=0.05)
-    assert await draft.propose([1, 2, 3], 4) is None
+    assert (await draft.propose([1, 2, 3], 4))[0] is None
     started = time.monotonic()
     await draft.close()
     assert time.monotonic() - started < 1.0
