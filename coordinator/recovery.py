@@ -108,13 +108,12 @@ class DraftLink:
         self.failures = 0
         return proposal, open_s
 
-    async def _open(self, history: Sequence[int]) -> float:
-        self.session, compute_s = await self.client.open(
+    async def _open(self, history: Sequence[int]) -> None:
+        self.session, _ = await self.client.open(
             history, request_id=self.request_id, target=self.target, sampling=self.sampling
         )
         self.opened = True
         self.synced = len(history)
-        return compute_s
 
     def _lost(self, exc: BaseException) -> None:
         self.failures += 1
