@@ -52,8 +52,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             target,
             draft,
             policy,
-            draft_model=draft_info.model if draft_info else "",
-            drafter=draft_info.drafter if draft_info else "",
+            draft_info=draft_info,
             recovery=Recovery(draft_deadline_s=config.draft_deadline_s),
             metrics=CoordinatorMetrics(
                 metrics.registry,
@@ -63,7 +62,14 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             if metrics
             else None,
         )
-        log.info("workers ready", target=target_info.model, draft=draft_info.model if draft_info else None)
+        log.info(
+            "workers ready",
+            target=target_info.model,
+            target_device=target_info.device,
+            target_dtype=target_info.dtype,
+            draft=draft_info.model if draft_info else None,
+            draft_device=draft_info.device if draft_info else None,
+        )
         running = await start_server(
             lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
             [SERVICE_NAME],

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from coordinator.loop import Delta, GenerationRequest, Models, Recovery, Stats, generate
 from coordinator.policy import CostModel
-from coordinator.workers import DraftClient, TargetClient
+from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.metrics import CoordinatorMetrics
@@ -45,8 +45,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         target: TargetClient,
         draft: DraftClient | None,
         policy: SpeculationPolicy,
-        draft_model: str = "",
-        drafter: str = "",
+        draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),
         metrics: CoordinatorMetrics | None = None,
     ) -> None:
@@ -54,8 +53,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.target = target
         self.draft = draft
         self.policy = policy
-        self.draft_model = draft_model
-        self.drafter = drafter
+        self.draft_info = draft_info
         self.recovery = recovery
         self.metrics = metrics
         # Round costs are the deployment's: every session teaches adaptive K.
@@ -86,17 +84,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        target = self.models.target
+        target, draft = self.models.target, self.draft_info
         return pb.ModelInfo(
             target_model=target.model,
-            draft_model=self.draft_model,
-            drafter=self.drafter,
+            draft_model=draft.model if draft else "",
+            drafter=draft.drafter if draft else "",
             vocab_size=target.vocab_size,
             max_context_length=target.max_context,
             default_num_speculative_tokens=self.policy.default_k,
             max_num_speculative_tokens=self.policy.max_k,
             default_max_new_tokens=self.policy.default_max_new_tokens,
             default_adaptive=self.policy.default_adaptive,
+            target_device=target.device,
+            target_dtype=target.dtype,
+            draft_device=draft.device if draft else "",
+            draft_dtype=draft.dtype if draft else "",
         )
 
     # --- from_pb -------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 
 from coordinator.replicas import Replicas
-from outrider.engine_thread import EngineThread
+from outrider.engine import Engine, InlineEngine
 from outrider.errors import SessionExpired, Unavailable
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling import CompactProbs, SamplingParams
@@ -33,6 +33,8 @@ class WorkerInfo:
     vocab_size: int
     vocab_fingerprint: str
     max_context: int
+    device: str = ""
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
         vocab_size=info.vocab_size,
         vocab_fingerprint=info.vocab_fingerprint,
         max_context=info.max_context_length,
+        device=info.device,
+        dtype=info.dtype,
     )
 
 
@@ -242,19 +246,19 @@ class GrpcTargetClient:
 
 
 class InProcessTargetClient:
-    """Calls a TargetEngine directly on its engine thread (tests, one-process use)."""
+    """Runs a worker's TargetSessions jobs on its engine directly (tests, one-process use)."""
 
-    def __init__(self, engine, thread: EngineThread) -> None:
+    def __init__(self, sessions, engine: Engine | InlineEngine) -> None:
+        self.sessions = sessions
         self.engine = engine
-        self.thread = thread
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        i = self.engine.info
-        return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context)
+        i = self.sessions.info
+        return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype)
 
     async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.thread.timed(self.engine.open, session_id, list(tokens), sampling)
+        _, compute_s = await self.engine.timed(self.sessions.open, session_id, list(tokens), sampling)
         return _InProcessTargetSession(self, session_id), compute_s
 
 
@@ -264,31 +268,30 @@ class _InProcessTargetSession:
         self.session_id = session_id
 
     async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
-        v, compute_s = await self.client.thread.timed(
-            self.client.engine.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
+        v, compute_s = await self.client.engine.timed(
+            self.client.sessions.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
         )
         return VerifyResult(v.num_accepted, v.next_token, compute_s)
 
     async def close(self) -> None:
-        self.client.thread.submit(self.client.engine.close, self.session_id)
+        self.client.engine.submit(self.client.sessions.close, self.session_id)
 
 
 class InProcessDraftClient:
-    """Calls a DraftEngine directly on its engine thread."""
+    """Runs a worker's DraftSessions jobs on its engine directly."""
 
-    def __init__(self, engine, thread: EngineThread) -> None:
+    def __init__(self, sessions, engine: Engine | InlineEngine) -> None:
+        self.sessions = sessions
         self.engine = engine
-        self.thread = thread
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        d = self.engine.drafter
-        i = self.engine.info
-        return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context)
+        d, i = self.sessions.drafter, self.sessions.info
+        return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context, i.device, i.dtype)
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.thread.timed(
-            self.engine.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint, sampling
+        _, compute_s = await self.engine.timed(
+            self.sessions.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint, sampling
         )
         return _InProcessDraftSession(self, session_id), compute_s
 
@@ -299,10 +302,10 @@ class _InProcessDraftSession:
         self.session_id = session_id
 
     async def propose(self, committed_len, new_tokens, k) -> Proposal:
-        (tokens, probs), compute_s = await self.client.thread.timed(
-            self.client.engine.propose, self.session_id, committed_len, list(new_tokens), k
+        (tokens, probs), compute_s = await self.client.engine.timed(
+            self.client.sessions.propose, self.session_id, committed_len, list(new_tokens), k
         )
         return Proposal(tokens, compute_s, probs)
 
     async def close(self) -> None:
-        self.client.thread.submit(self.client.engine.close, self.session_id)
+        self.client.engine.submit(self.client.sessions.close, self.session_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draft_worker.engine import DraftEngine
+from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.wire import probs_to_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
@@ -10,11 +10,11 @@ from outrider.v1 import worker_pb2_grpc
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
-    engine: DraftEngine
+    sessions: DraftSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
-        committed_len, compute_s = await self.thread.timed(
-            self.engine.open,
+        committed_len, compute_s = await self.engine.timed(
+            self.sessions.open,
             session_id,
             list(request.token_ids),
             request.target_vocab_size,
@@ -26,8 +26,8 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
-        (tokens, probs), compute_s = await self.thread.timed(
-            self.engine.propose,
+        (tokens, probs), compute_s = await self.engine.timed(
+            self.sessions.propose,
             session_id,
             request.committed_len,
             list(request.new_token_ids),
@@ -40,13 +40,15 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
-        drafter = self.engine.drafter
+        drafter, info = self.sessions.drafter, self.sessions.info
         return pb.WorkerInfo(
             model=drafter.model_name,
             drafter=drafter.kind,
             vocab_size=drafter.vocab_size or 0,
-            vocab_fingerprint=self.engine.info.vocab_fingerprint,
-            max_context_length=self.engine.info.max_context,
-            active_sessions=len(self.engine.store),
-            cached_tokens=self.engine.store.cached_tokens,
+            vocab_fingerprint=info.vocab_fingerprint,
+            max_context_length=info.max_context,
+            active_sessions=len(self.sessions.store),
+            cached_tokens=self.sessions.store.cached_tokens,
+            device=info.device,
+            dtype=info.dtype,
         )

@@ -61,6 +61,24 @@ def _k_value(raw: str | int) -> int | str:
     return k
 
 
+def _device(raw: str) -> str:
+    from outrider.device import check_device
+
+    try:
+        return check_device(raw.strip().lower())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dtype(raw: str) -> str:
+    from outrider.device import check_dtype
+
+    try:
+        return check_dtype(raw.strip().lower())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _addresses(raw: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in raw.split(",") if a.strip())
 
@@ -91,8 +109,26 @@ def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
 def _add_worker_flags(flags: _EnvFlags) -> None:
     from outrider.config import default_threads
 
-    flags.add("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16 or float64")
-    flags.add("--threads", default=default_threads(), type=int, help="torch threads for forward passes")
+    flags.add(
+        "--device",
+        default="auto",
+        type=_device,
+        help="where the model runs: auto (the first CUDA device if there is one, else the CPU), cpu, cuda or cuda:N",
+    )
+    flags.add(
+        "--dtype",
+        default="auto",
+        type=_dtype,
+        help="weights dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16 or float64",
+    )
+    flags.add("--threads", default=default_threads(), type=int, help="torch threads for forward passes on the CPU")
+    flags.add(
+        "--max-tokens-per-step",
+        type=int,
+        help="tokens one batched forward pass may hold: rounds run whole, prompts are prefilled in chunks of "
+        "what is left (default: 256 on the CPU, 2048 on CUDA)",
+    )
+    flags.add("--enforce-eager", action="store_true", help="never capture CUDA graphs (every step runs eagerly)")
     flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
     flags.add(
         "--max-cached-tokens",
@@ -123,7 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (implies --drafter model)")
         p.add_argument("--drafter", choices=["model", "prompt-lookup", "early-exit"], help="drafter kind (default: prompt-lookup)")
         p.add_argument("--draft-layers", type=int, help="layers kept by the early-exit drafter")
-        p.add_argument("--draft-dtype", default="float32", help="dtype of the draft model")
+        p.add_argument(
+            "--device",
+            type=_device,
+            default=os.environ.get("OUTRIDER_DEVICE", "auto"),
+            help="where both workers run their models: auto, cpu, cuda or cuda:N [env OUTRIDER_DEVICE]",
+        )
+        p.add_argument("--dtype", type=_dtype, default="auto", help="dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)")
+        p.add_argument("--draft-dtype", type=_dtype, default="auto", help="dtype of the draft model (auto: as the target's default)")
         p.add_argument("--k", type=_k_value, default=4, help="default draft tokens per round, or 'auto' (adaptive)")
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
         p.add_argument("--log-level", default="warning", help="log level of the three services")
@@ -279,11 +322,17 @@ def _serve(args: argparse.Namespace) -> int:
                 max_cached_tokens=args.max_cached_tokens,
                 session_idle_timeout_s=args.session_idle_timeout_s,
             )
+            engine = cfg.EngineConfig(
+                device=args.device,
+                dtype=args.dtype,
+                threads=args.threads,
+                max_tokens_per_step=args.max_tokens_per_step,
+                enforce_eager=args.enforce_eager,
+            )
             common = dict(
                 address=address,
                 model=args.model,
-                dtype=args.dtype,
-                threads=args.threads,
+                engine=engine,
                 limits=limits,
                 trust_remote_code=args.trust_remote_code,
             )
@@ -309,8 +358,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stack_args(args: argparse.Namespace) -> dict:
-    target = ["--log-level", args.log_level]
-    draft = ["--log-level", args.log_level, "--dtype", args.draft_dtype]
+    target = ["--log-level", args.log_level, "--device", args.device, "--dtype", args.dtype]
+    draft = ["--log-level", args.log_level, "--device", args.device, "--dtype", args.draft_dtype]
     if args.threads:
         target += ["--threads", str(args.threads)]
         draft += ["--threads", str(args.threads)]

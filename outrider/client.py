@@ -168,6 +168,12 @@ class ModelInfo:
     default_max_new_tokens: int
     default_adaptive: bool = False
     """Requests that leave K unset choose it per round."""
+    target_device: str = ""
+    """Where the target worker runs its model (``"cpu"``, ``"cuda:0"``)."""
+    target_dtype: str = ""
+    draft_device: str = ""
+    draft_dtype: str = ""
+    """Empty for a model-free drafter."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""

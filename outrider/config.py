@@ -12,10 +12,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from outrider.device import check_device, check_dtype
 from outrider.security import ClientTls, ServerTls
 
 DRAFTERS = ("model", "prompt-lookup", "early-exit")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+CPU_TOKENS_PER_STEP = 256
+CUDA_TOKENS_PER_STEP = 2048
 
 
 def default_threads() -> int:
@@ -40,6 +42,37 @@ class WorkerLimits:
             raise ValueError(f"max_cached_tokens must be at least 1, got {self.max_cached_tokens}")
         if not self.session_idle_timeout_s > 0:
             raise ValueError(f"session_idle_timeout_s must be positive, got {self.session_idle_timeout_s}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a worker runs its model (``outrider.engine``)."""
+
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N (``outrider.device``)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on the CPU) or a dtype by name."""
+    threads: int = 1
+    """Torch threads of the engine (CPU forward passes)."""
+    max_tokens_per_step: int | None = None
+    """Tokens one forward pass may hold (vLLM's ``max_num_batched_tokens``):
+    rounds run whole, prefills in chunks of what they leave. None: 256 on
+    the CPU, where a 256-token chunk costs a few round steps, 2048 on CUDA."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (vLLM's ``--enforce-eager``)."""
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        check_dtype(self.dtype)
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be at least 1, got {self.max_tokens_per_step}")
+
+    def tokens_per_step(self, device_type: str) -> int:
+        if self.max_tokens_per_step is not None:
+            return self.max_tokens_per_step
+        return CUDA_TOKENS_PER_STEP if device_type == "cuda" else CPU_TOKENS_PER_STEP
 
 
 @dataclass(frozen=True)
@@ -71,14 +104,9 @@ class ServiceAddress:
 class TargetWorkerConfig:
     address: ServiceAddress
     model: str | None = None
-    dtype: str = "float32"
-    threads: int = 1
+    engine: EngineConfig = EngineConfig()
     limits: WorkerLimits = WorkerLimits()
     trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -87,19 +115,16 @@ class DraftWorkerConfig:
     drafter: str = "prompt-lookup"
     model: str | None = None
     """Draft model (drafter "model") or checkpoint to cut (drafter "early-exit"); None: the default model."""
-    dtype: str = "float32"
+    engine: EngineConfig = EngineConfig()
     draft_layers: int | None = None
     max_draft_tokens: int = 16
     max_ngram: int = 3
-    threads: int = 1
     limits: WorkerLimits = WorkerLimits()
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.drafter == "early-exit" and not self.draft_layers:
             raise ValueError("the early-exit drafter needs --draft-layers L (L >= 1)")
         if self.drafter != "early-exit" and self.draft_layers is not None:

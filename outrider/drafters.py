@@ -1,11 +1,14 @@
 """Drafters: what proposes the K tokens the target verifies.
 
-A drafter is one class with ``kind``, ``model_name``, ``uses_kv`` and
-``propose(session, k)``. It draws its tokens the way the session's sampling
-says (``outrider.sampling.draw``): greedy, sampled from q (rejection mode,
-returning q), or with the position's Gumbel noise. The draft worker owns sessions and their caches; a
-drafter only reads the committed history and, if it has a model, extends the
-session's cache.
+A drafter is one class with ``kind``, ``model_name``, ``runner`` and
+``propose(session, k)``, an engine job (:mod:`outrider.engine.core`): a model
+drafter yields one forward pass per draft token, which the draft worker's
+engine batches across every session drafting at that step. It draws its
+tokens the way the session's sampling says (``outrider.sampling.draw``):
+greedy, sampled from q (rejection mode, returning q), or with the position's
+Gumbel noise. The draft worker owns sessions and their caches (and rolls
+them back); a drafter only reads the committed history and, if it has a
+model, extends the session's cache.
 
 * :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
   decoding greedily.
@@ -24,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from outrider.runner import ModelRunner
+from outrider.engine import Feed, Job
 from outrider.sampling import Stream, draw
 from outrider.session import Session
 
@@ -41,40 +44,44 @@ class Drafter(Protocol):
     kind: str
     """"model", "early-exit" or "prompt-lookup"."""
     model_name: str
-    uses_kv: bool
-    """Whether sessions need a KV cache (``runner.new_kv()``)."""
-    runner: ModelRunner | None
+    runner: object | None
+    """The model runner; None for model-free drafters (sessions keep no KV cache)."""
     vocab_size: int | None
     """Size of the id space the drafter proposes from; None: any (model-free)."""
 
-    def propose(self, session: Session, k: int) -> Proposal:
-        """Proposes up to ``k`` tokens to follow ``session.tokens``."""
+    def propose(self, session: Session, k: int) -> Job:
+        """An engine job proposing up to ``k`` tokens to follow
+        ``session.tokens``; the session's cache holds a prefix of them."""
         ...
 
 
 class ModelDrafter:
     kind = "model"
-    uses_kv = True
 
-    def __init__(self, runner: ModelRunner, *, model_name: str) -> None:
+    def __init__(self, runner, *, model_name: str) -> None:
         self.runner = runner
         self.model_name = model_name
         self.vocab_size = runner.vocab_size
 
-    def propose(self, session: Session, k: int) -> Proposal:
-        # Sync: crop the cache to what it shares with the committed history
-        # and feed the rest (the draft has not seen the last committed token).
-        logits = self.runner.extend(session.kv, session.tokens, last_only=True)
+    def propose(self, session: Session, k: int) -> Job:
+        # Sync: feed the committed tokens the cache lacks (at least the last
+        # one: the draft has not seen it yet).
+        kv, sampling = session.kv, session.sampling
+        out = yield Feed(kv, session.tokens[len(kv) :])
         position = len(session.tokens)
         tokens, probs = [], []
-        # Draft: one token per step; the last draft is never fed.
+        # Draft: one token per step, each step batched with the other
+        # sessions drafting; the last draft is never fed.
         while True:
-            token, q = draw(logits[-1], session.sampling, position + len(tokens), Stream.DRAFT)
+            if sampling.is_greedy:
+                token, q = out.argmax[-1], None
+            else:
+                token, q = draw(out.rows[-1], sampling, position + len(tokens), Stream.DRAFT)
             tokens.append(token)
             probs.append(q)
             if len(tokens) == k:
                 return Proposal(tokens, None if q is None else probs)
-            logits = self.runner.feed(session.kv, [token])
+            out = yield Feed(kv, [token])
 
 
 class EarlyExitDrafter(ModelDrafter):
@@ -87,7 +94,6 @@ class EarlyExitDrafter(ModelDrafter):
 class PromptLookupDrafter:
     kind = "prompt-lookup"
     model_name = "prompt-lookup"
-    uses_kv = False
     runner = None
     vocab_size = None
 
@@ -97,8 +103,9 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session: Session, k: int) -> Proposal:
+    def propose(self, session: Session, k: int) -> Job:
         return Proposal(self.lookup(session.tokens, k))
+        yield  # a job that needs no forward pass
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         history = np.asarray(tokens, dtype=np.int64)

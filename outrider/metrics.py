@@ -33,10 +33,13 @@ Coordinator (per request, recorded when it finishes unless said otherwise):
 
 Workers: ``outrider_worker_sessions_active`` and
 ``outrider_worker_cached_tokens`` (read from the session store at scrape
-time), ``outrider_kv_cache_usage_perc`` (cached tokens / the worker's token
-budget, 0 to 1), sessions opened / rejected by status / closed by how the
-stream ended, prefill tokens, and ``outrider_worker_step_seconds{step}``
-(prefill, propose or verify, engine queue included).
+time), ``outrider_kv_cache_usage_perc`` (the fraction of the worker's KV
+cache blocks in use, 0 to 1), sessions opened / rejected by status /
+closed by how the stream ended, prefill tokens,
+``outrider_worker_step_seconds{step}`` (prefill, propose or verify, engine
+queue included), and per engine step ``outrider_iteration_tokens_total``
+(vLLM's name), ``outrider_worker_step_rows`` (sessions batched) and
+``outrider_worker_forward_seconds``.
 
 Every service: ``outrider_grpc_server_handled_total{grpc_service,
 grpc_method, grpc_code}`` and ``outrider_grpc_server_handling_seconds``
@@ -76,6 +79,7 @@ if TYPE_CHECKING:
 
     from coordinator.loop import Delta
     from outrider.config import ServiceAddress
+    from outrider.engine import StepStats
     from outrider.session import SessionStore
 
 log = get_logger(__name__)
@@ -89,6 +93,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # Round overhead is sub-millisecond on loopback; compute steps span 1 ms to seconds.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
 RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -284,10 +290,10 @@ class WorkerMetrics:
         ).set_function(lambda: store.cached_tokens)
         Gauge(
             PREFIX + "kv_cache_usage_perc",
-            "Fraction of the worker's cached-token budget (--max-cached-tokens) in use, 0 to 1 "
+            "Fraction of the worker's KV cache blocks in use, 0 to 1 "
             "(0 for a model-free drafter, which caches nothing).",
             registry=registry,
-        ).set_function(lambda: store.cached_tokens / store.max_cached_tokens if store.max_cached_tokens else 0.0)
+        ).set_function(lambda: store.usage)
         self.opened = Counter(PREFIX + "worker_sessions_opened", "Sessions opened (prefilled).", registry=registry)
         self.rejected = Counter(
             PREFIX + "worker_sessions_rejected",
@@ -313,6 +319,30 @@ class WorkerMetrics:
         )
         self.prefill_seconds = steps.labels("prefill")
         self.round_seconds = steps.labels(self.ROUND_STEP[role])
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens_total",
+            "Tokens per engine step (one forward pass over every session's work).",
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.iteration_rows = Histogram(
+            PREFIX + "worker_step_rows",
+            "Sessions per engine step (the batch size of one forward pass).",
+            buckets=ROW_BUCKETS,
+            registry=registry,
+        )
+        self.forward_seconds = Histogram(
+            PREFIX + "worker_forward_seconds",
+            "Time of one engine step's forward pass.",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+
+    def step(self, stats: StepStats) -> None:
+        """One engine step ran (called on the engine thread)."""
+        self.iteration_tokens.observe(stats.tokens)
+        self.iteration_rows.observe(stats.rows)
+        self.forward_seconds.observe(stats.seconds)
 
     def session_opened(self, tokens: int, seconds: float) -> None:
         self.opened.inc()

@@ -362,11 +362,12 @@ def load_causal_lm(
     spec: str | None,
     *,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
     num_layers: int | None = None,
     trust_remote_code: bool = False,
     fast_small_batch: bool = True,
 ) -> nn.Module:
-    """Load a causal LM for inference: eval mode, no gradients.
+    """Load a causal LM for inference on ``device``: eval mode, no gradients.
 
     ``num_layers=L`` keeps only the first L decoder layers (early exit; the
     final norm and the LM head stay). ``fast_small_batch`` applies
@@ -380,6 +381,7 @@ def load_causal_lm(
     model.eval().requires_grad_(False)
     if num_layers is not None:
         truncate_layers(model, num_layers)
+    model.to(device)
     if fast_small_batch:
         use_small_batch_linears(model)
     return model
@@ -409,25 +411,26 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
 # --------------------------------------------------------------------------- small-batch linears
 
 
-class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` that computes CPU inputs of 2 to 16 rows as ``(W @ x.T).T``.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that CPU inputs of 2 to 16 rows are computed as
+    ``(W @ x.T).T``: same results to float rounding, several times faster on
+    this CPU's BLAS (DESIGN §8). A single row (a decode step) is a
+    matrix-vector product either way and stays on ``F.linear``, which is a
+    few microseconds cheaper there; so do more rows, where the BLAS is fast."""
+    in_features = weight.shape[1]
+    rows = x.numel() // in_features if in_features else 0
+    if not 2 <= rows <= SMALL_BATCH_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    x2d = x.reshape(rows, in_features)
+    out = torch.mm(weight, x2d.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2d.T)
+    return out.T.reshape(*x.shape[:-1], weight.shape[0])
 
-    Same parameters, same results to float rounding. On this CPU's BLAS the
-    transposed product is several times faster for 2–16 rows (DESIGN §8);
-    a single row (a decode step) is a matrix-vector product either way and
-    stays on ``F.linear``, which is a few microseconds cheaper there.
-    """
+
+class SmallBatchLinear(nn.Linear):
+    """``nn.Linear`` computed by :func:`linear` (same parameters)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows = input.numel() // self.in_features if self.in_features else 0
-        if not 2 <= rows <= SMALL_BATCH_ROWS or input.device.type != "cpu":
-            return F.linear(input, self.weight, self.bias)
-        x2d = input.reshape(rows, self.in_features)
-        if self.bias is None:
-            out = torch.mm(self.weight, x2d.T)
-        else:
-            out = torch.addmm(self.bias.unsqueeze(1), self.weight, x2d.T)
-        return out.T.reshape(*input.shape[:-1], self.out_features)
+        return linear(input, self.weight, self.bias)
 
 
 def use_small_batch_linears(model: nn.Module) -> None:

@@ -16,48 +16,20 @@ What a worker has cached between rounds (the rollback invariant). Let
   beyond ``x_{n-1}``) and feeds the rest — one token after a rejection, two
   (``d_K`` and the bonus) after a full accept.
 
-Rollback is a crop: ``DynamicCache.crop`` slices the tensors (views, no
-copy); nothing is ever recomputed from the start. A worker that loses a
-session rebuilds it by prefilling the history the coordinator sends.
+Rollback is a crop (:meth:`outrider.engine.kv_cache.KVCache.crop`): it sets
+the cache's length and hands the blocks it no longer needs back to the pool;
+nothing is copied or recomputed. A worker that loses a session rebuilds it by
+prefilling the history the coordinator sends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from outrider.sampling import SamplingParams
-
-
-@dataclass
-class KVCache:
-    """A model's KV cache together with the token ids it holds, in order."""
-
-    cache: Any  # transformers DynamicCache
-    token_ids: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        """Length of the longest common prefix of the cached ids and ``tokens``."""
-        n = 0
-        for cached, wanted in zip(self.token_ids, tokens):
-            if cached != wanted:
-                break
-            n += 1
-        return n
-
-    def crop(self, length: int) -> None:
-        """Keeps the first ``length`` tokens (rollback; no copy)."""
-        drop = len(self.token_ids) - length
-        if drop < 0:
-            raise ValueError(f"cannot crop a cache of {len(self.token_ids)} tokens to {length}")
-        if drop:
-            self.cache.crop(-drop)
-            del self.token_ids[length:]
 
 
 @dataclass
@@ -83,22 +55,32 @@ class Session:
 
 
 class SessionStore:
-    """Sessions of one worker, with limits on their number and on the tokens
-    they may keep cached. All methods run on the worker's engine thread; the
-    metrics endpoint only reads ``len`` and ``cached_tokens``, from its own."""
+    """Sessions of one worker, at most ``max_sessions``, their caches drawn
+    from ``pool`` (None: a model-free drafter, which caches nothing). All
+    methods run on the worker's engine thread; the metrics endpoint only
+    reads ``len``, ``cached_tokens`` and ``usage``, from its own."""
 
-    def __init__(self, *, max_sessions: int, max_cached_tokens: int) -> None:
+    def __init__(self, *, max_sessions: int, pool: BlockPool | None = None) -> None:
         self.max_sessions = max_sessions
-        self.max_cached_tokens = max_cached_tokens
+        self.pool = pool
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     @property
+    def max_cached_tokens(self) -> int:
+        return self.pool.capacity if self.pool is not None else 0
+
+    @property
     def cached_tokens(self) -> int:
         # A snapshot of the sessions: the metrics thread reads this too.
         return sum(s.cached_tokens for s in list(self._sessions.values()))
+
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool's blocks in use, 0 to 1."""
+        return self.pool.used_blocks / self.pool.num_blocks if self.pool is not None else 0.0
 
     def create(
         self,
@@ -107,6 +89,8 @@ class SessionStore:
         kv: KVCache | None = None,
         sampling: SamplingParams = SamplingParams(),
     ) -> Session:
+        """A new session; its cache gets room for the whole history at once,
+        so its prefill cannot run out of memory halfway."""
         if session_id in self._sessions:
             raise InvalidArgument(f"session {session_id!r} is already open")
         if len(self._sessions) >= self.max_sessions:
@@ -115,7 +99,7 @@ class SessionStore:
                 "retry later or on another replica"
             )
         if kv is not None:
-            self._check_fits(len(tokens), others=self.cached_tokens)
+            kv.reserve(len(tokens))
         session = Session(session_id=session_id, tokens=list(tokens), kv=kv, sampling=sampling)
         self._sessions[session_id] = session
         return session
@@ -126,23 +110,8 @@ class SessionStore:
         except KeyError:
             raise SessionNotFound(f"no session {session_id!r} on this worker") from None
 
-    def reserve(self, session: Session, cached_len: int) -> None:
-        """Raises ResourceExhausted unless ``session`` may grow its cache to
-        ``cached_len`` tokens within the worker's budget."""
-        if session.kv is not None:
-            self._check_fits(cached_len, others=self.cached_tokens - session.cached_tokens)
-
-    def _check_fits(self, needed: int, *, others: int) -> None:
-        if others + needed > self.max_cached_tokens:
-            raise ResourceExhausted(
-                f"worker cache is full: the session needs {needed} cached tokens, "
-                f"{max(0, self.max_cached_tokens - others)} of {self.max_cached_tokens} are free; "
-                "retry later, shorten the request, or use another replica"
-            )
-
     def close(self, session_id: str) -> None:
         """Frees the session and its KV cache at once (idempotent)."""
         session = self._sessions.pop(session_id, None)
         if session is not None and session.kv is not None:
-            session.kv.crop(0)
-            session.kv = None
+            session.kv.free()

@@ -17,13 +17,13 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from outrider.engine_thread import EngineThread
 from outrider.errors import FailedPrecondition, InvalidArgument, OutriderError, SessionExpired
 from outrider.logging import bind_contextvars, get_logger
 from outrider.rpc import status_of
 from outrider.validation import check_request_id
 
 if TYPE_CHECKING:
+    from outrider.engine import Engine, InlineEngine
     from outrider.metrics import WorkerMetrics
 
 log = get_logger(__name__)
@@ -33,7 +33,7 @@ Response = TypeVar("Response")
 async def session_stream(
     requests: AsyncIterable[Any],
     *,
-    thread: EngineThread,
+    engine: Engine | InlineEngine,
     on_open: Callable[[str, Any], Awaitable[Response]],
     on_round: Callable[[str, Any], Awaitable[Response]],
     close: Callable[[str], None],
@@ -82,8 +82,8 @@ async def session_stream(
         ended = status_of(exc).name if isinstance(exc, OutriderError) else "INTERNAL"
         raise
     finally:
-        # Queued behind any forward pass still running for this session.
-        thread.submit(close, session_id)
+        # Runs between engine steps: a round still waiting for one ends first.
+        engine.submit(close, session_id)
         if metrics and opened:
             metrics.closed.labels(ended).inc()
         log.debug("session closed")
@@ -108,23 +108,24 @@ async def _until_idle(requests: AsyncIterable[Any], idle_timeout_s: float) -> As
 
 class SessionServicer:
     """The ``Session`` RPC of a worker servicer: each subclass provides the
-    engine (with ``close``) and the translations ``_open`` and ``_round``."""
+    worker's sessions (with ``close``) and the translations ``_open`` and
+    ``_round``, whose jobs run on ``engine``."""
 
     def __init__(
-        self, engine, thread: EngineThread, *, idle_timeout_s: float, metrics: WorkerMetrics | None = None
+        self, sessions, engine: Engine | InlineEngine, *, idle_timeout_s: float, metrics: WorkerMetrics | None = None
     ) -> None:
+        self.sessions = sessions
         self.engine = engine
-        self.thread = thread
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics
 
     async def Session(self, request_iterator, context):
         async for response in session_stream(
             request_iterator,
-            thread=self.thread,
+            engine=self.engine,
             on_open=self._open,
             on_round=self._round,
-            close=self.engine.close,
+            close=self.sessions.close,
             idle_timeout_s=self.idle_timeout_s,
             metrics=self.metrics,
         ):

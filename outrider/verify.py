@@ -54,7 +54,7 @@ class Verdict:
         return self.num_accepted + 1
 
 
-def verify_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> Verdict:
+def verify_greedy(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> Verdict:
     """Greedy verification.
 
     Accept ``d_t`` while ``d_t == argmax p_t``; at the first mismatch emit
@@ -62,15 +62,12 @@ def verify_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> V
     (bonus). The committed tokens are exactly what target-only greedy
     decoding would produce.
 
-    ``target_logits`` has shape ``[K + 1, vocab]``.
+    ``target_tokens`` are the ``K + 1`` argmaxes ``argmax p_1 .. argmax
+    p_{K+1}`` (the engine computes a whole step's at once).
     """
     k = len(draft_tokens)
-    if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
-        raise ValueError(
-            f"target_logits must have shape [K + 1, vocab] = [{k + 1}, vocab], "
-            f"got {tuple(target_logits.shape)}"
-        )
-    target_tokens = target_logits.argmax(dim=-1).tolist()
+    if len(target_tokens) != k + 1:
+        raise ValueError(f"need K + 1 = {k + 1} target tokens, got {len(target_tokens)}")
     num_accepted = 0
     while num_accepted < k and draft_tokens[num_accepted] == target_tokens[num_accepted]:
         num_accepted += 1
@@ -119,7 +116,7 @@ def verify(
         raise ValueError(f"start_position must be >= 0, got {start_position}")
 
     if params.is_greedy:
-        return verify_greedy(draft_tokens, target_logits)
+        return verify_greedy(draft_tokens, target_logits.argmax(dim=-1).tolist())
     if params.verification is Verification.GUMBEL:
         return verify_gumbel(draft_tokens, target_logits, params, start_position)
     target_probs = probabilities(target_logits, params)

@@ -37,7 +37,7 @@ import grpc
 import uvloop
 from tqdm import tqdm
 
-from outrider.engine_thread import EngineThread
+from outrider.engine import Engine
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
@@ -45,6 +45,11 @@ DRAFT_REQUEST = pb.DraftRequest(round=pb.DraftRound(committed_len=100, new_token
 PROPOSAL = pb.DraftResponse(proposal=pb.DraftProposal(draft_token_ids=[1, 2, 3, 4], compute_s=0.0))
 VERIFY_REQUEST = pb.VerifyRequest(round=pb.VerifyRound(committed_len=100, draft_token_ids=[1, 2, 3, 4]))
 VERDICT = pb.VerifyResponse(verdict=pb.Verdict(num_accepted=1, next_token_id=5, compute_s=0.0))
+
+
+def engine_hop() -> Engine:
+    """A worker's engine without a model: its plain calls take the same hop."""
+    return Engine(None, max_tokens_per_step=1, max_rows=1, torch_threads=1)
 
 
 def busy(seconds: float) -> None:
@@ -56,7 +61,7 @@ def busy(seconds: float) -> None:
 class Target(worker_pb2_grpc.TargetWorkerServicer):
     def __init__(self, work_s: float, on_loop: bool) -> None:
         self.work_s = work_s
-        self.thread = None if on_loop else EngineThread(torch_threads=1)
+        self.thread = None if on_loop else engine_hop()
 
     async def Session(self, requests, context):
         async for _ in requests:
@@ -89,7 +94,7 @@ def serve_grpc(role: str, work_s: float, on_loop: bool, ports: mp.Queue) -> None
 
 def serve_tcp(role: str, work_s: float, ports: mp.Queue) -> None:
     async def main() -> None:
-        thread = EngineThread(torch_threads=1) if role == "target" else None
+        thread = engine_hop() if role == "target" else None
         answer = (VERDICT if role == "target" else PROPOSAL).SerializeToString()
 
         async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

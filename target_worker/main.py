@@ -2,66 +2,76 @@
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from outrider import models
 from outrider.config import TargetWorkerConfig
-from outrider.engine_thread import serve_worker
+from outrider.device import resolve_device, resolve_dtype
+from outrider.engine import Engine, InlineEngine
+from outrider.engine.build import build_runner
 from outrider.logging import get_logger
-from outrider.memory import worker_cache_budget
 from outrider.rpc import run_service
-from outrider.runner import ModelRunner
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from target_worker.engine import TargetEngine, TargetInfo
+from outrider.worker import serve_worker
+from target_worker.sessions import TargetSessions, TargetInfo
 from target_worker.service import TargetWorkerService
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
+GRAPH_TOKENS_PER_ROW = 9
+"""CUDA graphs cover verify rounds of up to K = 8 drafts; longer ones run eagerly."""
 
-def build_engine(config: TargetWorkerConfig) -> TargetEngine:
-    model = models.load_causal_lm(
-        config.model, dtype=getattr(torch, config.dtype), trust_remote_code=config.trust_remote_code
-    )
+
+def build_engine(config: TargetWorkerConfig) -> TargetSessions:
+    device = resolve_device(config.engine.device)
+    dtype = resolve_dtype(config.engine.dtype, device)
+    model = models.load_causal_lm(config.model, dtype=dtype, device=device, trust_remote_code=config.trust_remote_code)
     info = TargetInfo(
         model_name=config.model or models.DEFAULT_MODEL,
         vocab_size=model.config.vocab_size,
         vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
         max_context=models.context_length(model),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
     )
     limits = config.limits
-    store = SessionStore(
+    runner = build_runner(
+        model,
         max_sessions=limits.max_sessions,
-        max_cached_tokens=worker_cache_budget(
-            model,
-            max_sessions=limits.max_sessions,
-            max_context=info.max_context,
-            max_cached_tokens=limits.max_cached_tokens,
-        ),
+        max_context=info.max_context,
+        max_cached_tokens=limits.max_cached_tokens,
+        cuda_graphs=not config.engine.enforce_eager,
     )
-    return TargetEngine(ModelRunner(model), store, info)
+    store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
+    return TargetSessions(runner, store, info)
 
 
-def warm_up(engine: TargetEngine) -> None:
-    """One short session end to end, so the first request pays no start-up cost."""
-    engine.open("warmup", [0, 1, 2, 3])
-    engine.verify("warmup", 4, [4, 5, 6])
-    engine.close("warmup")
+async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None:
+    """Captures the CUDA graphs (on CUDA), then runs one short session end
+    to end, so the first request pays no start-up cost."""
+    await engine.run(
+        functools.partial(target.runner.warm_up, max_rows=target.store.max_sessions, max_tokens_per_row=GRAPH_TOKENS_PER_ROW)
+    )
+    await engine.run(target.open, "warmup", [0, 1, 2, 3])
+    await engine.run(target.verify, "warmup", 4, [4, 5, 6])
+    await engine.run(target.close, "warmup")
 
 
 async def serve(config: TargetWorkerConfig) -> None:
-    log.info("loading target model", model=config.model or models.DEFAULT_MODEL, dtype=config.dtype)
+    log.info("loading target model", model=config.model or models.DEFAULT_MODEL, device=config.engine.device, dtype=config.engine.dtype)
     await serve_worker(
         config.address,
-        threads=config.threads,
-        build_engine=lambda: build_engine(config),
+        config.engine,
+        build=lambda: build_engine(config),
         warm_up=warm_up,
-        add_servicer=lambda engine, thread, server, metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-            TargetWorkerService(engine, thread, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
+        add_servicer=lambda target, engine, server, metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+            TargetWorkerService(target, engine, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
         ),
         service_name=SERVICE_NAME,
         role="target",
+        max_sessions=config.limits.max_sessions,
     )
 
 

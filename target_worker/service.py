@@ -6,23 +6,23 @@ from outrider.session_stream import SessionServicer
 from outrider.wire import probs_from_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from target_worker.engine import TargetEngine
+from target_worker.sessions import TargetSessions
 
 
 class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer):
-    engine: TargetEngine
+    sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        committed_len, compute_s = await self.thread.timed(
-            self.engine.open, session_id, list(request.token_ids), sampling_from_pb(request.sampling)
+        committed_len, compute_s = await self.engine.timed(
+            self.sessions.open, session_id, list(request.token_ids), sampling_from_pb(request.sampling)
         )
         return pb.VerifyResponse(
             opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
-        verdict, compute_s = await self.thread.timed(
-            self.engine.verify,
+        verdict, compute_s = await self.engine.timed(
+            self.sessions.verify,
             session_id,
             request.committed_len,
             list(request.draft_token_ids),
@@ -37,12 +37,14 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
         )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
-        info = self.engine.info
+        info = self.sessions.info
         return pb.WorkerInfo(
             model=info.model_name,
             vocab_size=info.vocab_size,
             vocab_fingerprint=info.vocab_fingerprint,
             max_context_length=info.max_context,
-            active_sessions=len(self.engine.store),
-            cached_tokens=self.engine.store.cached_tokens,
+            active_sessions=len(self.sessions.store),
+            cached_tokens=self.sessions.store.cached_tokens,
+            device=info.device,
+            dtype=info.dtype,
         )

@@ -168,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "drafter", "vocab_size", "max_context_length", "default_num_speculative_tokens", "max_num_speculative_tokens", "default_max_new_tokens", "default_adaptive")
+    __slots__ = ("target_model", "draft_model", "drafter", "vocab_size", "max_context_length", "default_num_speculative_tokens", "max_num_speculative_tokens", "default_max_new_tokens", "default_adaptive", "target_device", "target_dtype", "draft_device", "draft_dtype")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,10 @@ class ModelInfo(_message.Message):
     MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     drafter: str
@@ -187,4 +191,8 @@ class ModelInfo(_message.Message):
     max_num_speculative_tokens: int
     default_max_new_tokens: int
     default_adaptive: bool
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_num_speculative_tokens: _Optional[int] = ..., max_num_speculative_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., default_adaptive: _Optional[bool] = ...) -> None: ...
+    target_device: str
+    target_dtype: str
+    draft_device: str
+    draft_dtype: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_num_speculative_tokens: _Optional[int] = ..., max_num_speculative_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., default_adaptive: _Optional[bool] = ..., target_device: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_device: _Optional[str] = ..., draft_dtype: _Optional[str] = ...) -> None: ...

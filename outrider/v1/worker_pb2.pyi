@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens")
+    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class WorkerInfo(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     vocab_size: int
@@ -27,7 +29,9 @@ class WorkerInfo(_message.Message):
     max_context_length: int
     active_sessions: int
     cached_tokens: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    device: str
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling")

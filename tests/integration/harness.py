@@ -16,16 +16,17 @@ from coordinator.loop import Models, Recovery
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
-from draft_worker.engine import DraftEngine
+from draft_worker.sessions import DraftSessions
 from draft_worker.service import DraftWorkerService
-from outrider.config import DraftWorkerConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
-from outrider.engine_thread import EngineThread
+from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
+from outrider.engine import Engine, InlineEngine
 from outrider.metrics import CoordinatorMetrics, MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
+from outrider.worker import start_engine
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from target_worker import main as target_main
-from target_worker.engine import TargetEngine
+from target_worker.sessions import TargetSessions
 from target_worker.service import TargetWorkerService
 
 ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
@@ -34,12 +35,12 @@ ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
 @dataclass
 class Stack:
     address: str
-    target: TargetEngine
-    draft: DraftEngine | None
-    targets: list[TargetEngine]
+    target: TargetSessions
+    draft: DraftSessions | None
+    targets: list[TargetSessions]
     target_servers: list[RunningServer]
     draft_server: RunningServer | None
-    draft_thread: EngineThread | None = None
+    draft_engine: Engine | InlineEngine | None = None
     metrics: dict[str, MetricsEndpoint] = field(default_factory=dict)
     """With ``running_stack(metrics=True)``: each service's /metrics endpoint
     (``target``, ``target-1``, ..., ``draft``, ``coordinator``)."""
@@ -72,14 +73,18 @@ async def running_stack(
     metrics: bool = False,
     publish_targets: Callable[[list[str]], Awaitable[Sequence[str]]] | None = None,
     kube_api=None,
+    engine: EngineConfig = EngineConfig(dtype="float64"),
 ) -> AsyncIterator[Stack]:
-    """``publish_targets`` gets the target workers' addresses and returns the
-    ones the coordinator is given (e.g. k8s:// ones after publishing
-    EndpointSlices to the API server that ``kube_api`` reaches)."""
+    """The workers are built and run as ``outrider serve`` builds and runs
+    them (``engine`` says how: by default float64 on the CPU, each model
+    worker batching on its own engine thread). ``publish_targets`` gets the
+    target workers' addresses and returns the ones the coordinator is given
+    (e.g. k8s:// ones after publishing EndpointSlices to the API server that
+    ``kube_api`` reaches)."""
     worker_credentials = worker_tls[0].credentials() if worker_tls else None
     worker_client_credentials = worker_tls[1].credentials() if worker_tls else None
     servers: list[RunningServer] = []
-    threads: list[EngineThread] = []
+    engines: list[Engine | InlineEngine] = []
     clients = []
     endpoints: dict[str, MetricsEndpoint] = {}
 
@@ -91,19 +96,22 @@ async def running_stack(
         return endpoints[name].registry
 
     try:
-        target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), dtype="float64", limits=limits)
-        target_engines, target_servers = [], []
+        target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), engine=engine, limits=limits)
+        target_workers, target_servers = [], []
         for replica in range(target_replicas):
-            thread = EngineThread()
-            threads.append(thread)
-            engine = await thread.run(target_main.build_engine, target_config)
-            target_engines.append(engine)
+            worker = await asyncio.to_thread(target_main.build_engine, target_config)
+            target_workers.append(worker)
             target_registry = registry(f"target-{replica}" if replica else "target")
-            target_metrics = WorkerMetrics(target_registry, engine.store, role="target") if metrics else None
+            target_metrics = WorkerMetrics(target_registry, worker.store, role="target") if metrics else None
+            target_engine = start_engine(
+                worker, engine, max_rows=limits.max_sessions, on_step=target_metrics.step if target_metrics else None
+            )
+            engines.append(target_engine)
+            await target_main.warm_up(worker, target_engine)
             target_servers.append(
                 await start_server(
-                    lambda s, engine=engine, thread=thread, m=target_metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                        TargetWorkerService(engine, thread, idle_timeout_s=limits.session_idle_timeout_s, metrics=m), s
+                    lambda s, w=worker, e=target_engine, m=target_metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                        TargetWorkerService(w, e, idle_timeout_s=limits.session_idle_timeout_s, metrics=m), s
                     ),
                     [target_main.SERVICE_NAME],
                     credentials=worker_credentials,
@@ -120,26 +128,29 @@ async def running_stack(
         clients.append(target)
         await target.start()
 
-        draft_engine, draft = None, None
+        draft_worker, draft_engine, draft = None, None, None
         if drafter is not None:
-            draft_thread = EngineThread()
-            threads.append(draft_thread)
             draft_config = DraftWorkerConfig(
                 address=ADDRESS,
                 drafter=drafter,
                 model=str(draft_dir or target_dir),
-                dtype="float64",
+                engine=engine,
                 draft_layers=draft_layers,
                 limits=limits,
             )
-            draft_engine = await draft_thread.run(draft_main.build_engine, draft_config)
+            draft_worker = await asyncio.to_thread(draft_main.build_engine, draft_config)
             draft_registry = registry("draft")
-            draft_metrics = WorkerMetrics(draft_registry, draft_engine.store, role="draft") if metrics else None
+            draft_metrics = WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
+            draft_engine = start_engine(
+                draft_worker, engine, max_rows=limits.max_sessions, on_step=draft_metrics.step if draft_metrics else None
+            )
+            engines.append(draft_engine)
+            await draft_main.warm_up(draft_worker, draft_engine)
             servers.append(
                 await start_server(
                     lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
                         DraftWorkerService(
-                            draft_engine, draft_thread, idle_timeout_s=limits.session_idle_timeout_s, metrics=draft_metrics
+                            draft_worker, draft_engine, idle_timeout_s=limits.session_idle_timeout_s, metrics=draft_metrics
                         ),
                         s,
                     ),
@@ -162,8 +173,7 @@ async def running_stack(
             draft,
             SpeculationPolicy(default_k=k, max_k=16, default_max_new_tokens=64),
             recovery=recovery,
-            draft_model=draft_info.model if draft else "",
-            drafter=draft_info.drafter if draft else "",
+            draft_info=draft_info,
             metrics=CoordinatorMetrics(
                 coordinator_registry, model_name=target_info.model, max_num_speculative_tokens=16
             )
@@ -183,12 +193,12 @@ async def running_stack(
             await server.set_serving(True)
         yield Stack(
             servers[-1].address,
-            target_engines[0],
-            draft_engine,
-            target_engines,
+            target_workers[0],
+            draft_worker,
+            target_workers,
             target_servers,
             servers[target_replicas] if draft is not None else None,
-            threads[-1] if draft is not None else None,
+            draft_engine,
             endpoints,
         )
     finally:
@@ -196,8 +206,8 @@ async def running_stack(
             await server.stop(None)
         for client in clients:
             await client.close()
-        for thread in threads:
-            thread.shutdown()
+        for worker_engine in engines:
+            worker_engine.shutdown()
         for endpoint in endpoints.values():
             endpoint.stop()
 

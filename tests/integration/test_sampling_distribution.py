@@ -25,7 +25,7 @@ K = 2 is the largest K that matters here.
 Speed (the machine has two cores): the engines run their models through
 ``TableLM``, the tiny Llamas' logits precomputed (one batched forward) for
 every sequence a 3-token generation can reach, served through the same
-``ModelRunner`` / ``DynamicCache`` interface (the cache holds one
+``FallbackRunner`` / ``DynamicCache`` interface (the cache holds one
 placeholder per token, so the runner's crops and rollbacks decide what the
 model sees, as with the real model). A separate check decodes with the real
 Hugging Face models and asserts identical tokens.
@@ -47,17 +47,19 @@ from scipy import stats
 from transformers import AutoModelForCausalLM
 
 import coordinator.loop as loop_module
-import target_worker.engine as target_engine_module
+import target_worker.sessions as target_sessions_module
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import InProcessDraftClient, InProcessTargetClient, WorkerInfo
-from draft_worker.engine import DraftEngine, DraftInfo
+from draft_worker.sessions import DraftSessions, DraftInfo
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
-from outrider.engine_thread import InlineEngine
-from outrider.runner import ModelRunner
+from outrider.engine import InlineEngine
+from outrider.engine.kv_cache import BlockPool
+from outrider.engine.llama import LlamaForward
+from outrider.engine.runner import FallbackRunner, PagedRunner
 from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
 from outrider.session import SessionStore
 from outrider.verify import Verdict
-from target_worker.engine import TargetEngine, TargetInfo
+from target_worker.sessions import TargetSessions, TargetInfo
 from tests.tiny import build_tiny_llama
 
 VOCAB = 16
@@ -98,7 +100,7 @@ TARGET_ONLY = "none (K=0)"
 class TableLM(torch.nn.Module):
     """A causal LM whose logits are looked up: ``model``'s logits for every
     prefix of ``prompt + s`` for all ``s`` of ``depth`` tokens, computed in one
-    batched forward pass. Called the way ``ModelRunner`` calls a Hugging Face
+    batched forward pass. Called the way ``FallbackRunner`` calls a Hugging Face
     model. The cache's layer 0 holds one placeholder per token, so the
     runner's crops and rollbacks decide what the model sees, as they do for
     the real model."""
@@ -152,18 +154,27 @@ def load_llama(path: Path, seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
 
-def store() -> SessionStore:
-    return SessionStore(max_sessions=8, max_cached_tokens=1 << 20)
+def runner(model: torch.nn.Module) -> FallbackRunner:
+    """The model's own forward, one session at a time (TableLM is no Llama)."""
+    return FallbackRunner(model, BlockPool(1 << 20, 1))
 
 
-def target_client(model: torch.nn.Module) -> InProcessTargetClient:
+def paged_runner(model: torch.nn.Module) -> PagedRunner:
+    """The workers' batched forward of a real tiny Llama (over a copy: it takes the weights)."""
+    return PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(64, 16))
+
+
+def target_client(model_runner) -> InProcessTargetClient:
     info = TargetInfo(model_name="target", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
-    return InProcessTargetClient(TargetEngine(ModelRunner(model), store(), info), InlineEngine())
+    store = SessionStore(max_sessions=8, pool=model_runner.pool)
+    return InProcessTargetClient(TargetSessions(model_runner, store, info), InlineEngine(model_runner))
 
 
 def draft_client(drafter) -> InProcessDraftClient:
     info = DraftInfo(vocab_fingerprint="", max_context=512, max_draft_tokens=16)
-    return InProcessDraftClient(DraftEngine(drafter, store(), info), InlineEngine())
+    pool = drafter.runner.pool if drafter.runner else None
+    store = SessionStore(max_sessions=8, pool=pool)
+    return InProcessDraftClient(DraftSessions(drafter, store, info), InlineEngine(drafter.runner))
 
 
 def exact_marginals(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:
@@ -286,10 +297,10 @@ def world(tmp_path_factory) -> World:
         head = good.lm_head.weight
         head.add_(0.15 * torch.randn(head.shape, generator=generator, dtype=head.dtype))
     depth = NEW_TOKENS - 1  # the logits of prompt + up to 2 tokens are all a 3-token run reads
-    target_client_ = target_client(TableLM(target, PROMPT, depth))
+    target_client_ = target_client(runner(TableLM(target, PROMPT, depth)))
     drafts = {
-        "good": draft_client(ModelDrafter(ModelRunner(TableLM(good, PROMPT, depth)), model_name="good")),
-        "bad": draft_client(ModelDrafter(ModelRunner(TableLM(bad, PROMPT, depth)), model_name="bad")),
+        "good": draft_client(ModelDrafter(runner(TableLM(good, PROMPT, depth)), model_name="good")),
+        "bad": draft_client(ModelDrafter(runner(TableLM(bad, PROMPT, depth)), model_name="bad")),
         "prompt-lookup": draft_client(PromptLookupDrafter()),
     }
     info = WorkerInfo(model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
@@ -394,7 +405,7 @@ async def test_negative_control_a_broken_acceptance_rule_is_detected(world):
         return Verdict(k, sample(bonus, uniform(params.seed, Stream.TARGET, start_position + k)))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(target_engine_module, "verify", accept_everything)
+        mp.setattr(target_sessions_module, "verify", accept_everything)
         out = np.empty((N, NEW_TOKENS), dtype=np.int64)
         for seed in range(N):
             out[seed], _ = await run_once(
@@ -407,9 +418,9 @@ async def test_negative_control_a_broken_acceptance_rule_is_detected(world):
 @pytest.mark.parametrize("mode", ["rejection", "gumbel"])
 async def test_table_models_decode_as_the_real_models(world, mode):
     """The lookup models stand for the real tiny Llamas: the same seeds give
-    the same tokens with the Hugging Face models behind the engines."""
-    real_target = target_client(world.target_model)
-    real_good = draft_client(ModelDrafter(ModelRunner(world.good_model), model_name="good"))
+    the same tokens with the real models behind the workers' paged runners."""
+    real_target = target_client(paged_runner(world.target_model))
+    real_good = draft_client(ModelDrafter(paged_runner(world.good_model), model_name="good"))
     for seed in range(12):
         for setting in ("T=1.0", "T=1.3,top_p=0.8"):
             req = request(setting, mode, seed, K)

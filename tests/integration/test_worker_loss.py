@@ -67,10 +67,10 @@ async def test_a_restarted_draft_is_used_again(tiny_target_dir, tiny_draft_same_
             down = await client.generate(token_ids=prompt_ids, max_new_tokens=20, num_speculative_tokens=4)
             assert list(down.token_ids) == reference[:20] and down.stats.draft_tokens == 0
 
-            engine, thread = stack.draft, stack.draft_thread
+            sessions, engine = stack.draft, stack.draft_engine
             restarted = await start_server(
                 lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-                    DraftWorkerService(engine, thread, idle_timeout_s=60.0), s
+                    DraftWorkerService(sessions, engine, idle_timeout_s=60.0), s
                 ),
                 ["outrider.v1.DraftWorker"],
                 port=port,

@@ -3,11 +3,13 @@
 import pytest
 
 from outrider.drafters import PromptLookupDrafter
+from outrider.engine import InlineEngine
 from outrider.session import Session
 
 
 def propose(tokens, k, **kwargs):
-    proposal = PromptLookupDrafter(**kwargs).propose(Session("s", list(tokens)), k)
+    # A job that needs no forward pass: an engine without a model runs it.
+    proposal = InlineEngine().call(PromptLookupDrafter(**kwargs).propose, Session("s", list(tokens)), k)
     assert proposal.probs is None  # deterministic: a point mass
     return proposal.tokens
 

@@ -7,23 +7,21 @@ from transformers import AutoTokenizer
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import InProcessDraftClient, InProcessTargetClient
 from draft_worker.main import build_engine as build_draft_engine
-from outrider.config import DraftWorkerConfig, ServiceAddress, TargetWorkerConfig
-from outrider.engine_thread import EngineThread
+from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig
+from outrider.worker import start_engine
 from target_worker.main import build_engine as build_target_engine
 from tests.integration.harness import reference_greedy
 
 
 @pytest.fixture
 async def clients(tiny_target_dir, tiny_draft_other_dir):
-    target_thread, draft_thread = EngineThread(), EngineThread()
-    address = ServiceAddress()
-    target_engine = build_target_engine(TargetWorkerConfig(address, model=str(tiny_target_dir), dtype="float64"))
-    draft_engine = build_draft_engine(
-        DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), dtype="float64")
-    )
-    yield InProcessTargetClient(target_engine, target_thread), InProcessDraftClient(draft_engine, draft_thread)
-    target_thread.shutdown()
-    draft_thread.shutdown()
+    address, engine = ServiceAddress(), EngineConfig(dtype="float64")
+    target = build_target_engine(TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine))
+    draft = build_draft_engine(DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), engine=engine))
+    target_engine, draft_engine = start_engine(target, engine, max_rows=8), start_engine(draft, engine, max_rows=8)
+    yield InProcessTargetClient(target, target_engine), InProcessDraftClient(draft, draft_engine)
+    target_engine.shutdown()
+    draft_engine.shutdown()
 
 
 async def run(request, models, target, draft):
@@ -43,7 +41,7 @@ async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
     final = deltas[-1]
     assert final.finish_reason == "length" and final.stats.generated_tokens == 24
     assert "".join(d.text for d in deltas) == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
-    # Closes are queued on the engine threads; once a later call has run, they have too.
-    await target.thread.run(lambda: None)
-    await draft.thread.run(lambda: None)
-    assert len(target.engine.store) == 0 and len(draft.engine.store) == 0
+    # Closes are queued on the engines; once a later call has run, they have too.
+    await target.engine.run(lambda: None)
+    await draft.engine.run(lambda: None)
+    assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0

@@ -1,69 +1,14 @@
-"""The session store: limits, idempotent close, and rollback by crop."""
+"""The session store: limits on sessions and on the block pool, idempotent close."""
 
 import pytest
-import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
-from outrider.runner import ModelRunner
-from outrider.session import KVCache, SessionStore
-
-
-@pytest.fixture(scope="module")
-def runner():
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return ModelRunner(LlamaForCausalLM(config).to(torch.float64).eval())
-
-
-def test_crop_keeps_a_prefix_without_copying(runner):
-    kv = runner.new_kv()
-    runner.feed(kv, [1, 2, 3, 4, 5, 6])
-    keys_before = kv.cache.layers[0].keys
-    kv.crop(4)
-    assert kv.token_ids == [1, 2, 3, 4]
-    assert kv.cache.get_seq_length() == 4
-    # A view of the same storage: rollback does not copy the cache.
-    assert kv.cache.layers[0].keys.untyped_storage().data_ptr() == keys_before.untyped_storage().data_ptr()
-
-
-def test_logits_after_crop_equal_logits_of_a_fresh_prefill(runner):
-    kv = runner.new_kv()
-    runner.feed(kv, [1, 2, 3, 9, 9])
-    kv.crop(3)
-    after_rollback = runner.feed(kv, [4, 5])
-    fresh = runner.new_kv()
-    expected = runner.feed(fresh, [1, 2, 3, 4, 5])[-2:]
-    torch.testing.assert_close(after_rollback, expected)
-
-
-def test_extend_reuses_the_shared_prefix_and_feeds_the_rest(runner):
-    kv = runner.new_kv()
-    runner.feed(kv, [1, 2, 3, 7, 8])  # 7, 8: speculative, later rejected
-    logits = runner.extend(kv, [1, 2, 3, 4])
-    assert logits.shape[0] == 1  # only token 4 was fed
-    assert kv.token_ids == [1, 2, 3, 4]
-
-
-def test_extend_always_feeds_the_last_token(runner):
-    kv = runner.new_kv()
-    runner.feed(kv, [1, 2, 3])
-    logits = runner.extend(kv, [1, 2, 3])
-    assert logits.shape[0] == 1 and kv.token_ids == [1, 2, 3]
-
-
-def test_crop_cannot_grow(runner):
-    kv = runner.new_kv()
-    runner.feed(kv, [1, 2])
-    with pytest.raises(ValueError):
-        kv.crop(3)
+from outrider.session import SessionStore
 
 
 def test_store_limits_sessions():
-    store = SessionStore(max_sessions=2, max_cached_tokens=100)
+    store = SessionStore(max_sessions=2)
     store.create("a", [1])
     store.create("b", [1])
     with pytest.raises(ResourceExhausted, match="2 of 2 sessions"):
@@ -72,39 +17,39 @@ def test_store_limits_sessions():
     store.create("c", [1])
 
 
-def test_store_limits_cached_tokens(runner):
-    store = SessionStore(max_sessions=8, max_cached_tokens=10)
-    a = store.create("a", [1] * 6, kv=runner.new_kv())
-    runner.feed(a.kv, [1] * 6)
-    with pytest.raises(ResourceExhausted, match="cache is full"):
-        store.create("b", [1] * 5, kv=runner.new_kv())
-    assert len(store) == 1
-    with pytest.raises(ResourceExhausted):
-        store.reserve(a, 11)
-    store.reserve(a, 10)
+def test_a_new_session_gets_room_for_its_whole_history_or_is_refused():
+    pool = BlockPool(num_blocks=3, block_size=4)
+    store = SessionStore(max_sessions=8, pool=pool)
+    store.create("a", [1] * 6, kv=KVCache(pool))  # 2 blocks
+    with pytest.raises(ResourceExhausted, match="cache is full: the session needs 5 cached tokens, 4 of 12 are free"):
+        store.create("b", [1] * 5, kv=KVCache(pool))
+    assert len(store) == 1 and pool.free_blocks == 1
+    store.create("b", [1] * 4, kv=KVCache(pool))
+    assert pool.free_blocks == 0
 
 
-def test_store_close_frees_the_cache_and_is_idempotent(runner):
-    store = SessionStore(max_sessions=8, max_cached_tokens=100)
-    session = store.create("a", [1, 2, 3], kv=runner.new_kv())
-    runner.feed(session.kv, [1, 2, 3])
-    assert store.cached_tokens == 3
+def test_store_close_frees_the_cache_and_is_idempotent():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    store = SessionStore(max_sessions=8, pool=pool)
+    session = store.create("a", [1, 2, 3], kv=KVCache(pool))
+    session.kv.appended([1, 2, 3])
+    assert store.cached_tokens == 3 and store.usage == 1 / 8
     store.close("a")
     store.close("a")
-    assert store.cached_tokens == 0 and len(store) == 0
+    assert store.cached_tokens == 0 and len(store) == 0 and pool.free_blocks == 8
+    assert session.kv.freed
     with pytest.raises(SessionNotFound):
         store.get("a")
 
 
 def test_store_refuses_a_duplicate_session_id():
-    store = SessionStore(max_sessions=8, max_cached_tokens=100)
+    store = SessionStore(max_sessions=8)
     store.create("a", [1])
     with pytest.raises(InvalidArgument):
         store.create("a", [1])
 
 
-def test_kv_cache_shared_prefix():
-    kv = KVCache(DynamicCache(), [1, 2, 3, 4])
-    assert kv.shared_prefix([1, 2, 9]) == 2
-    assert kv.shared_prefix([1, 2, 3, 4, 5]) == 4
-    assert kv.shared_prefix([]) == 0
+def test_a_model_free_store_caches_nothing():
+    store = SessionStore(max_sessions=8)
+    store.create("a", [1, 2, 3])
+    assert store.cached_tokens == 0 and store.max_cached_tokens == 0 and store.usage == 0.0

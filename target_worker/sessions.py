@@ -1,4 +1,8 @@
-"""The target engine: open a session (prefill), verify a round, close."""
+"""The target engine: open a session (prefill), verify a round, close.
+
+``open`` and ``verify`` are engine jobs (:mod:`outrider.engine.core`): they
+check the request, ``yield`` the forward pass they need, and the worker's
+engine batches it with every other session's."""
 
 from __future__ import annotations
 
@@ -7,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.runner import ModelRunner
 from outrider.sampling import CompactProbs, SamplingParams, expand
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
-from outrider.verify import Verdict, verify
+from outrider.verify import Verdict, verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -21,19 +25,19 @@ class TargetInfo:
     vocab_size: int
     vocab_fingerprint: str
     max_context: int
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
-class TargetEngine:
-    """Sessions of the target model. Runs on the worker's engine thread only."""
+class TargetSessions:
+    """Sessions of the target model; its methods run on the worker's engine."""
 
-    def __init__(self, runner: ModelRunner, store: SessionStore, info: TargetInfo) -> None:
+    def __init__(self, runner, store: SessionStore, info: TargetInfo) -> None:
         self.runner = runner
         self.store = store
         self.info = info
 
-    def open(
-        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
-    ) -> int:
+    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Job:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. Returns the committed length."""
         if not tokens:
@@ -42,7 +46,7 @@ class TargetEngine:
         check_context(len(tokens), self.info.max_context, what="the history")
         session = self.store.create(session_id, tokens, kv=self.runner.new_kv(), sampling=sampling)
         if len(tokens) > 1:
-            self.runner.extend(session.kv, tokens[:-1], last_only=True)
+            yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
         return session.committed_len
 
     def verify(
@@ -51,7 +55,7 @@ class TargetEngine:
         committed_len: int,
         draft_tokens: Sequence[int],
         draft_probs: Sequence[CompactProbs] = (),
-    ) -> Verdict:
+    ) -> Job:
         session = self.store.get(session_id)
         if committed_len != session.committed_len:
             raise FailedPrecondition(
@@ -62,19 +66,24 @@ class TargetEngine:
         k = len(draft_tokens)
         q = self.draft_distribution(draft_probs, k)
         check_context(committed_len + k, self.info.max_context, what="history plus draft tokens")
-        self.store.reserve(session, committed_len + k)
 
-        # One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
-        logits = self.runner.extend(session.kv, [*session.tokens, *draft_tokens])[-(k + 1) :]
+        # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
+        kv = session.kv
+        out = yield Feed(kv, [*session.tokens[len(kv) :], *draft_tokens], num_logits=k + 1)
+
+        # 2. Verify (greedy against the argmaxes the engine took for the whole step).
         try:
-            verdict = verify(draft_tokens, q, logits, session.sampling, start_position=committed_len)
+            if session.sampling.is_greedy:
+                verdict = verify_greedy(draft_tokens, out.argmax)
+            else:
+                verdict = verify(draft_tokens, q, out.rows, session.sampling, start_position=committed_len)
         except ValueError as exc:  # e.g. a draft token its own q gives no mass
             raise InvalidArgument(str(exc)) from None
 
-        # Commit the accepted drafts and the recovered/bonus token; keep in
-        # the cache everything committed but that last token.
+        # 3. Commit the accepted drafts and the recovered/bonus token; keep in
+        #    the cache everything committed but that last token.
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
-        session.kv.crop(len(session.tokens))
+        kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)
         return verdict
 

@@ -1,5 +1,9 @@
 """The draft engine: open a session (check the vocabulary, prefill), sync and
-propose each round, close."""
+propose each round, close.
+
+``open`` and ``propose`` are engine jobs (:mod:`outrider.engine.core`): a
+model drafter's K draft steps run as K engine steps, each batched with the
+other sessions drafting."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from outrider.drafters import Drafter
+from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling import CompactProbs, SamplingParams, compact
 from outrider.session import SessionStore
@@ -19,15 +24,23 @@ class DraftInfo:
     """sha256 of the drafter's tokenizer vocabulary; empty for model-free drafters."""
     max_context: int
     max_draft_tokens: int
+    device: str = "cpu"
+    dtype: str = ""
+    """Empty for model-free drafters."""
 
 
-class DraftEngine:
-    """Sessions of one drafter. Runs on the worker's engine thread only."""
+class DraftSessions:
+    """Sessions of one drafter; its methods run on the worker's engine."""
 
     def __init__(self, drafter: Drafter, store: SessionStore, info: DraftInfo) -> None:
         self.drafter = drafter
         self.store = store
         self.info = info
+
+    @property
+    def runner(self):
+        """The drafter's model runner; None for a model-free drafter."""
+        return self.drafter.runner
 
     def check_pairing(self, target_vocab_size: int, target_fingerprint: str) -> None:
         """Refuses a target whose vocabulary differs from the drafter's."""
@@ -54,7 +67,7 @@ class DraftEngine:
         target_vocab_size: int,
         target_fingerprint: str,
         sampling: SamplingParams = SamplingParams(),
-    ) -> int:
+    ) -> Job:
         """Opens a session on the committed history and prefills all but its
         last token. Returns the committed length."""
         self.check_pairing(target_vocab_size, target_fingerprint)
@@ -67,7 +80,7 @@ class DraftEngine:
             session_id, tokens, kv=runner.new_kv() if runner else None, sampling=sampling
         )
         if runner is not None and len(tokens) > 1:
-            runner.extend(session.kv, tokens[:-1], last_only=True)
+            yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
         return session.committed_len
 
     def propose(
@@ -76,7 +89,7 @@ class DraftEngine:
         committed_len: int,
         new_tokens: Sequence[int],
         num_draft_tokens: int,
-    ) -> tuple[list[int], list[CompactProbs]]:
+    ) -> Job:
         """Appends the tokens committed since the last round, then proposes
         up to ``num_draft_tokens`` tokens, with their q in wire form when the
         draft sampled them (else none: a point mass)."""
@@ -93,11 +106,18 @@ class DraftEngine:
             )
         check_token_ids(new_tokens, self.drafter.vocab_size, what="new_token_ids")
         k = min(num_draft_tokens, self.info.max_context - committed_len)
+        # Rollback: the cache agrees with the history up to the last round's
+        # committed length; keep the longest prefix it shares with the new
+        # history, never the last committed token (the draft feeds it).
+        kv = session.kv
+        agreed = min(len(kv), session.committed_len) if kv is not None else 0
         session.tokens.extend(new_tokens)
         if k <= 0:
             return [], []
-        self.store.reserve(session, committed_len + k - 1)
-        proposal = self.drafter.propose(session, k)
+        if kv is not None:
+            kv.crop(min(kv.shared_prefix(session.tokens, agreed), committed_len - 1))
+            kv.reserve(committed_len + k - 1)
+        proposal = yield from self.drafter.propose(session, k)
         return proposal.tokens, [compact(q) for q in proposal.probs or ()]
 
     def close(self, session_id: str) -> None:

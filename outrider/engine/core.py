@@ -1,0 +1,261 @@
+"""The engine: one loop per worker that batches every session's work into
+one forward pass per step.
+
+A worker states each call as a function run on the engine. Plain functions
+(closing a session) run between steps. A *job* — opening a session, a
+target's verify, a draft's proposal — is a generator function: it checks
+the request, then ``yield``\\ s :class:`~outrider.engine.scheduler.Feed`\\ s
+(append these tokens to this session's cache and give me the logits of the
+last n) and gets back :class:`~outrider.engine.runner.Logits`, and finally
+``return``\\ s its result::
+
+    def verify(self, session_id, committed_len, draft_tokens, ...):
+        session = self.store.get(session_id)         # checks, as plain code
+        out = yield Feed(session.kv, [x_n, *draft_tokens], num_logits=K + 1)
+        return verdict_from(out)                      # math on the logits
+
+:class:`Engine` runs jobs on its own thread: at each step it takes the new
+calls, lets the scheduler pick the rows of every job that is waiting for a
+feed, runs them as ONE forward pass, and sends each finished feed's logits
+back into its job, which answers or asks for its next feed — so K draft
+steps of many sessions run as K batched steps, and sessions join and leave
+between steps. The gRPC event loop only ever waits on a future.
+:class:`InlineEngine` runs the same jobs at once on the caller's thread,
+each feed alone: for model-free drafters (no thread hop) and tests.
+
+A feed's cache room is reserved before it is queued; a full pool is thrown
+into the job as ``ResourceExhausted``. A session closed while its job waits
+for a feed ends that job (``SessionNotFound``) before the step, so a forward
+pass never touches freed memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from outrider.engine.runner import Logits
+from outrider.engine.scheduler import Feed, Row, Scheduler
+from outrider.errors import ResourceExhausted, SessionNotFound
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+Job = Generator[Feed, Logits | None, Any]
+
+
+@dataclass
+class _Done:
+    value: Any
+
+
+def _resume(job: Job, context: contextvars.Context, value: Logits | None) -> Feed | _Done:
+    """Runs ``job`` up to its next feed (with room reserved) or its end."""
+    error: BaseException | None = None
+    while True:
+        try:
+            feed = context.run(job.send, value) if error is None else context.run(job.throw, error)
+        except StopIteration as stop:
+            return _Done(stop.value)
+        try:
+            feed.kv.reserve(len(feed.kv) + len(feed.tokens))
+            return feed
+        except ResourceExhausted as exc:
+            error, value = exc, None
+
+
+@dataclass
+class StepStats:
+    """What one step ran, for metrics."""
+
+    rows: int
+    tokens: int
+    seconds: float
+
+
+class _Call:
+    __slots__ = ("fn", "args", "context", "loop", "future", "started", "job")
+
+    def __init__(self, fn, args, loop, future) -> None:
+        self.fn, self.args, self.loop, self.future = fn, args, loop, future
+        self.context = contextvars.copy_context()
+        self.started = 0.0
+        self.job: Job | None = None
+
+    def finish(self, value: Any) -> None:
+        if self.future is not None:
+            _post(self.loop, _set_result, self.future, (value, time.perf_counter() - self.started))
+
+    def fail(self, exc: BaseException) -> None:
+        if self.job is not None:
+            self.job.close()  # its finally blocks run; it never resumes
+        if self.future is not None:
+            _post(self.loop, _set_exception, self.future, exc)
+        else:
+            log.error("engine call failed", call=getattr(self.fn, "__name__", repr(self.fn)), error=repr(exc))
+
+
+class Engine:
+    """Runs calls and jobs on one thread, batching jobs' feeds per step."""
+
+    def __init__(
+        self,
+        runner,
+        *,
+        max_tokens_per_step: int,
+        max_rows: int,
+        torch_threads: int | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(max_tokens_per_step=max_tokens_per_step, max_rows=max_rows)
+        self.on_step = on_step
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(torch_threads,), name="engine", daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the engine (a job runs to its end), with the caller's log context."""
+        result, _ = await self.timed(fn, *args)
+        return result
+
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]:
+        """Like :meth:`run`, and the seconds from the engine taking the call
+        to its end (its steps, shared with other sessions, included)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put(_Call(fn, args, loop, future))
+        return await future
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        """Queues ``fn(*args)`` without waiting (safe from a cancelled task's cleanup)."""
+        self._calls.put(_Call(fn, args, None, None))
+
+    def shutdown(self) -> None:
+        self._calls.put(None)
+        self._thread.join()
+
+    # --- the engine thread ----------------------------------------------------------
+
+    def _serve(self, torch_threads: int | None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        with torch.inference_mode():
+            while self._take_calls(block=not self.scheduler):
+                for call in self.scheduler.drop_closed():
+                    call.fail(SessionNotFound("the session was closed while its round was running"))
+                if self.scheduler:
+                    self._step()
+
+    def _take_calls(self, *, block: bool) -> bool:
+        """Starts every call queued so far (waiting for one when ``block``);
+        False once shut down."""
+        try:
+            call = self._calls.get(block=block)
+        except queue.Empty:
+            return True
+        while call is not None:
+            self._start(call)
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _start(self, call: _Call) -> None:
+        call.started = time.perf_counter()
+        try:
+            result = call.context.run(call.fn, *call.args)
+        except BaseException as exc:
+            call.fail(exc)
+            return
+        if isinstance(result, Generator):
+            call.job = result
+            self._advance(call, None)
+        else:
+            call.finish(result)
+
+    def _advance(self, call: _Call, value: Logits | None) -> None:
+        try:
+            outcome = _resume(call.job, call.context, value)
+        except BaseException as exc:
+            call.fail(exc)
+            return
+        if isinstance(outcome, _Done):
+            call.finish(outcome.value)
+        else:
+            self.scheduler.add(outcome, call)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        rows = [scheduled.row for scheduled in step]
+        started = time.perf_counter()
+        try:
+            outputs = self.runner.execute(rows)
+        except BaseException as exc:  # a broken step fails its jobs, not the worker
+            log.exception("forward pass failed", rows=len(rows), tokens=sum(len(r.tokens) for r in rows))
+            for call in self.scheduler.discard(scheduled.pending.owner for scheduled in step):
+                call.fail(exc)
+            return
+        if self.on_step is not None:
+            self.on_step(StepStats(len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started))
+        for call, output in self.scheduler.update(step, outputs):
+            self._advance(call, output)
+
+
+class InlineEngine:
+    """The :class:`Engine` interface, running each call at once on the
+    caller's thread and each feed alone (``runner`` None: a job must not feed)."""
+
+    def __init__(self, runner=None) -> None:
+        self.runner = runner
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return self.call(fn, *args)
+
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]:
+        started = time.perf_counter()
+        return self.call(fn, *args), time.perf_counter() - started
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        fn(*args)
+
+    def shutdown(self) -> None:
+        pass
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        result = fn(*args)
+        if not isinstance(result, Generator):
+            return result
+        context, value = contextvars.copy_context(), None
+        while not isinstance(outcome := _resume(result, context, value), _Done):
+            if self.runner is None:
+                raise RuntimeError("a job of a worker without a model asked for a forward pass")
+            with torch.inference_mode():
+                (value,) = self.runner.execute([Row(outcome.kv, outcome.tokens, outcome.num_logits)])
+        return outcome.value
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # the loop has closed: nobody is waiting any more
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

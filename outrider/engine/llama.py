@@ -1,0 +1,235 @@
+"""A compact forward pass of the Llama family over the paged KV cache.
+
+Llama, Mistral, Qwen2, Qwen3 and SmolLM2 (a Llama) are one architecture up
+to a few switches: biases on q/k/v (Qwen2), a norm on each query and key
+head (Qwen3), a sliding window (Mistral). This is that forward in the
+spirit of gpt-fast's ``model.py``: the weights of the transformers model
+that :func:`outrider.models.load_causal_lm` loaded (the same safetensors),
+with q/k/v and gate/up fused into one matrix each, run over a *ragged
+batch*: every session's tokens of a step flattened into one sequence of
+``N`` tokens for the linear layers, and grouped by tokens per row for
+attention, each group reading its rows' keys and values through their block
+tables. Norms, rotary embedding and activations are computed exactly as
+transformers computes them, so a float64 model gives transformers' tokens.
+
+The numbers of one step (:class:`ForwardBatch`) are tensors only, so the
+same forward runs eagerly on any device and inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outrider.models import linear
+
+ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+"""Rotary embeddings that depend on the position alone, so a table computed
+once holds them (dynamic NTK and longrope depend on the sequence length)."""
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take this forward, or None when it can."""
+    config = model.config
+    if config.model_type not in ARCHITECTURES:
+        return f"architecture {config.model_type!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get(
+        "rope_type", "default"
+    )
+    if rope not in ROPE_TYPES:
+        return f"rotary embedding {rope!r} is not one of {', '.join(sorted(ROPE_TYPES))}"
+    if config.hidden_act not in ("silu", "swish"):
+        return f"activation {config.hidden_act!r} is not silu"
+    if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
+        return "its layers mix attention types"
+    return None
+
+
+@dataclass
+class AttentionGroup:
+    """Rows of a step that feed the same number of tokens: ``rows`` ×
+    ``tokens_per_row`` consecutive tokens of the batch from ``start``, row
+    by row; row ``r`` reads its cache through ``block_table[r]`` (padded
+    with the null block)."""
+
+    start: int
+    rows: int
+    tokens_per_row: int
+    block_table: torch.Tensor  # [rows, blocks], int64
+
+
+@dataclass
+class ForwardBatch:
+    """One step's tokens, flattened, on the model's device."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64: each token's position in its sequence
+    slots: torch.Tensor  # [N] int64: where each token's key and value are written (block × block size + offset)
+    groups: list[AttentionGroup]
+    logits_indices: torch.Tensor | None = None  # [M]: the tokens whose next-token logits are wanted; None: all
+
+
+@dataclass
+class _Layer:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaForward:
+    """The forward of one Llama-family model. Construction takes the
+    weights out of ``model`` (fusing q/k/v and gate/up, releasing the
+    originals as it goes): the transformers model is not used afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if reason := unsupported(model):
+            raise ValueError(f"{type(model).__name__}: {reason}")
+        config = model.config
+        decoder = model.model
+        attention = decoder.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = attention.head_dim
+        self.scaling = attention.scaling
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.max_positions = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        use_window = getattr(config, "use_sliding_window", True)  # Qwen2 has a window it does not use
+        self.sliding_window = window if window and use_window and window < self.max_positions else None
+        self.embed = decoder.embed_tokens.weight
+        self.norm = decoder.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.layers = [self._take(layer) for layer in decoder.layers]
+        positions = torch.arange(self.max_positions, device=self.device)[None]
+        cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
+        self.cos, self.sin = cos[0], sin[0]
+
+    @staticmethod
+    def _take(layer: nn.Module) -> _Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        biases = [p.bias for p in projections]
+        fused = _Layer(
+            qkv=torch.cat([p.weight for p in projections]),
+            qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
+            o=attention.o_proj.weight,
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            down=mlp.down_proj.weight,
+            input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            q_norm=getattr(getattr(attention, "q_norm", None), "weight", None),
+            k_norm=getattr(getattr(attention, "k_norm", None), "weight", None),
+        )
+        if any(b is not None for b in biases) and fused.qkv_bias is None:
+            raise ValueError("q/k/v projections with and without bias")
+        if attention.o_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
+            raise ValueError("biases on the output or MLP projections are not supported")
+        for module in (*projections, mlp.gate_proj, mlp.up_proj):  # fused copies replace them
+            module.weight = None
+            module.bias = None
+        return fused
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """Keys and values of ``num_blocks`` blocks (and the null block 0),
+        ``[layers, 2, num_blocks + 1, block_size, kv heads, head dim]``,
+        zeroed so that padding never reads NaN."""
+        shape = (self.num_layers, 2, num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Writes the batch's keys and values into ``cache`` and returns the
+        next-token logits of the tokens ``batch.logits_indices`` names, ``[M, vocab]``."""
+        n = batch.input_ids.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        block_size = cache.shape[3]
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        masks = [self._mask(batch.positions, group, block_size) for group in batch.groups]
+
+        x = F.embedding(batch.input_ids, self.embed)
+        for layer, layer_cache in zip(self.layers, cache):
+            # 1. attention: project, rotate, write this step's keys and values, attend
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(
+                [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+            )
+            q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+            if layer.q_norm is not None:
+                q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = layer_cache[0], layer_cache[1]  # [blocks, block size, kv heads, head dim]
+            keys.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, k)
+            values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, v)
+            attended = [self._attend(q, keys, values, group, mask) for group, mask in zip(batch.groups, masks)]
+            x = x + linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
+
+            # 2. MLP
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
+
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    def _mask(self, positions: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
+        """``[rows, 1, G·T, keys]``: query ``t`` of row ``r`` sees key ``j``
+        when ``j <= position`` (and within the sliding window). Keys past a
+        row's length are at later positions, so they are never seen; every
+        query sees key 0, so no row of the softmax is empty."""
+        t = group.tokens_per_row
+        query = positions[group.start : group.start + group.rows * t].view(group.rows, t, 1)
+        key = torch.arange(group.block_table.shape[1] * block_size, device=positions.device)
+        mask = key <= query
+        if self.sliding_window is not None:
+            mask &= key > query - self.sliding_window
+        return mask.unsqueeze(1).repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one group's queries over their rows' cached keys and
+        values, ``[rows · T, heads · head dim]``. The query heads that share
+        a key head are stacked along the query axis (``[rows, kv heads,
+        G·T, head dim]``), so keys and values are read once, never repeated."""
+        rows, t, kv_heads, head_dim = group.rows, group.tokens_per_row, self.num_kv_heads, self.head_dim
+        per_kv = self.num_heads // kv_heads
+        width = group.block_table.shape[1] * keys.shape[1]
+        table = group.block_table.flatten()
+        q = q[group.start : group.start + rows * t].view(rows, t, kv_heads, per_kv, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, per_kv * t, head_dim)
+        k = keys.flatten(1).index_select(0, table).view(rows, width, kv_heads, head_dim).transpose(1, 2)
+        v = values.flatten(1).index_select(0, table).view(rows, width, kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        return out.view(rows, kv_heads, per_kv, t, head_dim).permute(0, 3, 1, 2, 4).reshape(rows * t, -1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``, step for step (in float32, whatever the dtype)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` for one of q or k."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,180 @@
+"""Model runners: the only code that runs a forward pass.
+
+A runner turns one step's rows (:class:`~outrider.engine.scheduler.Row`)
+into tensors, runs them, writes their keys and values into the sessions'
+caches, and returns each row's wanted logits. Which tokens to feed and what
+to make of the logits is the jobs' business (the workers' engines).
+
+* :class:`PagedRunner` — the Llama family (:mod:`outrider.engine.llama`):
+  every row of the step in ONE forward pass over the paged cache, and on
+  CUDA, uniform steps replayed from captured CUDA graphs
+  (:mod:`outrider.engine.cuda_graphs`).
+* :class:`FallbackRunner` — any other causal LM transformers loads: the
+  model's own forward, one row at a time, each session with its own
+  ``DynamicCache``. Slower, and its caches grow by concatenation, but every
+  model that loads works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import groupby
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from outrider.engine.cuda_graphs import CudaGraphs
+from outrider.engine.kv_cache import NULL_BLOCK, BlockPool, KVCache
+from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
+from outrider.engine.scheduler import Row
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Logits:
+    """A row's wanted next-token logits, ``[num_logits, vocab]`` on the
+    model's device, and their argmaxes (computed for the whole step at once,
+    so greedy decoding costs one device sync a step, not one a row)."""
+
+    rows: torch.Tensor
+    argmax: list[int]
+
+
+class PagedRunner:
+    """Rows of a step as one forward pass of a Llama-family model over a
+    paged KV cache of ``pool``'s blocks, allocated here once."""
+
+    def __init__(self, forward: LlamaForward, pool: BlockPool, *, cuda_graphs: bool = False) -> None:
+        self.forward = forward
+        self.pool = pool
+        self.vocab_size = forward.vocab_size
+        self.device = forward.device
+        self.dtype = forward.dtype
+        self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
+        self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
+
+    def new_kv(self) -> KVCache:
+        return KVCache(self.pool)
+
+    def warm_up(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
+        """Captures the CUDA graphs of every bucket up to these sizes."""
+        if self.graphs is not None:
+            self.graphs.capture(max_rows=max_rows, max_tokens_per_row=max_tokens_per_row, progress=progress)
+
+    def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
+        bucket = self.graphs.bucket(rows) if self.graphs is not None else None
+        if bucket is not None:
+            logits, wanted = self.graphs.run(bucket, rows)
+        else:
+            batch, wanted = self._ragged_batch(rows)
+            logits = self.forward.forward(batch, self.cache)
+        for row in rows:
+            row.kv.appended(row.tokens)
+        return _split(logits, wanted)
+
+    def _ragged_batch(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
+        """The rows flattened into one sequence, grouped by tokens per row
+        for attention; and where each row's wanted logits land in the output."""
+        block_size = self.pool.block_size
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_at: list[int] = []
+        wanted: list[tuple[int, int] | None] = [None] * len(rows)
+        tables: list[tuple[int, int, int, list[list[int]]]] = []  # (start, rows, tokens per row, block table)
+        for t, members in groupby(order, key=lambda i: len(rows[i].tokens)):
+            members = list(members)
+            start = len(ids)
+            width = max(self.pool.blocks_for(len(rows[i].kv) + t) for i in members)
+            table = []
+            for i in members:
+                row = rows[i]
+                cached, blocks = len(row.kv), row.kv.blocks
+                for offset, token in enumerate(row.tokens):
+                    position = cached + offset
+                    ids.append(token)
+                    positions.append(position)
+                    slots.append(blocks[position // block_size] * block_size + position % block_size)
+                if row.num_logits:
+                    wanted[i] = (len(logits_at), row.num_logits)
+                    logits_at.extend(range(len(ids) - row.num_logits, len(ids)))
+                needed = self.pool.blocks_for(cached + t)
+                table.append(blocks[:needed] + [NULL_BLOCK] * (width - needed))
+            tables.append((start, len(members), t, table))
+        n = len(ids)
+        flat = [*ids, *positions, *slots, *logits_at]
+        for *_, table in tables:
+            for blocks in table:
+                flat.extend(blocks)
+        packed = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)  # one copy to the device
+        groups, offset = [], 3 * n + len(logits_at)
+        for start, count, t, table in tables:
+            width = len(table[0])
+            groups.append(AttentionGroup(start, count, t, packed[offset : offset + count * width].view(count, width)))
+            offset += count * width
+        batch = ForwardBatch(
+            input_ids=packed[:n],
+            positions=packed[n : 2 * n],
+            slots=packed[2 * n : 3 * n],
+            groups=groups,
+            logits_indices=packed[3 * n : 3 * n + len(logits_at)],
+        )
+        return batch, wanted
+
+
+class DynamicKVCache(KVCache):
+    """A session cache of the fallback runner: transformers' ``DynamicCache``
+    beside the block bookkeeping (blocks of one token)."""
+
+    def __init__(self, pool: BlockPool, cache: DynamicCache) -> None:
+        super().__init__(pool)
+        self.cache = cache
+
+    def crop(self, length: int) -> None:
+        drop = len(self) - length
+        super().crop(length)
+        if drop:
+            self.cache.crop(-drop)
+
+
+class FallbackRunner:
+    """Rows one at a time through the model's own forward (any causal LM)."""
+
+    def __init__(self, model: nn.Module, pool: BlockPool) -> None:
+        if pool.block_size != 1:
+            raise ValueError("the fallback runner accounts its caches in blocks of one token")
+        self.model = model
+        self.pool = pool
+        self.vocab_size: int = model.config.vocab_size
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+
+    def new_kv(self) -> DynamicKVCache:
+        return DynamicKVCache(self.pool, DynamicCache(config=self.model.config))
+
+    def warm_up(self, **_) -> None:
+        pass
+
+    def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
+        outputs: list[Logits | None] = []
+        for row in rows:
+            out = self.model(
+                input_ids=torch.tensor([row.tokens], device=self.device),
+                past_key_values=row.kv.cache,
+                use_cache=True,
+                logits_to_keep=max(row.num_logits, 1),
+            )
+            row.kv.appended(row.tokens)
+            logits = out.logits[0, -row.num_logits :] if row.num_logits else None
+            outputs.append(None if logits is None else Logits(logits, logits.argmax(dim=-1).tolist()))
+        return outputs
+
+
+def _split(logits: torch.Tensor, wanted: Sequence[tuple[int, int] | None]) -> list[Logits | None]:
+    argmax = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+    return [None if w is None else Logits(logits[w[0] : w[0] + w[1]], argmax[w[0] : w[0] + w[1]]) for w in wanted]

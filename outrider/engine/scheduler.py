@@ -1,0 +1,151 @@
+"""Which sessions' tokens run in the next step.
+
+Like vLLM v1's scheduler, this one knows no "prefill phase" or "decode
+phase": each step it hands pending feeds a number of tokens under one token
+budget, and the runner runs them all as one forward pass. Two kinds of feed
+wait here:
+
+* **rounds** — feeds that want logits (a target's verify, a draft's
+  proposal step): someone is waiting for a token. Each runs whole, oldest
+  first, while the budget lasts.
+* **prefills** — feeds that only fill a cache (a session opening on its
+  history). They take what the rounds left of the budget, oldest first, in
+  chunks, so a long prompt arriving mid-flight costs running sessions at
+  most one budget's worth of step time, never a whole prefill.
+
+The first feed of a step always gets tokens, so every step makes progress;
+a round larger than the whole budget runs alone, in chunks that keep the
+tokens whose logits are wanted in its last one. Pure bookkeeping: no tensors, no threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from outrider.engine.kv_cache import KVCache
+
+
+@dataclass
+class Feed:
+    """What a job asks of the engine: append ``tokens`` to the session's
+    cache ``kv`` and hand back the next-token logits of the last
+    ``num_logits`` of them (0: none, a prefill)."""
+
+    kv: KVCache
+    tokens: list[int]
+    num_logits: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("a feed needs at least one token")
+        if not 0 <= self.num_logits <= len(self.tokens):
+            raise ValueError(f"num_logits = {self.num_logits} for a feed of {len(self.tokens)} tokens")
+
+
+@dataclass
+class Row:
+    """One session's share of a step: ``tokens`` go after the ``len(kv)``
+    cached ones; the logits of the last ``num_logits`` are wanted."""
+
+    kv: KVCache
+    tokens: list[int]
+    num_logits: int
+
+
+@dataclass
+class _Pending:
+    feed: Feed
+    owner: Any
+    order: int
+    done: int = 0
+    """Tokens of the feed already run (chunked prefill)."""
+
+
+@dataclass
+class Scheduled:
+    """A row of the step and the pending feed it came from."""
+
+    row: Row
+    pending: _Pending = field(repr=False)
+
+    @property
+    def finishes(self) -> bool:
+        return self.pending.done + len(self.row.tokens) == len(self.pending.feed.tokens)
+
+
+class Scheduler:
+    def __init__(self, *, max_tokens_per_step: int, max_rows: int) -> None:
+        if max_tokens_per_step < 1 or max_rows < 1:
+            raise ValueError("a step needs room for at least one token and one row")
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_rows = max_rows
+        self._pending: list[_Pending] = []
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, feed: Feed, owner: Any) -> None:
+        """Queues ``feed``; ``owner`` is handed back when it has run."""
+        self._pending.append(_Pending(feed, owner, next(self._order)))
+
+    def drop_closed(self) -> list[Any]:
+        """Forgets the feeds of sessions closed meanwhile; returns their owners."""
+        closed = [p for p in self._pending if p.feed.kv.freed]
+        self._pending = [p for p in self._pending if not p.feed.kv.freed]
+        return [p.owner for p in closed]
+
+    def discard(self, owners: Iterable[Any]) -> list[Any]:
+        """Forgets the feeds of ``owners`` (their step failed); returns those owners."""
+        gone = {id(owner): owner for owner in owners}
+        self._pending = [p for p in self._pending if id(p.owner) not in gone]
+        return list(gone.values())
+
+    def schedule(self) -> list[Scheduled]:
+        """The rows of the next step (rounds whole, then prefill chunks)."""
+        budget = self.max_tokens_per_step
+        step: list[Scheduled] = []
+        rounds = [p for p in self._pending if p.feed.num_logits]
+        prefills = [p for p in self._pending if not p.feed.num_logits]
+        for pending in rounds:
+            if len(step) == self.max_rows:
+                break
+            left = len(pending.feed.tokens) - pending.done
+            if left <= budget:
+                take = left
+            elif step:
+                continue  # waits for a step with room for it
+            elif left > pending.feed.num_logits:
+                take = min(budget, left - pending.feed.num_logits)  # a chunk before the tokens whose logits are wanted
+            else:
+                take = left  # those alone exceed the budget: they run whole, or never would
+            step.append(self._take(pending, take))
+            budget -= take
+        for pending in prefills:
+            if len(step) == self.max_rows or budget <= 0:
+                break
+            take = min(len(pending.feed.tokens) - pending.done, budget)
+            step.append(self._take(pending, take))
+            budget -= take
+        return step
+
+    @staticmethod
+    def _take(pending: _Pending, count: int) -> Scheduled:
+        feed = pending.feed
+        tokens = feed.tokens[pending.done : pending.done + count]
+        finishes = pending.done + count == len(feed.tokens)
+        return Scheduled(Row(feed.kv, tokens, feed.num_logits if finishes else 0), pending)
+
+    def update(self, step: Sequence[Scheduled], outputs: Sequence[Any]) -> list[tuple[Any, Any]]:
+        """Records that ``step`` ran; returns ``(owner, output)`` for every feed it finished."""
+        finished, finished_ids = [], set()
+        for scheduled, output in zip(step, outputs):
+            if scheduled.finishes:
+                finished.append((scheduled.pending.owner, output))
+                finished_ids.add(id(scheduled.pending))
+            scheduled.pending.done += len(scheduled.row.tokens)
+        self._pending = [p for p in self._pending if id(p) not in finished_ids]
+        return finished

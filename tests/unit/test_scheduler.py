@@ -1,0 +1,85 @@
+"""The scheduler: rounds whole and first, prefills chunked into what is left, progress always."""
+
+from outrider.engine.kv_cache import BlockPool, KVCache
+from outrider.engine.scheduler import Feed, Scheduler
+
+POOL = BlockPool(num_blocks=1024, block_size=16)
+
+
+def feed(n: int, num_logits: int = 1) -> Feed:
+    return Feed(KVCache(POOL), list(range(n)), num_logits)
+
+
+def shape(step):
+    return [(len(s.row.tokens), s.row.num_logits) for s in step]
+
+
+def test_rounds_run_whole_before_prefills_whatever_their_order():
+    scheduler = Scheduler(max_tokens_per_step=64, max_rows=8)
+    scheduler.add(feed(500, num_logits=0), "prefill")
+    scheduler.add(feed(5, num_logits=5), "verify")
+    scheduler.add(feed(1), "draft")
+    step = scheduler.schedule()
+    assert [s.pending.owner for s in step] == ["verify", "draft", "prefill"]
+    assert shape(step) == [(5, 5), (1, 1), (58, 0)]
+
+
+def test_a_long_prefill_is_chunked_and_finishes_on_its_last_chunk():
+    scheduler = Scheduler(max_tokens_per_step=64, max_rows=8)
+    scheduler.add(feed(150, num_logits=0), "prefill")
+    finished, chunks = [], []
+    while scheduler:
+        step = scheduler.schedule()
+        chunks.append(shape(step))
+        finished += scheduler.update(step, [None] * len(step))
+    assert chunks == [[(64, 0)], [(64, 0)], [(22, 0)]]
+    assert finished == [("prefill", None)]
+
+
+def test_running_rounds_keep_running_while_a_prompt_is_prefilled():
+    scheduler = Scheduler(max_tokens_per_step=32, max_rows=8)
+    scheduler.add(feed(100, num_logits=0), "new")
+    for _ in range(4):
+        scheduler.add(feed(5, num_logits=5), "running")
+        step = scheduler.schedule()
+        assert [s.pending.owner for s in step][0] == "running" and shape(step)[0] == (5, 5)
+        finished = scheduler.update(step, ["logits"] * len(step))
+        assert ("running", "logits") in finished
+
+
+def test_a_round_that_does_not_fit_waits_for_the_next_step():
+    scheduler = Scheduler(max_tokens_per_step=8, max_rows=8)
+    scheduler.add(feed(5, 5), "a")
+    scheduler.add(feed(5, 5), "b")
+    step = scheduler.schedule()
+    assert [s.pending.owner for s in step] == ["a"]
+    scheduler.update(step, [None])
+    assert [s.pending.owner for s in scheduler.schedule()] == ["b"]
+
+
+def test_a_round_larger_than_the_budget_keeps_its_logits_tokens_in_its_last_chunk():
+    scheduler = Scheduler(max_tokens_per_step=4, max_rows=8)
+    scheduler.add(feed(10, num_logits=6), "big")
+    chunks = []
+    while scheduler:
+        step = scheduler.schedule()
+        chunks.append(shape(step))
+        scheduler.update(step, [None] * len(step))
+    assert chunks == [[(4, 0)], [(6, 6)]]
+
+
+def test_rows_per_step_are_capped():
+    scheduler = Scheduler(max_tokens_per_step=100, max_rows=2)
+    for name in "abc":
+        scheduler.add(feed(1), name)
+    assert [s.pending.owner for s in scheduler.schedule()] == ["a", "b"]
+
+
+def test_feeds_of_closed_sessions_are_dropped():
+    scheduler = Scheduler(max_tokens_per_step=100, max_rows=8)
+    closed, open_ = feed(3), feed(3)
+    scheduler.add(closed, "closed")
+    scheduler.add(open_, "open")
+    closed.kv.free()
+    assert scheduler.drop_closed() == ["closed"]
+    assert [s.pending.owner for s in scheduler.schedule()] == ["open"]
