@@ -12,7 +12,8 @@ from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
-from outrider.metrics import CoordinatorMetrics, MetricsEndpoint, RpcMetrics, serving_metrics
+from coordinator.metrics import CoordinatorMetrics
+from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
 from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 

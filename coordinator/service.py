@@ -14,7 +14,7 @@ from coordinator.policy import CostModel
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
-from outrider.metrics import CoordinatorMetrics
+from coordinator.metrics import CoordinatorMetrics
 from outrider.sampling import SamplingParams, Verification
 from outrider.validation import check_request_id
 from outrider.wire import VERIFICATION_TO_PB, verification_from_pb

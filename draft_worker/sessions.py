@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from outrider.drafters import Drafter
 from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.sampling import CompactProbs, SamplingParams, compact
+from outrider.sampling import SamplingParams, compact
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
 

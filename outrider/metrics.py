@@ -6,30 +6,8 @@ same meaning, so a vLLM dashboard or alert carries over by renaming the
 prefix. Prometheus reserves colons for recording rules (its naming guide:
 "exporters should not use colons"), so the separator is an underscore.
 
-Coordinator (per request, recorded when it finishes unless said otherwise):
-
-* ``outrider_spec_decode_num_drafts_total`` — rounds that verified at least
-  one draft token (vLLM counts one *draft* per request per step that carried
-  draft tokens; target-only rounds, K = 0 or a lost draft, are not drafts);
-* ``outrider_spec_decode_num_draft_tokens_total`` — draft tokens verified;
-* ``outrider_spec_decode_num_accepted_tokens_total`` — draft tokens accepted
-  (the recovered or bonus token is not counted);
-* ``outrider_spec_decode_num_accepted_tokens_per_pos_total{position}`` —
-  drafts whose token at ``position`` (0-based) was accepted. Acceptance rate
-  = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
-* ``outrider_time_to_first_token_seconds`` — from receiving the request to
-  having its first tokens to stream (tokenization, both prefills and the
-  first round included);
-* ``outrider_inter_token_latency_seconds`` — time between consecutive
-  streamed chunks of a request. A chunk is one round (its accepted drafts
-  plus the recovered or bonus token), as vLLM observes one latency per
-  engine step whatever the number of tokens the step produced;
-* ``outrider_e2e_request_latency_seconds``, ``outrider_request_success_total
-  {finished_reason}``, ``outrider_prompt_tokens_total``,
-  ``outrider_generation_tokens_total``;
-* ``outrider_num_requests_running`` — requests in the round loop (live);
-* ``outrider_round_overhead_seconds`` — per round, the wall time outside the
-  workers' compute (RPC + coordinator).
+The coordinator's request and speculation metrics live beside its round
+loop, in :mod:`coordinator.metrics`, with the same registry and names.
 
 Workers: ``outrider_worker_sessions_active`` and
 ``outrider_worker_cached_tokens`` (read from the session store at scrape
@@ -46,14 +24,13 @@ grpc_method, grpc_code}`` and ``outrider_grpc_server_handling_seconds``
 (go-grpc-prometheus's names; a refused request is counted under its status
 code), and the process, platform and garbage-collector collectors.
 
-The hot path stays cheap: the coordinator records a request's aggregates
-once, when it finishes; a worker observes one histogram per round.
+The hot path stays cheap: a worker observes one histogram per round and
+three per engine step.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +54,6 @@ from outrider.logging import get_logger
 if TYPE_CHECKING:
     from threading import Thread
 
-    from coordinator.loop import Delta
     from outrider.config import ServiceAddress
     from outrider.engine import StepStats
     from outrider.session import SessionStore
@@ -86,12 +62,7 @@ log = get_logger(__name__)
 
 PREFIX = "outrider_"
 
-# vLLM's buckets for the same histograms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-# Round overhead is sub-millisecond on loopback; compute steps span 1 ms to seconds.
-OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Compute steps span 1 ms to seconds.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
@@ -186,91 +157,6 @@ class RpcMetrics:
             )
         children[0].inc()
         children[1].observe(seconds)
-
-
-# --- coordinator --------------------------------------------------------------------
-
-
-class CoordinatorMetrics:
-    """Request and speculation metrics of the coordinator (vLLM's names)."""
-
-    def __init__(self, registry: CollectorRegistry, *, model_name: str, max_num_speculative_tokens: int) -> None:
-        model = {"model_name": model_name}
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name", *labels], registry=registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=registry).labels(**model)
-
-        self.running = Gauge(
-            PREFIX + "num_requests_running", "Requests in the round loop.", ["model_name"], registry=registry
-        ).labels(**model)
-        self.success = counter("request_success", "Requests finished, by finish reason.", ("finished_reason",))
-        self.success_by_reason = {r: self.success.labels(model_name, r) for r in ("stop", "length")}
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**model)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated by finished requests.").labels(**model)
-        self.ttft = histogram(
-            "time_to_first_token_seconds",
-            "Time from receiving a request to having its first tokens to stream.",
-            TTFT_BUCKETS,
-        )
-        self.itl = histogram(
-            "inter_token_latency_seconds",
-            "Time between consecutive streamed chunks of a request (one chunk per round).",
-            ITL_BUCKETS,
-        )
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "Time from receiving a request to its last tokens.", E2E_BUCKETS
-        )
-        self.round_overhead = histogram(
-            "round_overhead_seconds", "Per round: wall time outside the workers' compute (RPC + coordinator).",
-            OVERHEAD_BUCKETS,
-        )  # fmt: skip
-        self.num_drafts = counter("spec_decode_num_drafts", "Rounds that verified at least one draft token.").labels(**model)
-        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(**model)
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(**model)
-        self._per_pos = counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Drafts whose token at this position (0-based) was accepted.",
-            ("position",),
-        )
-        self.model_name = model_name
-        self.accepted_per_pos = [self._per_pos.labels(model_name, str(p)) for p in range(max_num_speculative_tokens)]
-
-    async def track(self, deltas: AsyncIterator[Delta], received: float) -> AsyncIterator[Delta]:
-        """Passes a request's deltas through, timing them; records the
-        request when its last delta (the one with the stats) goes by.
-        ``received``: ``time.perf_counter()`` when the request arrived."""
-        chunk_times: list[float] = []
-        self.running.inc()
-        try:
-            async for delta in deltas:
-                chunk_times.append(time.perf_counter())
-                if delta.stats is not None:
-                    self._finished(delta, received, chunk_times)
-                yield delta
-        finally:
-            self.running.dec()
-
-    def _finished(self, delta: Delta, received: float, chunk_times: list[float]) -> None:
-        stats = delta.stats
-        self.success_by_reason[delta.finish_reason].inc()
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.generation_tokens.inc(stats.generated_tokens)
-        self.ttft.observe(chunk_times[0] - received)
-        for before, after in zip(chunk_times, chunk_times[1:]):
-            self.itl.observe(after - before)
-        self.e2e.observe(chunk_times[-1] - received)
-        for overhead in stats.overheads_s:
-            self.round_overhead.observe(overhead)
-        self.num_drafts.inc(stats.num_drafts)
-        self.num_draft_tokens.inc(stats.draft_tokens)
-        self.num_accepted_tokens.inc(stats.accepted_tokens)
-        for position, accepted in enumerate(stats.accepted_per_position):
-            if position >= len(self.accepted_per_pos):
-                self.accepted_per_pos.append(self._per_pos.labels(self.model_name, str(position)))
-            self.accepted_per_pos[position].inc(accepted)
 
 
 # --- workers ------------------------------------------------------------------------

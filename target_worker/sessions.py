@@ -16,7 +16,7 @@ from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling import CompactProbs, SamplingParams, expand
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
-from outrider.verify import Verdict, verify, verify_greedy
+from outrider.verify import verify, verify_greedy
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from draft_worker.sessions import DraftSessions
 from draft_worker.service import DraftWorkerService
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
 from outrider.engine import Engine, InlineEngine
-from outrider.metrics import CoordinatorMetrics, MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
+from coordinator.metrics import CoordinatorMetrics
+from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
 from outrider.worker import start_engine
