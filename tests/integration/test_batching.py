@@ -1,0 +1,150 @@
+"""Many sessions at once through real gRPC services on tiny float64 models:
+the workers batch every session's work into shared forward passes, and
+still each session gets exactly its own target-only output, whatever the
+drafter and K, whenever it starts and ends; a long prompt prefilled in
+chunks mid-flight changes nothing; and when every stream has ended — done,
+cancelled or failed — both workers hold no session and no KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from outrider.client import AsyncClient
+from outrider.config import EngineConfig
+from tests.integration.harness import reference_greedy, running_stack
+
+NO_EOS = -1
+VOCAB = 512
+
+
+def prompts(count: int, *, seed: int = 0, lengths=(3, 60)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def step_rows(stack, worker: str) -> float:
+    """Mean sessions per engine step of a worker (its metrics)."""
+    registry = stack.metrics[worker].registry
+    return registry.get_sample_value("outrider_worker_step_rows_sum") / registry.get_sample_value(
+        "outrider_worker_step_rows_count"
+    )
+
+
+# K per session: fixed 0, 1, 4, 8, and adaptive (up to 4).
+SPECULATION = [dict(num_speculative_tokens=k) for k in (0, 1, 4, 8)] + [dict(num_speculative_tokens=4, adaptive=True)]
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+async def test_concurrent_sessions_each_get_their_solo_target_only_output(
+    tiny_target_dir, tiny_draft_other_dir, drafter
+):
+    cases = [
+        (prompt, 8 + 7 * i, SPECULATION[i % len(SPECULATION)]) for i, prompt in enumerate(prompts(10, seed=1))
+    ]
+    references = [reference_greedy(tiny_target_dir, p, n, eos=None) for p, n, _ in cases]
+    draft_dir = tiny_draft_other_dir if drafter == "model" else None
+    async with running_stack(
+        tiny_target_dir, drafter=drafter, draft_dir=draft_dir, eos_token_ids={NO_EOS}, metrics=True
+    ) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+
+            async def session(i: int):
+                await asyncio.sleep(0.02 * i)  # sessions join mid-flight, and end at different times
+                prompt, n, speculation = cases[i]
+                return await client.generate(token_ids=prompt, max_new_tokens=n, **speculation)
+
+            results = await asyncio.gather(*(session(i) for i in range(len(cases))))
+        for result, reference, (_, n, speculation) in zip(results, references, cases):
+            assert list(result.token_ids) == reference, speculation
+            assert result.finish_reason == "length"
+        assert any(r.stats.draft_tokens > r.stats.accepted_tokens for r in results)  # rollbacks happened
+        assert step_rows(stack, "target") > 1.5  # rounds of several sessions verified in one pass
+        if drafter == "model":
+            assert step_rows(stack, "draft") > 1.5  # draft steps batched too
+        assert await stack.sessions_left() == (0, 0)
+
+
+@pytest.mark.parametrize("verification", ["rejection", "gumbel"])
+async def test_a_seeded_request_gives_the_same_tokens_alone_and_among_eight(
+    tiny_target_dir, tiny_draft_other_dir, verification
+):
+    cases = prompts(8, seed=2, lengths=(4, 30))
+    sampling = dict(temperature=0.9, top_p=0.95, verification=verification, max_new_tokens=24, num_speculative_tokens=3)
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+            alone = [await client.generate(token_ids=p, seed=100 + i, **sampling) for i, p in enumerate(cases)]
+            together = await asyncio.gather(
+                *(client.generate(token_ids=p, seed=100 + i, **sampling) for i, p in enumerate(cases))
+            )
+    assert [list(r.token_ids) for r in together] == [list(r.token_ids) for r in alone]
+    assert len({tuple(r.token_ids) for r in alone}) == len(cases)  # really sampled, not one fixed output
+
+
+async def test_a_long_prompt_arriving_mid_flight_is_chunked_and_changes_no_running_output(
+    tiny_target_dir, tiny_draft_other_dir
+):
+    budget = 16
+    running = prompts(4, seed=3, lengths=(5, 12))
+    long_prompt = prompts(1, seed=4, lengths=(400, 400))[0]
+    references = [reference_greedy(tiny_target_dir, p, 40, eos=None) for p in running]
+    long_reference = reference_greedy(tiny_target_dir, long_prompt, 10, eos=None)
+    engine = EngineConfig(dtype="float64", max_tokens_per_step=budget)
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, engine=engine, metrics=True
+    ) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+            first_chunks = asyncio.Event()
+
+            async def run(prompt: list[int]) -> list[int]:
+                tokens = []
+                async for chunk in client.stream(token_ids=prompt, max_new_tokens=40, num_speculative_tokens=4):
+                    tokens += chunk.token_ids
+                    first_chunks.set()
+                return tokens
+
+            tasks = [asyncio.ensure_future(run(p)) for p in running]
+            await first_chunks.wait()
+            long = await client.generate(token_ids=long_prompt, max_new_tokens=10, num_speculative_tokens=4)
+            outputs = await asyncio.gather(*tasks)
+        registry = stack.metrics["target"].registry
+        steps = registry.get_sample_value("outrider_iteration_tokens_total_count")
+        within_budget = registry.get_sample_value("outrider_iteration_tokens_total_bucket", {"le": str(float(budget))})
+    assert outputs == references
+    assert list(long.token_ids) == long_reference
+    assert steps == within_budget  # the 399-token prefill ran in chunks of at most the budget
+    assert steps > len(long_prompt) // budget
+
+
+async def test_after_streams_end_done_cancelled_or_failed_no_session_or_block_is_left(
+    tiny_target_dir, tiny_draft_other_dir
+):
+    cases = prompts(12, seed=5, lengths=(5, 40))
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+
+            async def done(prompt):
+                await client.generate(token_ids=prompt, max_new_tokens=30, num_speculative_tokens=4)
+
+            async def cancelled(prompt):
+                async for _ in client.stream(token_ids=prompt, max_new_tokens=400, num_speculative_tokens=4):
+                    break  # the client walks away mid-stream
+
+            async def failed(prompt):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in client.stream(
+                        token_ids=prompt, max_new_tokens=400, num_speculative_tokens=4, timeout=0.3
+                    ):
+                        pass
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            kinds = [done, cancelled, failed]
+            await asyncio.gather(*(kinds[i % 3](p) for i, p in enumerate(cases)))
+        assert await stack.sessions_left() == (0, 0)
+        for worker in (stack.target, stack.draft):
+            await asyncio.sleep(0)
+            assert worker.store.cached_tokens == 0
+            assert worker.store.pool.free_blocks == worker.store.pool.num_blocks
