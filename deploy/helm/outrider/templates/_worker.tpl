@@ -67,10 +67,20 @@ spec:
             - name: OUTRIDER_MODEL
               value: {{ $values.model | quote }}
             {{- end }}
+            - name: OUTRIDER_DEVICE
+              value: {{ include "outrider.workerDevice" $values | quote }}
             - name: OUTRIDER_DTYPE
               value: {{ $values.dtype | quote }}
             - name: OUTRIDER_THREADS
               value: {{ $values.threads | quote }}
+            {{- if gt (int $values.maxTokensPerStep) 0 }}
+            - name: OUTRIDER_MAX_TOKENS_PER_STEP
+              value: {{ int $values.maxTokensPerStep | quote }}
+            {{- end }}
+            {{- if $values.enforceEager }}
+            - name: OUTRIDER_ENFORCE_EAGER
+              value: "true"
+            {{- end }}
             - name: OUTRIDER_MAX_SESSIONS
               value: {{ $values.maxSessions | quote }}
             - name: OUTRIDER_MAX_CACHED_TOKENS
