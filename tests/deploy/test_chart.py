@@ -5,6 +5,7 @@ secure pods, minimal RBAC, headless worker Services, discovery wiring)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 
@@ -449,3 +450,41 @@ def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(object
         container = pod_spec(component(objects, "Deployment", name))["containers"][0]
         unknown = {k for k in env_of(container) if k.startswith("OUTRIDER_")} - flags - {"OUTRIDER_CACHE_DIR"}
         assert not unknown, f"{name}: {sorted(unknown)} are not flags of `outrider serve {name}`"
+
+
+def parse_serve_args(monkeypatch, container: dict, role: str):
+    """`outrider serve ROLE`'s arguments, built from the container's OUTRIDER_*
+    environment alone (as the service builds them in its pod)."""
+    from outrider.cli import build_parser
+
+    for key in [k for k in os.environ if k.startswith("OUTRIDER_")]:
+        monkeypatch.delenv(key)
+    for key, value in env_of(container).items():
+        if key.startswith("OUTRIDER_") and value is not None:
+            monkeypatch.setenv(key, value)
+    return build_parser().parse_args(["serve", role])
+
+
+@pytest.mark.parametrize("name", ["coordinator", "target", "draft"])
+def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch, name):
+    """The values, not only the names: Helm reads numbers in values files as
+    floats, and a quoted 1048576 renders as 1.048576e+06, which no int flag takes."""
+    container = pod_spec(component(objects, "Deployment", name))["containers"][0]
+    args = parse_serve_args(monkeypatch, container, name)  # raises on a value a flag cannot take
+    if name != "coordinator":
+        assert args.max_cached_tokens == int(env_of(container)["OUTRIDER_MAX_CACHED_TOKENS"])
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monkeypatch, name):
+    objects = render(
+        FULL_VALUES, sets=(f"{name}.maxTokensPerStep=1024", f"{name}.enforceEager=true", f"{name}.dtype=float16")
+    )
+    args = parse_serve_args(monkeypatch, pod_spec(component(objects, "Deployment", name))["containers"][0], name)
+    device = "cuda" if name == "target" else "cuda:0"
+    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (device, "float16", 1024, True)
+
+
+def test_large_integers_from_a_values_file_render_as_integers(full_objects):
+    env = env_of(pod_spec(component(full_objects, "Deployment", "target"))["containers"][0])
+    assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "1048576"  # ci/full-values.yaml

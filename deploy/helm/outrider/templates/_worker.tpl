@@ -72,7 +72,7 @@ spec:
             - name: OUTRIDER_DTYPE
               value: {{ $values.dtype | quote }}
             - name: OUTRIDER_THREADS
-              value: {{ $values.threads | quote }}
+              value: {{ int $values.threads | quote }}
             {{- if gt (int $values.maxTokensPerStep) 0 }}
             - name: OUTRIDER_MAX_TOKENS_PER_STEP
               value: {{ int $values.maxTokensPerStep | quote }}
@@ -82,9 +82,9 @@ spec:
               value: "true"
             {{- end }}
             - name: OUTRIDER_MAX_SESSIONS
-              value: {{ $values.maxSessions | quote }}
+              value: {{ int $values.maxSessions | quote }}
             - name: OUTRIDER_MAX_CACHED_TOKENS
-              value: {{ $values.maxCachedTokens | quote }}
+              value: {{ int $values.maxCachedTokens | quote }}
             {{- if $values.trustRemoteCode }}
             - name: OUTRIDER_TRUST_REMOTE_CODE
               value: "true"
