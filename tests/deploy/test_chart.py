@@ -472,7 +472,8 @@ def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch
     container = pod_spec(component(objects, "Deployment", name))["containers"][0]
     args = parse_serve_args(monkeypatch, container, name)  # raises on a value a flag cannot take
     if name != "coordinator":
-        assert args.max_cached_tokens == int(env_of(container)["OUTRIDER_MAX_CACHED_TOKENS"])
+        cached = env_of(container).get("OUTRIDER_MAX_CACHED_TOKENS")
+        assert args.max_cached_tokens == (int(cached) if cached else None)
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])
@@ -488,3 +489,13 @@ def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monke
 def test_large_integers_from_a_values_file_render_as_integers(full_objects):
     env = env_of(pod_spec(component(full_objects, "Deployment", "target"))["containers"][0])
     assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "1048576"  # ci/full-values.yaml
+
+
+def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, default_objects):
+    """0 (the full values' GPU draft pool): no flag, so the worker sizes its
+    KV cache from the memory free once its model is loaded."""
+    draft = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
+    assert "OUTRIDER_MAX_CACHED_TOKENS" not in draft
+    for name in ("target", "draft"):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
+        env = env_of(pod_spec(component(default_objects, "Deployment", name))["containers"][0])
+        assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"

@@ -83,8 +83,10 @@ spec:
             {{- end }}
             - name: OUTRIDER_MAX_SESSIONS
               value: {{ int $values.maxSessions | quote }}
+            {{- if gt (int $values.maxCachedTokens) 0 }}
             - name: OUTRIDER_MAX_CACHED_TOKENS
               value: {{ int $values.maxCachedTokens | quote }}
+            {{- end }}
             {{- if $values.trustRemoteCode }}
             - name: OUTRIDER_TRUST_REMOTE_CODE
               value: "true"
