@@ -4,6 +4,8 @@ secure pods, minimal RBAC, headless worker Services, discovery wiring)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 
@@ -68,12 +70,41 @@ def test_the_full_values_render_every_optional_object(full_objects):
         ("coordinator.replica=3", "Additional property replica is not allowed"),
         ("draft.drafter=medusa", "draft.drafter must be one of"),
         ("target.gpu.count=-1", "target.gpu.count"),
+        ("target.device=gpu", "target.device"),
+        ("draft.device=cuda:x", "draft.device"),
+        ("target.maxTokensPerStep=-1", "target.maxTokensPerStep"),
     ],
 )
 def test_the_schema_rejects_a_bad_value_with_its_name(render, setting, message):
     with pytest.raises(subprocess.CalledProcessError) as failure:
         render(sets=(setting,))
     assert message in failure.value.stderr
+
+
+def test_helm_lint_refuses_a_device_outrider_does_not_know(helm):
+    result = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), "--namespace", NAMESPACE, "--set", "target.device=gpu:0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "target.device" in result.stdout + result.stderr
+
+
+def test_the_schema_allows_exactly_the_devices_and_dtypes_outrider_takes():
+    """values.schema.json and outrider.device agree: every dtype, and every
+    device form ("" is the chart's own: derived from gpu.count)."""
+    from outrider.device import DTYPES, check_device
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for pool in ("target", "draft"):
+        properties = schema["properties"][pool]["properties"]
+        assert tuple(properties["dtype"]["enum"]) == DTYPES
+        names, pattern = properties["device"]["anyOf"]
+        for device in [*names["enum"], "cuda:0", "cuda:7"]:
+            allowed = device in names["enum"] or re.fullmatch(pattern["pattern"].strip("^$"), device)
+            assert allowed and (device == "" or check_device(device) == device), device
+        for device in ("gpu", "cuda:", "cuda:x", "CUDA", "mps"):
+            assert device not in names["enum"] and not re.fullmatch(pattern["pattern"].strip("^$"), device), device
 
 
 def test_a_service_monitor_without_metrics_is_refused(render):
@@ -307,8 +338,12 @@ def test_the_service_monitor_scrapes_the_metrics_port_of_every_component(full_ob
 
 
 def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
-    expected = {"target": (4, "gpu-large", "bfloat16", "8"), "draft": (1, "gpu-small", "bfloat16", "4")}
-    for name, (gpus, pool, dtype, threads) in expected.items():
+    # target: device and dtype left to the chart; draft: both set explicitly
+    expected = {
+        "target": (4, "gpu-large", "cuda", "auto", "8"),
+        "draft": (1, "gpu-small", "cuda:0", "bfloat16", "4"),
+    }
+    for name, (gpus, pool, device, dtype, threads) in expected.items():
         spec = pod_spec(component(full_objects, "Deployment", name))
         container = spec["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -316,7 +351,11 @@ def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
         assert spec["nodeSelector"] == {"node-pool": pool}
         assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
         env = env_of(container)
-        assert (env["OUTRIDER_DTYPE"], env["OUTRIDER_THREADS"]) == (dtype, threads)
+        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"], env["OUTRIDER_THREADS"]) == (device, dtype, threads)
+    target_env = env_of(pod_spec(component(full_objects, "Deployment", "target"))["containers"][0])
+    draft_env = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
+    assert target_env["OUTRIDER_MAX_TOKENS_PER_STEP"] == "4096" and "OUTRIDER_ENFORCE_EAGER" not in target_env
+    assert draft_env["OUTRIDER_ENFORCE_EAGER"] == "true" and "OUTRIDER_MAX_TOKENS_PER_STEP" not in draft_env
     target = pod_spec(component(full_objects, "Deployment", "target"))
     assert "podAntiAffinity" in target["affinity"]
     assert env_of(target["containers"][0])["OUTRIDER_MODEL"] == "/models/Llama-3.1-70B-Instruct"
@@ -325,10 +364,40 @@ def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
     assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_MODEL"]) == ("model", "meta-llama/Llama-3.2-1B-Instruct")
 
 
-def test_cpu_defaults_request_no_gpu(default_objects):
+def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(default_objects):
     for name in ("target", "draft"):
-        resources = pod_spec(component(default_objects, "Deployment", name))["containers"][0]["resources"]
+        container = pod_spec(component(default_objects, "Deployment", name))["containers"][0]
+        resources = container["resources"]
         assert not any("gpu" in key for key in {**resources.get("limits", {}), **resources.get("requests", {})})
+        env = env_of(container)
+        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"]) == ("cpu", "auto")  # auto: float32 on the CPU
+        assert "OUTRIDER_MAX_TOKENS_PER_STEP" not in env and "OUTRIDER_ENFORCE_EAGER" not in env
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
+    """gpu.count alone moves a pool onto its GPU: the device plugin's resource
+    is requested, and the worker is told --device cuda (OUTRIDER_DEVICE)."""
+    objects = render(sets=(f"{name}.gpu.count=1",))
+    container = pod_spec(component(objects, "Deployment", name))["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env_of(container)["OUTRIDER_DEVICE"] == "cuda"
+    other = "draft" if name == "target" else "target"
+    assert env_of(pod_spec(component(objects, "Deployment", other))["containers"][0])["OUTRIDER_DEVICE"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "sets, device",
+    [
+        (("target.gpu.count=1", "target.device=cpu"), "cpu"),
+        (("target.gpu.count=2", "target.device=cuda:1"), "cuda:1"),
+        (("target.device=auto",), "auto"),
+    ],
+)
+def test_an_explicit_device_wins_over_the_one_gpu_count_implies(render, sets, device):
+    objects = render(sets=sets)
+    assert env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])["OUTRIDER_DEVICE"] == device
 
 
 def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(default_objects, full_objects):
@@ -350,12 +419,17 @@ def test_the_chart_knows_the_same_embedded_models_as_outrider():
 
 
 def test_worker_flags_reach_the_services_as_outrider_environment(render):
-    objects = render(sets=("draft.drafter=early-exit", "draft.draftLayers=8", "target.trustRemoteCode=true"))
+    objects = render(
+        sets=("draft.drafter=early-exit", "draft.draftLayers=8", "target.trustRemoteCode=true",
+              "target.maxTokensPerStep=512", "target.enforceEager=true")
+    )  # fmt: skip
     draft_env = env_of(pod_spec(component(objects, "Deployment", "draft"))["containers"][0])
     assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_DRAFT_LAYERS"]) == ("early-exit", "8")
     # early exit cuts the default model: embedded, so it is fetched first
     assert pod_spec(component(objects, "Deployment", "draft"))["initContainers"][0]["args"][-1] == "smollm2-135m-instruct"
-    assert env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])["OUTRIDER_TRUST_REMOTE_CODE"] == "true"
+    target_env = env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])
+    assert target_env["OUTRIDER_TRUST_REMOTE_CODE"] == "true"
+    assert (target_env["OUTRIDER_MAX_TOKENS_PER_STEP"], target_env["OUTRIDER_ENFORCE_EAGER"]) == ("512", "true")
 
 
 
@@ -376,3 +450,52 @@ def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(object
         container = pod_spec(component(objects, "Deployment", name))["containers"][0]
         unknown = {k for k in env_of(container) if k.startswith("OUTRIDER_")} - flags - {"OUTRIDER_CACHE_DIR"}
         assert not unknown, f"{name}: {sorted(unknown)} are not flags of `outrider serve {name}`"
+
+
+def parse_serve_args(monkeypatch, container: dict, role: str):
+    """`outrider serve ROLE`'s arguments, built from the container's OUTRIDER_*
+    environment alone (as the service builds them in its pod)."""
+    from outrider.cli import build_parser
+
+    for key in [k for k in os.environ if k.startswith("OUTRIDER_")]:
+        monkeypatch.delenv(key)
+    for key, value in env_of(container).items():
+        if key.startswith("OUTRIDER_") and value is not None:
+            monkeypatch.setenv(key, value)
+    return build_parser().parse_args(["serve", role])
+
+
+@pytest.mark.parametrize("name", ["coordinator", "target", "draft"])
+def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch, name):
+    """The values, not only the names: Helm reads numbers in values files as
+    floats, and a quoted 1048576 renders as 1.048576e+06, which no int flag takes."""
+    container = pod_spec(component(objects, "Deployment", name))["containers"][0]
+    args = parse_serve_args(monkeypatch, container, name)  # raises on a value a flag cannot take
+    if name != "coordinator":
+        cached = env_of(container).get("OUTRIDER_MAX_CACHED_TOKENS")
+        assert args.max_cached_tokens == (int(cached) if cached else None)
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monkeypatch, name):
+    objects = render(
+        FULL_VALUES, sets=(f"{name}.maxTokensPerStep=1024", f"{name}.enforceEager=true", f"{name}.dtype=float16")
+    )
+    args = parse_serve_args(monkeypatch, pod_spec(component(objects, "Deployment", name))["containers"][0], name)
+    device = "cuda" if name == "target" else "cuda:0"
+    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (device, "float16", 1024, True)
+
+
+def test_large_integers_from_a_values_file_render_as_integers(full_objects):
+    env = env_of(pod_spec(component(full_objects, "Deployment", "target"))["containers"][0])
+    assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "1048576"  # ci/full-values.yaml
+
+
+def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, default_objects):
+    """0 (the full values' GPU draft pool): no flag, so the worker sizes its
+    KV cache from the memory free once its model is loaded."""
+    draft = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
+    assert "OUTRIDER_MAX_CACHED_TOKENS" not in draft
+    for name in ("target", "draft"):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
+        env = env_of(pod_spec(component(default_objects, "Deployment", name))["containers"][0])
+        assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"

@@ -65,3 +65,18 @@ def test_the_image_holds_every_python_package_of_the_project():
     assert copied == packages
     allowed = set((ROOT / ".dockerignore").read_text().split())
     assert {f"!{p}/" for p in packages} | {"!pyproject.toml", "!README.md"} <= allowed
+
+
+def test_the_image_hides_no_gpu_and_asks_the_nvidia_runtime_for_cuda():
+    """A CUDA build (TORCH_INDEX_URL) runs workers with --device cuda: no stage
+    may pin which GPUs are visible, and the final stage asks the NVIDIA runtime
+    for the driver's compute libraries. Which GPUs a container gets stays the
+    runtime's choice (--gpus, the device plugin)."""
+    for stage in stages():
+        for instruction in stage:
+            if instruction.startswith(("ENV ", "ARG ")):
+                assert "CUDA_VISIBLE_DEVICES" not in instruction, instruction
+                assert "NVIDIA_VISIBLE_DEVICES" not in instruction, instruction
+    env = " ".join(i for i in stages()[-1] if i.startswith("ENV "))
+    capabilities = re.search(r"NVIDIA_DRIVER_CAPABILITIES=(\S+)", env)
+    assert capabilities and {"compute", "utility"} <= set(capabilities.group(1).split(","))

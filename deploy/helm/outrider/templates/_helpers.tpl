@@ -196,6 +196,22 @@ readinessProbe:
 {{- end }}
 
 {{/*
+The device a worker pool runs its model on (OUTRIDER_DEVICE): the pool's
+device value when set, else cuda when the pool requests GPUs (the device
+plugin shows the container only its own, so cuda is the first of them) and
+cpu when it requests none. Call with a pool's values.
+*/}}
+{{- define "outrider.workerDevice" -}}
+{{- if .device }}
+{{- .device }}
+{{- else if gt (int .gpu.count) 0 }}
+{{- "cuda" }}
+{{- else }}
+{{- "cpu" }}
+{{- end }}
+{{- end }}
+
+{{/*
 Container resources plus the GPUs of a worker pool. Call with a pool's values.
 */}}
 {{- define "outrider.workerResources" -}}

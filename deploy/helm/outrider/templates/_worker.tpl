@@ -67,14 +67,26 @@ spec:
             - name: OUTRIDER_MODEL
               value: {{ $values.model | quote }}
             {{- end }}
+            - name: OUTRIDER_DEVICE
+              value: {{ include "outrider.workerDevice" $values | quote }}
             - name: OUTRIDER_DTYPE
               value: {{ $values.dtype | quote }}
             - name: OUTRIDER_THREADS
-              value: {{ $values.threads | quote }}
+              value: {{ int $values.threads | quote }}
+            {{- if gt (int $values.maxTokensPerStep) 0 }}
+            - name: OUTRIDER_MAX_TOKENS_PER_STEP
+              value: {{ int $values.maxTokensPerStep | quote }}
+            {{- end }}
+            {{- if $values.enforceEager }}
+            - name: OUTRIDER_ENFORCE_EAGER
+              value: "true"
+            {{- end }}
             - name: OUTRIDER_MAX_SESSIONS
-              value: {{ $values.maxSessions | quote }}
+              value: {{ int $values.maxSessions | quote }}
+            {{- if gt (int $values.maxCachedTokens) 0 }}
             - name: OUTRIDER_MAX_CACHED_TOKENS
-              value: {{ $values.maxCachedTokens | quote }}
+              value: {{ int $values.maxCachedTokens | quote }}
+            {{- end }}
             {{- if $values.trustRemoteCode }}
             - name: OUTRIDER_TRUST_REMOTE_CODE
               value: "true"
