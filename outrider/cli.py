@@ -37,7 +37,10 @@ class _EnvFlags:
         env = "OUTRIDER_" + flag.lstrip("-").upper().replace("-", "_")
         if env in os.environ:
             raw = os.environ[env]
-            default = _parse_bool(raw) if kwargs.get("action") == "store_true" else type(raw)
+            try:
+                default = _parse_bool(raw) if kwargs.get("action") == "store_true" else type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                self.parser.error(f"{env}={raw!r} is not a valid {flag}: {exc}")
         if kwargs.get("action") == "store_true":
             self.parser.add_argument(flag, default=bool(default), help=f"{help} [env {env}]", **kwargs)
         else:

@@ -29,18 +29,20 @@ def check_dtype(spec: str) -> str:
 
 
 def resolve_device(spec: str):
-    """The ``torch.device`` of a device spec; ValueError when it is not there."""
+    """The ``torch.device`` of a device spec, CUDA devices with their index
+    (``cuda:0``); ValueError when it is not there."""
     import torch
 
     check_device(spec)
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {spec!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {spec!r}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ..)")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     return device
 
 

@@ -41,6 +41,28 @@ def test_flags_default_to_outrider_environment_variables(monkeypatch):
     assert args.trust_remote_code is False
 
 
+def test_worker_engine_flags_come_from_the_environment_too(monkeypatch):
+    monkeypatch.setenv("OUTRIDER_DEVICE", "cuda:1")
+    monkeypatch.setenv("OUTRIDER_MAX_TOKENS_PER_STEP", "512")
+    monkeypatch.setenv("OUTRIDER_ENFORCE_EAGER", "true")
+    args = build_parser().parse_args(["serve", "target"])
+    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == ("cuda:1", "auto", 512, True)
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("OUTRIDER_MAX_SESSIONS", "abc", "OUTRIDER_MAX_SESSIONS='abc' is not a valid --max-sessions"),
+        ("OUTRIDER_DEVICE", "gpu", "device 'gpu': use auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_a_bad_environment_value_is_a_usage_error_naming_the_variable(monkeypatch, capsys, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_serve_refuses_an_inconsistent_drafter_configuration(capsys):
     from outrider.cli import main
 

@@ -1,0 +1,135 @@
+"""On a CUDA device (skipped elsewhere): the engine's CUDA path — CUDA
+graphs included — gives transformers' greedy tokens in float32, on tiny
+models and on the default model, alone and batched; CUDA graph replays equal
+eager steps; and a seeded sampled request gives the same tokens on the CPU
+and on CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from outrider import models
+from outrider.client import AsyncClient
+from outrider.config import EngineConfig
+from outrider.engine.kv_cache import BlockPool
+from outrider.engine.llama import LlamaForward
+from outrider.engine.runner import PagedRunner
+from outrider.engine.scheduler import Row
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+from tests.integration.harness import running_stack  # noqa: E402
+
+NO_EOS = -1
+CUDA_FP32 = EngineConfig(device="cuda", dtype="float32")
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def prompts(count: int, *, seed: int, vocab: int = 512, lengths=(3, 60)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, *, device="cuda") -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+async def test_tiny_model_batched_on_cuda_with_graphs_equals_transformers(tiny_target_dir, tiny_draft_other_dir):
+    cases = [(p, 10 + 5 * i, (0, 1, 4, 8)[i % 4]) for i, p in enumerate(prompts(8, seed=11))]
+    references = [hf_greedy(tiny_target_dir, p, n) for p, n, _ in cases]
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, engine=CUDA_FP32
+    ) as stack:
+        assert stack.target.runner.graphs is not None and stack.target.runner.graphs.graphs
+        async with AsyncClient(stack.address, timeout=120) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k) for p, n, k in cases)
+            )
+            info = await client.model_info()
+    assert [list(r.token_ids) for r in results] == references
+    assert (info.target_device, info.target_dtype) == ("cuda:0", "float32")
+
+
+def test_a_cuda_graph_replay_equals_the_eager_step(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).cuda().eval()
+    eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(256, 16))
+    graphed = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(256, 16), cuda_graphs=True)
+    with torch.inference_mode():
+        graphed.warm_up(max_rows=8, max_tokens_per_row=5)
+        caches = {}
+        for runner in (eager, graphed):
+            caches[id(runner)] = [runner.new_kv() for _ in range(3)]
+            for kv, p in zip(caches[id(runner)], prompts(3, seed=12, lengths=(20, 40))):
+                kv.reserve(len(p) + 5)
+                runner.execute([Row(kv, p, 0)])
+        rows = lambda runner: [Row(kv, [5, 6, 7, 8, 9][: i + 3], i + 1) for i, kv in enumerate(caches[id(runner)])]  # noqa: E731
+        assert graphed.graphs.bucket(rows(graphed)) is not None  # this step replays a graph
+        for a, b in zip(eager.execute(rows(eager)), graphed.execute(rows(graphed))):
+            torch.testing.assert_close(a.rows, b.rows, rtol=1e-4, atol=1e-4)
+            assert a.argmax == b.argmax
+
+
+async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(tiny_target_dir, tiny_draft_other_dir):
+    sampling = dict(temperature=0.8, top_k=40, seed=7, max_new_tokens=24, num_speculative_tokens=3)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        engine = EngineConfig(device=device, dtype="float32")
+        async with running_stack(
+            tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, engine=engine
+        ) as stack:
+            async with AsyncClient(stack.address, timeout=120) as client:
+                outputs[device] = [
+                    list((await client.generate(token_ids=p, verification=mode, **sampling)).token_ids)
+                    for p in prompts(3, seed=13)
+                    for mode in ("rejection", "gumbel")
+                ]
+    assert outputs["cpu"] == outputs["cuda"]
+
+
+@pytest.mark.e2e
+async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batched():
+    if not models.is_fetched(models.DEFAULT_MODEL) or not MT_BENCH.exists():
+        pytest.skip("needs the default model (outrider models fetch) and ../shared/data")
+    from transformers import AutoTokenizer
+
+    model_dir = models.model_path(models.DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": rows[i * 10]["turns"][0]}], add_generation_prompt=True)
+        for i in range(6)
+    ]
+    chats = [c["input_ids"] if isinstance(c, dict) else c for c in chats]
+    references = [hf_greedy(model_dir, c, 48) for c in chats]
+    async with running_stack(model_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}, engine=CUDA_FP32) as stack:
+        async with AsyncClient(stack.address, timeout=300) as client:
+            alone = [await client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=4) for c in chats]
+            together = await asyncio.gather(
+                *(client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=k) for c, k in zip(chats, (0, 4) * 3))
+            )
+    assert [list(r.token_ids) for r in alone] == references
+    assert [list(r.token_ids) for r in together] == references
