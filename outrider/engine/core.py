@@ -81,6 +81,39 @@ class StepStats:
     seconds: float
 
 
+class _Activity:
+    """What the engine did lately, logged every ``interval_s`` while it
+    works (as vLLM logs its throughput): steps per second, sessions and
+    tokens per step, forward time, and the share of the wall time the engine
+    thread was busy — near 100% means the engine is the limit, far below it
+    means the sessions' rounds reach it too slowly."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.started, self.steps, self.rows, self.tokens, self.forward_s, self.idle_s = now, 0, 0, 0, 0.0, 0.0
+
+    def record(self, stats: StepStats, waiting: int) -> None:
+        self.steps += 1
+        self.rows += stats.rows
+        self.tokens += stats.tokens
+        self.forward_s += stats.seconds
+        now = time.perf_counter()
+        if (elapsed := now - self.started) >= self.interval_s:
+            log.info(
+                "engine activity",
+                steps_per_s=round(self.steps / elapsed, 1),
+                rows_per_step=round(self.rows / self.steps, 1),
+                tokens_per_s=round(self.tokens / elapsed),
+                forward_ms=round(1000 * self.forward_s / self.steps, 2),
+                busy_pct=round(100 * (1 - self.idle_s / elapsed)),
+                waiting=waiting,
+            )
+            self._reset(now)
+
+
 class _Call:
     __slots__ = ("fn", "args", "context", "loop", "future", "started", "job")
 
@@ -118,6 +151,7 @@ class Engine:
         self.runner = runner
         self.scheduler = Scheduler(max_tokens_per_step=max_tokens_per_step, max_rows=max_rows)
         self.on_step = on_step
+        self._activity = _Activity()
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, args=(torch_threads,), name="engine", daemon=True)
         self._thread.start()
@@ -158,10 +192,13 @@ class Engine:
     def _take_calls(self, *, block: bool) -> bool:
         """Starts every call queued so far (waiting for one when ``block``);
         False once shut down."""
+        waiting_since = time.perf_counter()
         try:
             call = self._calls.get(block=block)
         except queue.Empty:
             return True
+        if block:
+            self._activity.idle_s += time.perf_counter() - waiting_since
         while call is not None:
             self._start(call)
             try:
@@ -205,10 +242,12 @@ class Engine:
             for call in self.scheduler.discard(scheduled.pending.owner for scheduled in step):
                 call.fail(exc)
             return
+        stats = StepStats(len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started)
         if self.on_step is not None:
-            self.on_step(StepStats(len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started))
+            self.on_step(stats)
         for call, output in self.scheduler.update(step, outputs):
             self._advance(call, output)
+        self._activity.record(stats, waiting=len(self.scheduler))
 
 
 class InlineEngine:
