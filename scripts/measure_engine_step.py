@@ -43,7 +43,7 @@ from outrider.engine.scheduler import Row  # noqa: E402
 SHAPE_DIR = REPO.parent / "shared" / "data" / "smollm2-135m-shape"
 
 
-def load(model: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load(model: str, dtype: torch.dtype, device: torch.device, overrides: dict) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from outrider import models
@@ -52,7 +52,10 @@ def load(model: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Modul
     if (path / "config.json").exists() and not any(path.glob("*.safetensors")):
         torch.manual_seed(0)
         config = AutoConfig.from_pretrained(path)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        with device:  # initialised where it runs: an 8B shape takes minutes on the host
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     return models.load_causal_lm(model, dtype=dtype, device=device, fast_small_batch=False)
 
 
@@ -111,6 +114,7 @@ def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SHAPE_DIR), help="config directory (random weights) or model (default: %(default)s)")
+    parser.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE", help="override a config value of a random-weight model, e.g. hidden_size=2048 (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU) or a dtype")
     parser.add_argument("--shapes", default="1x1,1x5,8x1,8x5", help="ROWSxTOKENS, comma-separated (default: %(default)s)")
@@ -125,7 +129,8 @@ def main() -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    model = load(args.model, dtype, device)
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.shape)}
+    model = load(args.model, dtype, device, overrides)
     rows_needed = sum(r * -(-(args.context + t) // 16) for r, t in shapes)
     with torch.inference_mode():
         eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(rows_needed + 16, 16))
