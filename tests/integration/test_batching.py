@@ -148,3 +148,39 @@ async def test_after_streams_end_done_cancelled_or_failed_no_session_or_block_is
             await asyncio.sleep(0)
             assert worker.store.cached_tokens == 0
             assert worker.store.pool.free_blocks == worker.store.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A random GPT-2 (float64) with the tiny tokenizer: not of the Llama family."""
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(3)
+    config = GPT2Config(vocab_size=VOCAB, n_layer=2, n_embd=64, n_head=4, n_positions=512, eos_token_id=2, bos_token_id=2)
+    model = GPT2LMHeadModel(config).to(torch.float64)
+    with torch.no_grad():
+        model.transformer.wte.weight.normal_(0, 0.5)  # spread logits: no near-ties
+    model.save_pretrained(path)
+    for file in tiny_tokenizer_dir.iterdir():
+        shutil.copyfile(file, path / file.name)
+    return path
+
+
+async def test_a_model_outside_the_llama_family_still_serves_through_the_fallback_runner(tiny_gpt2_dir):
+    from outrider.engine.runner import FallbackRunner
+
+    cases = prompts(4, seed=6, lengths=(3, 30))
+    references = [reference_greedy(tiny_gpt2_dir, p, 12, eos=None) for p in cases]
+    async with running_stack(tiny_gpt2_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}) as stack:
+        assert isinstance(stack.target.runner, FallbackRunner)
+        async with AsyncClient(stack.address, timeout=120) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=p, max_new_tokens=12, num_speculative_tokens=3) for p in cases)
+            )
+        assert [list(r.token_ids) for r in results] == references
+        assert await stack.sessions_left() == (0, 0)
+        assert stack.target.store.pool.free_blocks == stack.target.store.pool.num_blocks
