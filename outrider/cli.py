@@ -562,9 +562,9 @@ def _add_bench_parser(commands) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from outrider import bench
+    from outrider.bench.command import main
 
-    return bench.main(args)
+    return main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider.bench import REQUIRED_CONFIG_KEYS
+from outrider.bench.report import REQUIRED_CONFIG_KEYS
 
 
 @pytest.mark.timeout(180)

@@ -11,18 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from outrider import bench
-from outrider.bench import (
-    Config,
-    Measurement,
-    Prompt,
-    aggregate,
-    analytic_bound,
-    build_report,
-    expected_tokens_per_round,
-    load_prompts,
-    rounds_from_forward_calls,
-)
+from outrider.bench.bound import analytic_bound, expected_tokens_per_round
+from outrider.bench.configs import Config, parse_drafter, parse_k_list
+from outrider.bench.hf import rounds_from_forward_calls
+from outrider.bench.measurements import Measurement, aggregate
+from outrider.bench.plot import plot
+from outrider.bench.prompts import Prompt, category_of_file, load_prompts
+from outrider.bench.render import render
+from outrider.bench.report import REQUIRED_CONFIG_KEYS, build_report
+from outrider.bench.runner import interleaved_order, run_interleaved
 
 # --- prompts -----------------------------------------------------------------------
 
@@ -62,7 +59,7 @@ def test_prompt_rows_without_category_take_the_file_stem(tmp_path):
     [("HumanEval_prompts", "humaneval"), ("my-questions", "my"), ("summaries", "summaries"), ("prompts", "prompts")],
 )
 def test_category_of_file(stem, category):
-    assert bench.category_of_file(Path(f"{stem}.jsonl")) == category
+    assert category_of_file(Path(f"{stem}.jsonl")) == category
 
 
 def test_limit_spreads_over_the_file(tmp_path):
@@ -81,17 +78,17 @@ def test_a_row_without_turns_or_prompt_is_refused_with_its_line(tmp_path):
 
 
 def test_k_list_and_drafters_parse():
-    assert bench.parse_k_list("8,4,4") == [4, 8]
+    assert parse_k_list("8,4,4") == [4, 8]
     with pytest.raises(ValueError):
-        bench.parse_k_list("0")
+        parse_k_list("0")
     with pytest.raises(ValueError):
-        bench.parse_k_list("four")
-    assert bench.parse_drafter("bf16", target_model="/m").draft_args == (
+        parse_k_list("four")
+    assert parse_drafter("bf16", target_model="/m").draft_args == (
         "--drafter", "model", "--dtype", "bfloat16", "--model", "/m",
     )  # fmt: skip
-    assert bench.parse_drafter("early-exit-8", target_model=None).hf_peer is None
+    assert parse_drafter("early-exit-8", target_model=None).hf_peer is None
     with pytest.raises(ValueError, match="unknown drafter"):
-        bench.parse_drafter("medusa", target_model=None)
+        parse_drafter("medusa", target_model=None)
 
 
 def test_bench_has_help_naming_every_flag():
@@ -207,8 +204,8 @@ def test_no_bound_without_time_split():
 
 def test_interleaved_order_rotates():
     configs = [Config(n, "hf", lambda p, k: None) for n in "abc"]
-    assert [c.name for c in bench.interleaved_order(configs, 0)] == ["a", "b", "c"]
-    assert [c.name for c in bench.interleaved_order(configs, 4)] == ["b", "c", "a"]
+    assert [c.name for c in interleaved_order(configs, 0)] == ["a", "b", "c"]
+    assert [c.name for c in interleaved_order(configs, 4)] == ["b", "c", "a"]
 
 
 def approx4(value: float):
@@ -247,7 +244,7 @@ def test_report_has_every_config_with_the_required_keys():
     names = [c["name"] for c in report["configs"]]
     assert names == ["hf-generate", "outrider-k0", "outrider-prompt-lookup-k4", "hf-assisted-prompt-lookup-k4"]
     for config in report["configs"]:
-        assert set(bench.REQUIRED_CONFIG_KEYS) <= config.keys()
+        assert set(REQUIRED_CONFIG_KEYS) <= config.keys()
         assert set(config["by_category"]) == {"writing", "humaneval"}
     json.dumps(report)  # serialisable
 
@@ -302,7 +299,7 @@ def test_without_hf_speedup_is_against_outrider_k0():
 
 def test_render_prints_tables_and_the_headline():
     buffer = io.StringIO()
-    bench.render(make_report(), buffer)
+    render(make_report(), buffer)
     text = buffer.getvalue()
     assert "outrider-prompt-lookup-k4" in text and "humaneval" in text
     assert "MISMATCH" in text
@@ -312,7 +309,7 @@ def test_render_prints_tables_and_the_headline():
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(RuntimeError, match=r"outrider\[bench\]"):
-        bench.plot(make_report(), tmp_path / "x.png")
+        plot(make_report(), tmp_path / "x.png")
 
 
 def test_a_failing_run_names_the_configuration_and_the_prompt():
@@ -320,4 +317,4 @@ def test_a_failing_run_names_the_configuration_and_the_prompt():
         raise ValueError("the prompt is too long")
 
     with pytest.raises(RuntimeError, match=r"outrider-k0 failed on q:1: the prompt is too long"):
-        bench.run_interleaved([Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False)
+        run_interleaved([Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False)

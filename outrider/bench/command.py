@@ -1,0 +1,186 @@
+"""``outrider bench`` itself: its options, the services it starts, the whole run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from outrider.bench.configs import Drafter, parse_drafter, parse_k_list
+from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
+from outrider.bench.hf import HuggingFace
+from outrider.bench.plot import plot
+from outrider.bench.prompts import default_prompt_files, load_prompts
+from outrider.bench.render import render
+from outrider.bench.report import build_report
+from outrider.bench.runner import run_interleaved, warm_up
+
+DEFAULT_DRAFTERS = ("prompt-lookup", "bf16")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prompt_files: tuple[Path, ...]
+    limit: int | None = None
+    max_new_tokens: int = 64
+    ks: tuple[int, ...] = (4,)
+    drafters: tuple[str, ...] = DEFAULT_DRAFTERS
+    hf: bool = True
+    adaptive: bool = True
+    target_model: str | None = None
+    dtype: str = "float32"
+    threads: int = os.cpu_count() or 1
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    progress: bool = True
+    log_level: str = "warning"
+
+
+def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
+    common = ("--log-level", options.log_level)
+    workers = (*common, "--threads", str(options.threads))
+    max_k = str(max(16, *options.ks))
+    target = [*workers, "--dtype", options.dtype]
+    coordinator = [*common, "--max-num-speculative-tokens", max_k]
+    if options.target_model:
+        target += ["--model", options.target_model]
+        coordinator += ["--tokenizer", options.target_model]
+    drafts = {d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args] for d in drafters}
+    # A model drafter runs in the target's dtype unless its flags say otherwise.
+    for label, args in drafts.items():
+        if "--dtype" not in args and "prompt-lookup" not in args:
+            args += ["--dtype", options.dtype]
+    return dict(target_args=target, drafts=drafts, coordinator_args=coordinator)
+
+
+def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
+    """Start the services, run every configuration on every prompt, write and return the report."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from outrider import models
+    from outrider.stack import start_shared_target_stack
+
+    out = out or sys.stdout
+    if options.plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401  (fail before an hour of measuring, not after)
+        except ImportError:
+            raise RuntimeError("--plot needs matplotlib: pip install 'outrider[bench]' (or pip install matplotlib)") from None
+    started = time.time()
+    prompts = [p for path in options.prompt_files for p in load_prompts(path, options.limit)]
+    if not prompts:
+        raise ValueError("no prompts: give --prompts FILE (JSONL rows with `turns` or `prompt`)")
+    drafters = [parse_drafter(d, target_model=options.target_model) for d in options.drafters]
+    model_dir = models.resolve(options.target_model)
+    torch.set_num_threads(options.threads)
+    hf_logging.set_verbosity_error()
+
+    with ExitStack() as cleanup:
+        print(f"Starting 1 target worker and {len(drafters)} draft worker + coordinator pairs ...", file=sys.stderr, flush=True)
+        stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
+        endpoints: dict[str | None, OutriderEndpoint] = {}
+        for label, service in stack.coordinators.items():
+            endpoint = OutriderEndpoint(service.address)
+            cleanup.callback(endpoint.close)
+            endpoints[label] = endpoint
+        configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive)
+        if options.hf:
+            generate, *assisted = HuggingFace(model_dir, options.dtype).configs(drafters, options.ks)
+            configs = [generate, *configs, *assisted]
+        warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
+        ignored = [c.name for c in configs if c.adaptive and not warm[c.name].adaptive]
+        if ignored:
+            print(
+                f"WARNING: the coordinator ignored `adaptive` (its stats say K was fixed); "
+                f"left out: {', '.join(ignored)}",
+                file=sys.stderr,
+            )
+            configs = [c for c in configs if c.name not in ignored]
+        results = run_interleaved(configs, prompts, options.max_new_tokens, progress=options.progress)
+
+    meta = {
+        "title": f"{Path(model_dir).name}, {len(prompts)} prompts × {options.max_new_tokens} tokens",
+        "command": shlex.join(["outrider", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
+        "target_model": options.target_model or models.DEFAULT_MODEL,
+        "dtype": options.dtype,
+        "max_new_tokens": options.max_new_tokens,
+        "k": list(options.ks),
+        "drafters": list(options.drafters),
+        "prompt_files": [str(p) for p in options.prompt_files],
+        "limit": options.limit,
+        "threads": options.threads,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+    }
+    report = build_report(configs, prompts, results, meta)
+    report["elapsed_s"] = round(time.time() - started, 1)
+    render(report, out)
+    print(f"{len(prompts)} prompts × {len(configs)} configurations in {report['elapsed_s']:.0f} s", file=out)
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    if options.plot_path is not None:
+        plot(report, options.plot_path)
+    return report
+
+
+def options_from_args(args: Any) -> BenchOptions:
+    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`; raises ValueError on bad flags."""
+    files = tuple(Path(p) for p in (args.prompts or default_prompt_files()))
+    if not files:
+        raise ValueError("give --prompts FILE (the default, ../shared/data/mt_bench/question.jsonl, is not here)")
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"--prompts {path}: no such file")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
+    for d in drafters:
+        parse_drafter(d, target_model=None)
+    return BenchOptions(
+        prompt_files=files,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        ks=tuple(parse_k_list(args.k)),
+        drafters=drafters,
+        hf=not args.no_hf,
+        adaptive=not args.no_adaptive,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        threads=args.threads or os.cpu_count() or 1,
+        json_path=args.json,
+        plot_path=args.plot,
+        progress=not args.no_progress,
+        log_level=args.log_level,
+    )
+
+
+def main(args: Any) -> int:
+    """``outrider bench``: returns the exit status."""
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # unwinds through the stack's cleanup: no orphaned services
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        options = options_from_args(args)
+        run_bench(options)
+    except (ValueError, RuntimeError) as exc:
+        print(f"outrider bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("outrider bench: interrupted", file=sys.stderr)
+        return 130
+    return 0
