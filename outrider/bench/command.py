@@ -89,8 +89,8 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
         print(f"Starting 1 target worker and {len(drafters)} draft worker + coordinator pairs ...", file=sys.stderr, flush=True)
         stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
         endpoints: dict[str | None, OutriderEndpoint] = {}
-        for label, service in stack.coordinators.items():
-            endpoint = OutriderEndpoint(service.address)
+        for label, services in stack.coordinators.items():
+            endpoint = OutriderEndpoint(services[0].address)
             cleanup.callback(endpoint.close)
             endpoints[label] = endpoint
         configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive)
