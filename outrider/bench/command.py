@@ -18,11 +18,11 @@ from typing import Any
 from outrider.bench.configs import Drafter, parse_drafter, parse_k_list
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import HuggingFace
-from outrider.bench.plot import plot
+from outrider.bench.plot import plot, pyplot
 from outrider.bench.prompts import default_prompt_files, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import build_report
-from outrider.bench.runner import run_interleaved, warm_up
+from outrider.bench.runner import run_interleaved, warm_up, without_ignored_adaptive
 
 DEFAULT_DRAFTERS = ("prompt-lookup", "bf16")
 
@@ -72,10 +72,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
 
     out = out or sys.stdout
     if options.plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401  (fail before an hour of measuring, not after)
-        except ImportError:
-            raise RuntimeError("--plot needs matplotlib: pip install 'outrider[bench]' (or pip install matplotlib)") from None
+        pyplot()  # fail before an hour of measuring, not after
     started = time.time()
     prompts = [p for path in options.prompt_files for p in load_prompts(path, options.limit)]
     if not prompts:
@@ -98,14 +95,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
             generate, *assisted = HuggingFace(model_dir, options.dtype).configs(drafters, options.ks)
             configs = [generate, *configs, *assisted]
         warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
-        ignored = [c.name for c in configs if c.adaptive and not warm[c.name].adaptive]
-        if ignored:
-            print(
-                f"WARNING: the coordinator ignored `adaptive` (its stats say K was fixed); "
-                f"left out: {', '.join(ignored)}",
-                file=sys.stderr,
-            )
-            configs = [c for c in configs if c.name not in ignored]
+        configs = without_ignored_adaptive(configs, {name: m.adaptive for name, m in warm.items()})
         results = run_interleaved(configs, prompts, options.max_new_tokens, progress=options.progress)
 
     meta = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from outrider.bench.measurements import Measurement
@@ -36,6 +36,30 @@ class Drafter:
     draft_args: tuple[str, ...]
     hf_peer: str | None
     """``"assistant"`` (the target in bfloat16), ``"prompt-lookup"`` or None (no HF peer)."""
+
+
+@dataclass(frozen=True)
+class OutriderVariant:
+    """One Outrider configuration: its name, the coordinator it asks (by drafter label) and its K."""
+
+    name: str
+    coordinator: str | None
+    drafter: str | None
+    k: int | None
+    """0: target only; ``None`` with ``adaptive``."""
+    adaptive: bool = False
+
+
+def outrider_variants(labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool) -> list[OutriderVariant]:
+    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
+    variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
+    for label in labels:
+        if label is None:
+            continue
+        variants += [OutriderVariant(f"outrider-{label}-k{k}", label, label, k) for k in ks]
+        if adaptive:
+            variants.append(OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True))
+    return variants
 
 
 def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:

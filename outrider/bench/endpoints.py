@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from outrider.bench.configs import TARGET_ONLY, Config
+from outrider.bench.configs import Config, outrider_variants
 from outrider.bench.measurements import Measurement, measurement_from_stats
 from outrider.bench.prompts import Prompt
 
@@ -36,26 +36,14 @@ class OutriderEndpoint:
 
 
 def outrider_configs(
-    endpoints: Mapping[str, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool
+    endpoints: Mapping[str | None, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool
 ) -> list[Config]:
     """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
-    first = next(iter(endpoints.values()))
-    configs = [Config(TARGET_ONLY, "outrider", lambda p, n: first.generate(p, n, k=0), k=0)]
-    for label, endpoint in endpoints.items():
-        if label is None:
-            continue
-        for k in ks:
-            configs.append(
-                Config(
-                    f"outrider-{label}-k{k}", "outrider",
-                    lambda p, n, e=endpoint, k=k: e.generate(p, n, k=k), label, k,
-                )  # fmt: skip
-            )
-        if adaptive:
-            configs.append(
-                Config(
-                    f"outrider-{label}-adaptive", "outrider",
-                    lambda p, n, e=endpoint: e.generate(p, n, k=None, adaptive=True), label, adaptive=True,
-                )  # fmt: skip
-            )
-    return configs
+    return [
+        Config(
+            v.name, "outrider",
+            lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive: e.generate(p, n, k=k, adaptive=a),
+            v.drafter, v.k, v.adaptive,
+        )  # fmt: skip
+        for v in outrider_variants(list(endpoints), ks, adaptive=adaptive)
+    ]

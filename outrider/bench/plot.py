@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 
-def plot(report: Mapping[str, Any], path: Path) -> None:
-    """Two panels: speedup by configuration (bars by category), and acceptance by configuration."""
+def pyplot():
+    """matplotlib's pyplot, drawing to files; without matplotlib, a RuntimeError that says what to install."""
     try:
         import matplotlib
     except ImportError:
@@ -18,6 +18,12 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(report: Mapping[str, Any], path: Path) -> None:
+    """Two panels: speedup by configuration (bars by category), and acceptance by configuration."""
+    plt = pyplot()
     rows = report["configs"]
     x = list(range(len(rows)))
     groups = [("all prompts", [r["speedup"] for r in rows])] + [

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -35,16 +35,16 @@ def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 r["name"],
-                _fmt(r["tokens_per_s"]),
-                _fmt(r["speedup"], ".2f", "×"),
-                _fmt(r["acceptance_rate"]),
-                _fmt(r["mean_acceptance_length"]),
-                _fmt(r["expected_tokens_per_round"]),
-                _fmt(r["draft_ms_per_round"], ".1f"),
-                _fmt(r["verify_ms_per_round"], ".1f"),
-                _fmt(r["overhead_ms_per_round"], ".2f"),
-                _fmt(r["bound_speedup"], ".2f", "×"),
-                _fmt(r["achieved_over_bound"]),
+                fmt(r["tokens_per_s"]),
+                fmt(r["speedup"], ".2f", "×"),
+                fmt(r["acceptance_rate"]),
+                fmt(r["mean_acceptance_length"]),
+                fmt(r["expected_tokens_per_round"]),
+                fmt(r["draft_ms_per_round"], ".1f"),
+                fmt(r["verify_ms_per_round"], ".1f"),
+                fmt(r["overhead_ms_per_round"], ".2f"),
+                fmt(r["bound_speedup"], ".2f", "×"),
+                fmt(r["achieved_over_bound"]),
                 str(r["mismatches"]),
                 _histogram(r),
             ]
@@ -59,9 +59,9 @@ def category_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
         cells = [r["name"]]
         for c in report["categories"]:
             s = r["by_category"][c]
-            cell = f"{_fmt(s['tokens_per_s'], '.1f')} t/s {_fmt(s['speedup'], '.2f', '×')}"
+            cell = f"{fmt(s['tokens_per_s'], '.1f')} t/s {fmt(s['speedup'], '.2f', '×')}"
             if s["acceptance_rate"] is not None:
-                cell += f" α{_fmt(s['acceptance_rate'])} L{_fmt(s['mean_acceptance_length'])}"
+                cell += f" α{fmt(s['acceptance_rate'])} L{fmt(s['mean_acceptance_length'])}"
             cells.append(cell)
         rows.append(cells)
     return header, rows
@@ -73,7 +73,7 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
     if h["best_outrider"] and h["best_hf_assisted"]:
         lines.append(
             f"best Outrider ({h['best_outrider']}) ÷ best HF assisted ({h['best_hf_assisted']}): "
-            f"{_fmt(h['best_outrider_over_best_hf_assisted'], '.2f', '×')}"
+            f"{fmt(h['best_outrider_over_best_hf_assisted'], '.2f', '×')}"
         )
     if h["outrider_k0_over_hf_generate"] is not None:
         verdict = "within 5%" if h["outrider_k0_within_5pct_of_hf_generate"] else "NOT within 5%"
@@ -96,8 +96,13 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
 
 def render(report: Mapping[str, Any], out=None) -> None:
     """The tables and the headline, with rich when it is installed, else plain text."""
-    out = out or sys.stdout
     tables = [("per configuration", *table_rows(report)), ("per category", *category_rows(report))]
+    print_tables(tables, headline_lines(report), out or sys.stdout)
+
+
+def print_tables(tables: Sequence[tuple[str, list[str], list[list[str]]]], lines: Sequence[str], out) -> None:
+    """(title, header, rows) tables, then lines; rows with a non-zero ``mismatch`` cell and lines
+    starting with MISMATCH in bold red (with rich when it is installed, else plain text)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -105,7 +110,7 @@ def render(report: Mapping[str, Any], out=None) -> None:
         for title, header, rows in tables:
             print(f"\n{title}", file=out)
             print(_plain_table(header, rows), file=out)
-        for line in headline_lines(report):
+        for line in lines:
             print(line, file=out)
         return
     console = Console(file=out, width=None if out.isatty() else 220, highlight=False)
@@ -113,11 +118,12 @@ def render(report: Mapping[str, Any], out=None) -> None:
         table = Table(title=title, title_justify="left")
         for i, name in enumerate(header):
             table.add_column(name, justify="left" if i == 0 or name.startswith("accepted") else "right")
+        column = header.index("mismatch") if "mismatch" in header else None
         for row in rows:
-            mismatch = header[-2] == "mismatch" and row[-2] not in ("0", "-")
+            mismatch = column is not None and any(c in "123456789" for c in row[column])
             table.add_row(*row, style="bold red" if mismatch else None)
         console.print(table)
-    for line in headline_lines(report):
+    for line in lines:
         console.print(line, style="bold red" if line.startswith("MISMATCH") else None)
 
 

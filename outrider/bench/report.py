@@ -21,6 +21,11 @@ REQUIRED_CONFIG_KEYS = (
 )
 
 
+def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
+    """The index of the first token that differs (the shorter length when one is a prefix of the other)."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+
+
 def find_mismatches(
     results: Mapping[str, Sequence[Measurement]], prompts: Sequence[Prompt], reference: str
 ) -> list[dict[str, Any]]:
@@ -32,15 +37,11 @@ def find_mismatches(
         for prompt, mine, theirs in zip(prompts, measurements, results[reference]):
             if mine.token_ids == theirs.token_ids:
                 continue
-            first = next(
-                (i for i, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b),
-                min(len(mine.token_ids), len(theirs.token_ids)),
-            )
             found.append(
                 {
                     "config": name,
                     "prompt": prompt.id,
-                    "first_difference_at": first,
+                    "first_difference_at": first_difference(mine.token_ids, theirs.token_ids),
                     "tokens": len(mine.token_ids),
                     "reference_tokens": len(theirs.token_ids),
                     "prompt_tokens": mine.prompt_tokens,
@@ -50,18 +51,18 @@ def find_mismatches(
     return found
 
 
-def _round(value: float | None, digits: int = 4) -> float | None:
+def round_or_none(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def summarize_config(config: Config, totals: Totals, baseline: Totals, target_only: Totals | None) -> dict[str, Any]:
     """One entry of the report's ``configs``."""
     bound = analytic_bound(totals, target_only) if config.family == "outrider" and target_only else None
-    achieved = _ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and config.family == "outrider" else None
+    achieved = ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and config.family == "outrider" else None
     row = {
         "name": config.name,
         "family": config.family,
@@ -70,24 +71,24 @@ def summarize_config(config: Config, totals: Totals, baseline: Totals, target_on
         "adaptive": config.adaptive,
         "prompts": totals.prompts,
         "generated_tokens": totals.generated_tokens,
-        "wall_s": _round(totals.wall_s),
-        "tokens_per_s": _round(totals.tokens_per_s),
-        "speedup": _round(_ratio(totals.tokens_per_s, baseline.tokens_per_s)),
-        "acceptance_rate": _round(totals.acceptance_rate),
-        "mean_acceptance_length": _round(totals.mean_acceptance_length),
+        "wall_s": round_or_none(totals.wall_s),
+        "tokens_per_s": round_or_none(totals.tokens_per_s),
+        "speedup": round_or_none(ratio(totals.tokens_per_s, baseline.tokens_per_s)),
+        "acceptance_rate": round_or_none(totals.acceptance_rate),
+        "mean_acceptance_length": round_or_none(totals.mean_acceptance_length),
         "rounds": totals.rounds,
         "draft_tokens": totals.draft_tokens,
         "accepted_tokens": totals.accepted_tokens,
         "accepted_per_position": list(totals.accepted_per_position),
-        "draft_ms_per_round": _round(totals.per_round_ms(totals.draft_time_s), 3),
-        "verify_ms_per_round": _round(totals.per_round_ms(totals.verify_time_s), 3),
-        "rpc_ms_per_round": _round(totals.per_round_ms(totals.rpc_time_s), 3),
-        "overhead_ms_per_round": _round(None if totals.overhead_s_p50 is None else 1000 * totals.overhead_s_p50, 3),
-        "expected_tokens_per_round": _round(bound.expected_tokens_per_round if bound else None),
-        "mean_draft_tokens_per_round": _round(bound.mean_draft_tokens if bound else None),
-        "bound_speedup": _round(bound.speedup if bound else None),
-        "achieved_speedup_vs_k0": _round(achieved),
-        "achieved_over_bound": _round(_ratio(achieved, bound.speedup if bound else None)),
+        "draft_ms_per_round": round_or_none(totals.per_round_ms(totals.draft_time_s), 3),
+        "verify_ms_per_round": round_or_none(totals.per_round_ms(totals.verify_time_s), 3),
+        "rpc_ms_per_round": round_or_none(totals.per_round_ms(totals.rpc_time_s), 3),
+        "overhead_ms_per_round": round_or_none(None if totals.overhead_s_p50 is None else 1000 * totals.overhead_s_p50, 3),
+        "expected_tokens_per_round": round_or_none(bound.expected_tokens_per_round if bound else None),
+        "mean_draft_tokens_per_round": round_or_none(bound.mean_draft_tokens if bound else None),
+        "bound_speedup": round_or_none(bound.speedup if bound else None),
+        "achieved_speedup_vs_k0": round_or_none(achieved),
+        "achieved_over_bound": round_or_none(ratio(achieved, bound.speedup if bound else None)),
     }
     return row
 
@@ -95,10 +96,10 @@ def summarize_config(config: Config, totals: Totals, baseline: Totals, target_on
 def summarize_category(totals: Totals, baseline: Totals) -> dict[str, Any]:
     return {
         "prompts": totals.prompts,
-        "tokens_per_s": _round(totals.tokens_per_s),
-        "speedup": _round(_ratio(totals.tokens_per_s, baseline.tokens_per_s)),
-        "acceptance_rate": _round(totals.acceptance_rate),
-        "mean_acceptance_length": _round(totals.mean_acceptance_length),
+        "tokens_per_s": round_or_none(totals.tokens_per_s),
+        "speedup": round_or_none(ratio(totals.tokens_per_s, baseline.tokens_per_s)),
+        "acceptance_rate": round_or_none(totals.acceptance_rate),
+        "mean_acceptance_length": round_or_none(totals.mean_acceptance_length),
     }
 
 
@@ -112,15 +113,15 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
     k0, hf = by_name.get(TARGET_ONLY), by_name.get(BASELINE)
     bounds = {r["name"]: r["achieved_over_bound"] for r in rows if r.get("achieved_over_bound") is not None}
     overheads = [r["overhead_ms_per_round"] for r in rows if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None]
-    k0_vs_hf = _ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
+    k0_vs_hf = ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
     return {
         "baseline": baseline,
         "best_outrider": best_outrider["name"] if best_outrider else None,
         "best_hf_assisted": best_hf["name"] if best_hf else None,
-        "best_outrider_over_best_hf_assisted": _round(
-            _ratio(best_outrider["tokens_per_s"], best_hf["tokens_per_s"]) if best_outrider and best_hf else None
+        "best_outrider_over_best_hf_assisted": round_or_none(
+            ratio(best_outrider["tokens_per_s"], best_hf["tokens_per_s"]) if best_outrider and best_hf else None
         ),
-        "outrider_k0_over_hf_generate": _round(k0_vs_hf),
+        "outrider_k0_over_hf_generate": round_or_none(k0_vs_hf),
         "outrider_k0_within_5pct_of_hf_generate": None if k0_vs_hf is None else abs(k0_vs_hf - 1) <= 0.05,
         "achieved_over_bound": bounds,
         "min_achieved_over_bound": min(bounds.values(), default=None),

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from outrider.bench.configs import Config
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
 
+C = TypeVar("C")
 
-def interleaved_order(configs: Sequence[Config], prompt_index: int) -> list[Config]:
-    """Every configuration once, the starting one rotated by the prompt's index."""
-    shift = prompt_index % len(configs) if configs else 0
+
+def interleaved_order(configs: Sequence[C], index: int) -> list[C]:
+    """Every configuration once, the starting one rotated by ``index`` (the prompt's, or the concurrency's)."""
+    shift = index % len(configs) if configs else 0
     return [*configs[shift:], *configs[:shift]]
 
 
@@ -52,6 +56,21 @@ def _run_one(config: Config, prompt: Prompt, max_new_tokens: int) -> Measurement
     except KeyboardInterrupt:
         raise
     except Exception as exc:
-        code = getattr(exc, "code", None)
-        detail = f"{code().name}: {exc.details()}" if callable(code) and hasattr(exc, "details") else str(exc)
-        raise RuntimeError(f"{config.name} failed on {prompt.id}: {detail}") from exc
+        raise RuntimeError(f"{config.name} failed on {prompt.id}: {failure_detail(exc)}") from exc
+
+
+def failure_detail(exc: BaseException) -> str:
+    """A gRPC error as ``CODE: details``, anything else as its message."""
+    code = getattr(exc, "code", None)
+    return f"{code().name}: {exc.details()}" if callable(code) and hasattr(exc, "details") else str(exc)
+
+
+def without_ignored_adaptive(configs: Sequence[C], adaptive_used: Mapping[str, bool]) -> list[C]:
+    """The configurations, less the adaptive ones whose warm-up says K stayed fixed (with a warning)."""
+    ignored = [c.name for c in configs if c.adaptive and not adaptive_used[c.name]]
+    if ignored:
+        print(
+            f"WARNING: the coordinator ignored `adaptive` (its stats say K was fixed); left out: {', '.join(ignored)}",
+            file=sys.stderr,
+        )
+    return [c for c in configs if c.name not in ignored]
