@@ -554,6 +554,17 @@ def _add_bench_parser(commands) -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
         help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
     )  # fmt: skip
+    bench.add_argument(
+        "--device", type=_device, default="auto",
+        help="where both workers and the Hugging Face configurations run: auto (the first CUDA device if there "
+        "is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--ignore-eos", action="store_true",
+        help="fixed-length runs: every request generates exactly --max-new-tokens, past end-of-sequence tokens "
+        "(Outrider's ignore_eos; Hugging Face with no end-of-sequence token, which does the same without masking "
+        "it, so the outputs stay comparable)",
+    )  # fmt: skip
     bench.add_argument("--threads", type=int, help="torch threads of this process and of each worker (default: all cores)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON (one object with a `configs` list)")
     bench.add_argument("--plot", type=Path, metavar="FILE.png", help="plot speedup and acceptance by configuration and category (needs matplotlib: outrider[bench])")

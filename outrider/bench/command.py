@@ -38,6 +38,8 @@ class BenchOptions:
     adaptive: bool = True
     target_model: str | None = None
     dtype: str = "float32"
+    device: str = "auto"
+    ignore_eos: bool = False
     threads: int = os.cpu_count() or 1
     json_path: Path | None = None
     plot_path: Path | None = None
@@ -47,7 +49,7 @@ class BenchOptions:
 
 def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
     common = ("--log-level", options.log_level)
-    workers = (*common, "--threads", str(options.threads))
+    workers = (*common, "--threads", str(options.threads), "--device", options.device)
     max_k = str(max(16, *options.ks))
     target = [*workers, "--dtype", options.dtype]
     coordinator = [*common, "--max-num-speculative-tokens", max_k]
@@ -87,12 +89,14 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
         stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
         endpoints: dict[str | None, OutriderEndpoint] = {}
         for label, services in stack.coordinators.items():
-            endpoint = OutriderEndpoint(services[0].address)
+            endpoint = OutriderEndpoint(services[0].address, ignore_eos=options.ignore_eos)
             cleanup.callback(endpoint.close)
             endpoints[label] = endpoint
         configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive)
         if options.hf:
-            generate, *assisted = HuggingFace(model_dir, options.dtype).configs(drafters, options.ks)
+            generate, *assisted = HuggingFace(
+                model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos
+            ).configs(drafters, options.ks)
             configs = [generate, *configs, *assisted]
         warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
         configs = without_ignored_adaptive(configs, {name: m.adaptive for name, m in warm.items()})
@@ -103,6 +107,8 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
         "command": shlex.join(["outrider", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
         "target_model": options.target_model or models.DEFAULT_MODEL,
         "dtype": options.dtype,
+        "device": options.device,
+        "ignore_eos": options.ignore_eos,
         "max_new_tokens": options.max_new_tokens,
         "k": list(options.ks),
         "drafters": list(options.drafters),
@@ -149,6 +155,8 @@ def options_from_args(args: Any) -> BenchOptions:
         adaptive=not args.no_adaptive,
         target_model=args.target_model,
         dtype=args.dtype,
+        device=args.device,
+        ignore_eos=args.ignore_eos,
         threads=args.threads or os.cpu_count() or 1,
         json_path=args.json,
         plot_path=args.plot,

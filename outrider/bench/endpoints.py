@@ -13,10 +13,11 @@ from outrider.bench.prompts import Prompt
 class OutriderEndpoint:
     """One coordinator, asked through the SDK's blocking client."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, ignore_eos: bool = False) -> None:
         from outrider.client import Client
 
         self.client = Client(address)
+        self.ignore_eos = ignore_eos
 
     def generate(self, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool = False) -> Measurement:
         """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``)."""
@@ -27,6 +28,7 @@ class OutriderEndpoint:
             temperature=0.0,
             num_speculative_tokens=k,
             adaptive=adaptive,
+            ignore_eos=self.ignore_eos,
         )
         wall_s = time.perf_counter() - started
         return measurement_from_stats(result.token_ids, result.stats, wall_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from outrider.bench.configs import BASELINE, Config, Drafter
@@ -50,21 +51,44 @@ def rounds_from_forward_calls(
 class HuggingFace:
     """The stock target (and its bfloat16 assistant) in this process."""
 
-    def __init__(self, model_dir: str, dtype: str) -> None:
+    def __init__(self, model_dir: str, dtype: str, device: str = "auto", *, ignore_eos: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from outrider.device import resolve_device
+
         self._torch = torch
         self.model_dir = model_dir
+        self.device = resolve_device(device)
+        self.ignore_eos = ignore_eos
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self._assistant = None
         self._calls: list[tuple[int, int]] = []
-        self.model.register_forward_pre_hook(self._record_call, with_kwargs=True)
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    @property
+    def stop_kwargs(self) -> dict[str, Any]:
+        """``generate``'s end-of-sequence setting: the model's own, or with ``ignore_eos`` none at all.
+
+        ``eos_token_id=[]`` generates past an end-of-sequence token without
+        masking it, as Outrider's ``ignore_eos`` does, so the tokens stay
+        comparable; ``min_new_tokens`` would mask it and change them.
+        """
+        return {"eos_token_id": []} if self.ignore_eos else {}
+
+    @contextmanager
+    def _counting_calls(self):
+        """Records (input length, cached length) of each target forward call in ``self._calls``."""
+        self._calls.clear()
+        hook = self.model.register_forward_pre_hook(self._record_call, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
 
     def _record_call(self, module, args, kwargs) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -77,9 +101,9 @@ class HuggingFace:
         if self._assistant is None:
             from transformers import AutoModelForCausalLM
 
-            self._assistant = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self._torch.bfloat16
-            ).eval()
+            self._assistant = (
+                AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._torch.bfloat16).to(self.device).eval()
+            )
             config = self._assistant.generation_config
             self._assistant_defaults = (
                 config.num_assistant_tokens,
@@ -117,22 +141,22 @@ class HuggingFace:
     def generate(self, prompt: Prompt, max_new_tokens: int, **assisted: Any) -> Measurement:
         torch = self._torch
         ids = self.prompt_ids(prompt)
-        inputs = torch.tensor([ids])
-        self._calls.clear()
+        inputs = torch.tensor([ids], device=self.device)
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._counting_calls():
             out = self.model.generate(
                 inputs,
                 attention_mask=torch.ones_like(inputs),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
+                **self.stop_kwargs,
                 **assisted,
             )
         wall_s = time.perf_counter() - started
         generated = out[0, len(ids) :].tolist()
         draft, accepted, per_position = rounds_from_forward_calls(self._calls, len(ids), len(ids) + len(generated))
         return Measurement(
-            token_ids=tuple(self._cut_at_eos(generated)),
+            token_ids=tuple(self.cut_at_eos(generated)),
             prompt_tokens=len(ids),
             wall_s=wall_s,
             rounds=len(self._calls),
@@ -141,9 +165,11 @@ class HuggingFace:
             accepted_per_position=per_position,
         )
 
-    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
+    def cut_at_eos(self, tokens: list[int]) -> list[int]:
         """Up to and including the first end-of-sequence token (assisted generation
-        can commit drafts past one)."""
+        can commit drafts past one, and a padded batch pads after one); all with ``ignore_eos``."""
+        if self.ignore_eos:
+            return tokens
         for i, token in enumerate(tokens):
             if token in self.eos_token_ids:
                 return tokens[: i + 1]

@@ -98,7 +98,8 @@ def test_bench_has_help_naming_every_flag():
     assert out.returncode == 0
     for flag in (
         "--prompts", "--limit", "--max-new-tokens", "--k", "--drafters", "--no-hf", "--no-adaptive",
-        "--json", "--plot", "--threads", "--target-model", "--dtype",
+        "--json", "--plot", "--threads", "--target-model", "--dtype", "--device", "--ignore-eos",
+        "--no-progress", "--log-level",
     ):  # fmt: skip
         assert flag in out.stdout
 
