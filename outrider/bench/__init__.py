@@ -33,10 +33,18 @@ The analytic bound each Outrider configuration is held against is explained
 in :mod:`outrider.bench.bound`; how the Hugging Face rows count rounds and
 drafts, in :mod:`outrider.bench.hf`.
 
+With ``--concurrency`` the bench measures throughput and latency with N
+streams at once instead: :mod:`outrider.bench.concurrency` explains how.
+``--ignore-eos`` makes every request generate exactly max_new_tokens:
+Outrider's ``ignore_eos``, and Hugging Face with no end-of-sequence token,
+which keeps generating past one without masking it, as Outrider does (so the
+outputs stay comparable).
+
 The modules, in the order a run uses them: ``prompts`` (the prompt set),
 ``configs`` (configuration names, drafters), ``hf`` and ``endpoints`` (the
 Hugging Face and Outrider configurations), ``runner`` (the interleaved run),
 ``measurements`` and ``bound`` (sums and the bound), ``report`` (the JSON),
 ``render`` and ``plot`` (the terminal tables and the figure), ``command``
-(flags, services, the whole run).
+(flags, services, the whole run); ``concurrency/`` holds the same steps for
+N streams at once.
 """
