@@ -533,7 +533,8 @@ def _add_bench_parser(commands) -> None:
             "checked to be identical. Reports tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance "
             "rate, mean acceptance length, accepted per position, the per-round time split and the "
             "analytic bound E·t_target/T of DESIGN §5, per configuration and per prompt category. "
-            "Starts its own services (one target worker, one draft worker and coordinator per drafter)."
+            "Starts its own services (one target worker, one draft worker and coordinator per drafter). "
+            "With --concurrency it measures throughput and latency with N streams at once instead."
         ),
     )
     bench.add_argument(
@@ -557,17 +558,45 @@ def _add_bench_parser(commands) -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
         help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
     )  # fmt: skip
+    bench.add_argument(
+        "--device", type=_device, default="auto",
+        help="where both workers and the Hugging Face configurations run: auto (the first CUDA device if there "
+        "is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--ignore-eos", action="store_true",
+        help="fixed-length runs: every request generates exactly --max-new-tokens, past end-of-sequence tokens "
+        "(Outrider's ignore_eos; Hugging Face with no end-of-sequence token, which does the same without masking "
+        "it, so the outputs stay comparable)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--concurrency", metavar="LIST",
+        help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always runs), N streams at "
+        "once, max(N, prompts) requests, stream s sending requests s, s+N, ... in turn. Reports per configuration and N "
+        "total tokens/s, speedup over N=1, TTFT and inter-token latency p50/p99 (per chunk: Outrider streams a chunk "
+        "per round; and per token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
+        "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--coordinators", type=int, default=1, metavar="N",
+        help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, the streams spread "
+        "round-robin over them (to see how many a load needs when one coordinator's CPU is the limit) (default: 1)",
+    )  # fmt: skip
     bench.add_argument("--threads", type=int, help="torch threads of this process and of each worker (default: all cores)")
-    bench.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON (one object with a `configs` list)")
-    bench.add_argument("--plot", type=Path, metavar="FILE.png", help="plot speedup and acceptance by configuration and category (needs matplotlib: outrider[bench])")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON (one object with a `configs` list; with --concurrency each has a `runs` list, one per N)")
+    bench.add_argument(
+        "--plot", type=Path, metavar="FILE.png",
+        help="plot speedup and acceptance by configuration and category; with --concurrency, tokens/s, TTFT and "
+        "inter-token latency against N (needs matplotlib: outrider[bench])",
+    )  # fmt: skip
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.add_argument("--log-level", default="warning", help="log level of the services (default: warning)")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from outrider import bench
+    from outrider.bench.command import main
 
-    return bench.main(args)
+    return main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

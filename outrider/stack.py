@@ -51,8 +51,8 @@ class Stack:
 
     workdir: Path
     services: list[Service] = field(default_factory=list)
-    coordinators: dict[str | None, Service] = field(default_factory=dict)
-    """Coordinators by drafter label (``start_shared_target_stack``; None: no draft worker)."""
+    coordinators: dict[str | None, list[Service]] = field(default_factory=dict)
+    """Coordinator replicas by drafter label (``start_shared_target_stack``; None: no draft worker)."""
 
     @property
     def coordinator(self) -> Service:
@@ -68,8 +68,22 @@ class Stack:
         label: str | None = None,
         metrics_port: int | None = None,
     ) -> Service:
-        """Starts ``outrider serve NAME``; ``label`` names the service when several share a role;
-        with ``metrics_port`` (0: any free port) it serves Prometheus metrics there."""
+        """Starts ``outrider serve NAME`` and waits until it is SERVING (see :meth:`launch`)."""
+        service = self.launch(name, args, port=port, label=label, metrics_port=metrics_port)
+        self.wait_ready(service, timeout_s)
+        return service
+
+    def launch(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        port: int = 0,
+        label: str | None = None,
+        metrics_port: int | None = None,
+    ) -> Service:
+        """Starts ``outrider serve NAME`` without waiting for it; ``label`` names the service when several
+        share a role; with ``metrics_port`` (0: any free port) it serves Prometheus metrics there."""
         label = label or name
         ready_file = self.workdir / f"{label}.port"
         command = [
@@ -81,10 +95,10 @@ class Stack:
         process = subprocess.Popen(command, start_new_session=True)
         service = Service(label, process, ready_file)
         self.services.append(service)
-        self._wait_ready(service, timeout_s)
         return service
 
-    def _wait_ready(self, service: Service, timeout_s: float) -> None:
+    def wait_ready(self, service: Service, timeout_s: float) -> None:
+        """Returns once ``service`` has written its port and reports SERVING; StackError if it exits or times out."""
         deadline = time.monotonic() + timeout_s
         while not service.ready_file.exists():
             if service.process.poll() is not None:
@@ -159,29 +173,36 @@ def start_shared_target_stack(
     target_args: Sequence[str] = (),
     drafts: Mapping[str, Sequence[str]],
     coordinator_args: Sequence[str] = (),
+    coordinator_replicas: int = 1,
     timeout_s: float = 300.0,
 ) -> Stack:
-    """One target worker shared by one draft worker + coordinator pair per drafter (``outrider bench``).
+    """One target worker shared by every drafter's draft worker and coordinators (``outrider bench``).
 
-    ``drafts`` maps a drafter label to its draft worker's flags; the pair's
-    coordinator is ``stack.coordinators[label]``. With no drafts, one
-    coordinator without a draft worker is ``stack.coordinators[None]``.
+    ``drafts`` maps a drafter label to its draft worker's flags; the
+    ``coordinator_replicas`` coordinators in front of that draft worker (and
+    the shared target) are ``stack.coordinators[label]``. With no drafts, the
+    coordinators without a draft worker are ``stack.coordinators[None]``.
     """
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-")))
     try:
-        target = stack.start("target", target_args, timeout_s=timeout_s)
-        if not drafts:
-            stack.coordinators[None] = stack.start(
-                "coordinator", ["--target", target.address, *coordinator_args], timeout_s=timeout_s
-            )
-        for label, draft_args in drafts.items():
-            draft = stack.start("draft", draft_args, timeout_s=timeout_s, label=f"draft-{label}")
-            stack.coordinators[label] = stack.start(
-                "coordinator",
-                ["--target", target.address, "--draft", draft.address, *coordinator_args],
-                timeout_s=timeout_s,
-                label=f"coordinator-{label}",
-            )
+        # The workers start side by side, then the coordinators (which need the workers' ports).
+        target = stack.launch("target", target_args)
+        draft_workers = {label: stack.launch("draft", args, label=f"draft-{label}") for label, args in drafts.items()}
+        for service in [target, *draft_workers.values()]:
+            stack.wait_ready(service, timeout_s)
+        draft_flags = {label: ["--draft", draft.address] for label, draft in draft_workers.items()} or {None: []}
+        for label, flags in draft_flags.items():
+            stack.coordinators[label] = [
+                stack.launch(
+                    "coordinator",
+                    ["--target", target.address, *flags, *coordinator_args],
+                    label=f"coordinator-{label or 'target-only'}-{replica}",
+                )
+                for replica in range(coordinator_replicas)
+            ]
+        for replicas in stack.coordinators.values():
+            for service in replicas:
+                stack.wait_ready(service, timeout_s)
     except BaseException:
         stack.stop()
         raise

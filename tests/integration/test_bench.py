@@ -1,5 +1,6 @@
 """`outrider bench` end to end on the tiny float64 target: real services started
-as processes, Hugging Face in the bench process, JSON and PNG written."""
+as processes, Hugging Face in the bench process, JSON and PNG written; one request
+at a time, and `--concurrency`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from outrider.bench import REQUIRED_CONFIG_KEYS
+from outrider.bench.concurrency.report import REQUIRED_RUN_KEYS
+from outrider.bench.report import REQUIRED_CONFIG_KEYS
 
 
 @pytest.mark.timeout(180)
@@ -51,3 +53,48 @@ def test_bench_runs_every_configuration_and_writes_json_and_plot(tiny_target_dir
     assert report["mismatches"] == []
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "hf-generate" in out.stdout and "speedup = tokens/s" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_concurrency_runs_every_configuration_at_every_concurrency(tiny_target_dir: Path, tmp_path: Path):
+    """`--concurrency 1,2` with two coordinator replicas: every request generates exactly
+    max_new_tokens (`--ignore-eos`), and float64 gives the same tokens everywhere."""
+    pytest.importorskip("matplotlib")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. The dog"})
+        + "\n"
+        + json.dumps({"prompt": "One two three, one two three, one two"})
+        + "\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "outrider", "bench",
+            "--prompts", str(prompts), "--target-model", str(tiny_target_dir), "--dtype", "float64",
+            "--max-new-tokens", "8", "--k", "4", "--drafters", "prompt-lookup", "--no-adaptive", "--threads", "1",
+            "--concurrency", "2", "--coordinators", "2", "--ignore-eos", "--device", "cpu",
+            "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"), "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["mode"] == "concurrency" and report["concurrency"] == [1, 2]
+    assert report["coordinators"] == 2 and report["ignore_eos"] is True
+    names = [c["name"] for c in report["configs"]]
+    assert names[:3] == ["hf-generate", "outrider-k0", "outrider-prompt-lookup-k4"]
+    # transformers' continuous batching either ran or says why not.
+    assert ("hf-generate-batch" in names) != ("hf-generate-batch" in report["not_run"])
+    for config in report["configs"]:
+        assert [r["concurrency"] for r in config["runs"]] == [1, 2]
+        for run in config["runs"]:
+            assert set(REQUIRED_RUN_KEYS) <= run.keys()
+            assert run["requests"] == 2  # max(N, 2 prompts)
+            assert run["generated_tokens"] == 2 * 8  # fixed length
+            assert run["tokens_per_s"] > 0 and run["ttft_ms_p50"] > 0 and run["itl_per_token_ms_p99"] > 0
+        assert config["runs"][0]["speedup_vs_concurrency_1"] == 1.0
+    # float64: the same tokens at N=2 as at N=1, and as unpadded hf-generate.
+    assert report["mismatches"] == []
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert "per configuration and concurrency" in out.stdout and "MISMATCH" not in out.stdout

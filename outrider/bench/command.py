@@ -1,0 +1,258 @@
+"""``outrider bench`` itself: its options, the services it starts, the whole run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from outrider.bench.concurrency.hf import hf_load_configs
+from outrider.bench.concurrency.plot import plot as concurrency_plot
+from outrider.bench.concurrency.render import render as concurrency_render
+from outrider.bench.concurrency.report import build_report as build_concurrency_report
+from outrider.bench.concurrency.run import run_concurrency
+from outrider.bench.concurrency.services import Replicas, outrider_load_configs
+from outrider.bench.configs import Drafter, parse_drafter, parse_k_list
+from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
+from outrider.bench.hf import HuggingFace
+from outrider.bench.plot import plot, pyplot
+from outrider.bench.prompts import default_prompt_files, load_prompts
+from outrider.bench.render import render
+from outrider.bench.report import build_report
+from outrider.bench.runner import run_interleaved, warm_up, without_ignored_adaptive
+
+DEFAULT_DRAFTERS = ("prompt-lookup", "bf16")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prompt_files: tuple[Path, ...]
+    limit: int | None = None
+    max_new_tokens: int = 64
+    ks: tuple[int, ...] = (4,)
+    drafters: tuple[str, ...] = DEFAULT_DRAFTERS
+    hf: bool = True
+    adaptive: bool = True
+    target_model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    ignore_eos: bool = False
+    concurrency: tuple[int, ...] = ()
+    """Empty: the sequential bench; else the concurrency levels (1 among them)."""
+    coordinators: int = 1
+    threads: int = os.cpu_count() or 1
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    progress: bool = True
+    log_level: str = "warning"
+
+
+def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
+    common = ("--log-level", options.log_level)
+    workers = [*common, "--threads", str(options.threads), "--device", options.device]
+    if options.concurrency:  # every stream holds a session on each worker, and one may linger as the next opens
+        workers += ["--max-sessions", str(max(64, 2 * max(options.concurrency)))]
+    max_k = str(max(16, *options.ks))
+    target = [*workers, "--dtype", options.dtype]
+    coordinator = [*common, "--max-num-speculative-tokens", max_k]
+    if options.target_model:
+        target += ["--model", options.target_model]
+        coordinator += ["--tokenizer", options.target_model]
+    drafts = {d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args] for d in drafters}
+    # A model drafter runs in the target's dtype unless its flags say otherwise.
+    for label, args in drafts.items():
+        if "--dtype" not in args and "prompt-lookup" not in args:
+            args += ["--dtype", options.dtype]
+    return dict(target_args=target, drafts=drafts, coordinator_args=coordinator, coordinator_replicas=options.coordinators)
+
+
+def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
+    """Start the services, run every configuration on every prompt (at every concurrency), write and return the report."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from outrider import models
+    from outrider.stack import start_shared_target_stack
+
+    out = out or sys.stdout
+    if options.plot_path is not None:
+        pyplot()  # fail before an hour of measuring, not after
+    started = time.time()
+    prompts = [p for path in options.prompt_files for p in load_prompts(path, options.limit)]
+    if not prompts:
+        raise ValueError("no prompts: give --prompts FILE (JSONL rows with `turns` or `prompt`)")
+    drafters = [parse_drafter(d, target_model=options.target_model) for d in options.drafters]
+    model_dir = models.resolve(options.target_model)
+    torch.set_num_threads(options.threads)
+    hf_logging.set_verbosity_error()
+    meta = _meta(options, model_dir, len(prompts), started)
+
+    with ExitStack() as cleanup:
+        services = f"{len(drafters)} draft worker + coordinator pairs"
+        if options.coordinators > 1:
+            services = f"{len(drafters)} draft workers, each with {options.coordinators} coordinators"
+        print(f"Starting 1 target worker and {services} ...", file=sys.stderr, flush=True)
+        stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
+        hf = HuggingFace(model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos) if options.hf else None
+        if options.concurrency:
+            report = _concurrency_report(options, stack, hf, prompts, meta)
+        else:
+            report = _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup)
+
+    report["elapsed_s"] = round(time.time() - started, 1)
+    if options.concurrency:
+        concurrency_render(report, out)
+        runs = f"{len(report['configs'])} configurations × {len(options.concurrency)} concurrencies"
+    else:
+        render(report, out)
+        runs = f"{len(report['configs'])} configurations"
+    print(f"{len(prompts)} prompts × {runs} in {report['elapsed_s']:.0f} s", file=out)
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    if options.plot_path is not None:
+        (concurrency_plot if options.concurrency else plot)(report, options.plot_path)
+    return report
+
+
+def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> dict[str, Any]:
+    """One request at a time: for each prompt, every configuration in turn."""
+    endpoints: dict[str | None, OutriderEndpoint] = {}
+    for label, services in stack.coordinators.items():
+        endpoint = OutriderEndpoint(services[0].address, ignore_eos=options.ignore_eos)
+        cleanup.callback(endpoint.close)
+        endpoints[label] = endpoint
+    configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive)
+    if hf is not None:
+        generate, *assisted = hf.configs(drafters, options.ks)
+        configs = [generate, *configs, *assisted]
+    warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
+    configs = without_ignored_adaptive(configs, {name: m.adaptive for name, m in warm.items()})
+    results = run_interleaved(configs, prompts, options.max_new_tokens, progress=options.progress)
+    return build_report(configs, prompts, results, meta)
+
+
+def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
+    """N streams at once, for each N of ``--concurrency``."""
+    replicas = {
+        label: Replicas([s.address for s in services], ignore_eos=options.ignore_eos)
+        for label, services in stack.coordinators.items()
+    }
+    configs = outrider_load_configs(replicas, options.ks, adaptive=options.adaptive)
+    if hf is not None:
+        generate, continuous = hf_load_configs(hf)
+        configs = [generate, *configs, continuous]
+    configs, batches, not_run = run_concurrency(
+        configs, prompts, options.concurrency, options.max_new_tokens, progress=options.progress
+    )
+    return build_concurrency_report(configs, prompts, batches, not_run, meta)
+
+
+def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -> dict[str, Any]:
+    """The run's settings, at the head of the report."""
+    import torch
+
+    from outrider import models
+
+    title = f"{Path(model_dir).name}, {prompts} prompts × {options.max_new_tokens} tokens"
+    if options.concurrency:
+        title += f", N = {','.join(map(str, options.concurrency))}"
+    meta = {
+        "title": title,
+        "command": shlex.join(["outrider", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
+        "target_model": options.target_model or models.DEFAULT_MODEL,
+        "dtype": options.dtype,
+        "device": options.device,
+        "ignore_eos": options.ignore_eos,
+        "max_new_tokens": options.max_new_tokens,
+        "k": list(options.ks),
+        "drafters": list(options.drafters),
+        "prompt_files": [str(p) for p in options.prompt_files],
+        "limit": options.limit,
+        "threads": options.threads,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+    }
+    if options.concurrency:
+        meta["coordinators"] = options.coordinators
+    return meta
+
+
+def parse_concurrency_list(raw: str) -> list[int]:
+    """``1,8,32,64`` → [1, 8, 32, 64]; 1 is always among them (the reference for outputs and speedup)."""
+    try:
+        levels = {int(part) for part in raw.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"--concurrency {raw!r}: give comma-separated integers, e.g. 1,8,32,64") from None
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1")
+    return sorted(levels | {1})
+
+
+def options_from_args(args: Any) -> BenchOptions:
+    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`; raises ValueError on bad flags."""
+    files = tuple(Path(p) for p in (args.prompts or default_prompt_files()))
+    if not files:
+        raise ValueError("give --prompts FILE (the default, ../shared/data/mt_bench/question.jsonl, is not here)")
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"--prompts {path}: no such file")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+    if args.coordinators < 1:
+        raise ValueError("--coordinators must be at least 1")
+    if args.coordinators > 1 and not args.concurrency:
+        raise ValueError("--coordinators needs --concurrency (one request at a time needs one coordinator)")
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
+    for d in drafters:
+        parse_drafter(d, target_model=None)
+    return BenchOptions(
+        prompt_files=files,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        ks=tuple(parse_k_list(args.k)),
+        drafters=drafters,
+        hf=not args.no_hf,
+        adaptive=not args.no_adaptive,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        device=args.device,
+        ignore_eos=args.ignore_eos,
+        concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
+        coordinators=args.coordinators,
+        threads=args.threads or os.cpu_count() or 1,
+        json_path=args.json,
+        plot_path=args.plot,
+        progress=not args.no_progress,
+        log_level=args.log_level,
+    )
+
+
+def main(args: Any) -> int:
+    """``outrider bench``: returns the exit status."""
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # unwinds through the stack's cleanup: no orphaned services
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        options = options_from_args(args)
+        run_bench(options)
+    except (ValueError, RuntimeError) as exc:
+        print(f"outrider bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("outrider bench: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,71 @@
+"""The concurrency report in the terminal: one row per configuration × concurrency, then the checks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from outrider.bench.render import fmt, print_tables
+
+HEADER = [
+    "config", "N", "requests", "tok/s", "× N=1", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+    "ITL/token p50 ms", "ITL/token p99 ms", "tok/chunk", "accept", "mismatch",
+]  # fmt: skip
+
+
+def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    rows = []
+    for config in report["configs"]:
+        for r in config["runs"]:
+            rows.append(
+                [
+                    config["name"],
+                    str(r["concurrency"]),
+                    str(r["requests"]),
+                    fmt(r["tokens_per_s"]),
+                    fmt(r["speedup_vs_concurrency_1"], ".2f", "×"),
+                    fmt(r["ttft_ms_p50"], ".1f"),
+                    fmt(r["ttft_ms_p99"], ".1f"),
+                    fmt(r["itl_ms_p50"], ".1f"),
+                    fmt(r["itl_ms_p99"], ".1f"),
+                    fmt(r["itl_per_token_ms_p50"], ".1f"),
+                    fmt(r["itl_per_token_ms_p99"], ".1f"),
+                    fmt(r["tokens_per_chunk"]),
+                    fmt(r["acceptance_rate"]),
+                    f"{r['mismatches_vs_reference']}/{r['mismatches_vs_concurrency_1']}",
+                ]
+            )
+    return rows
+
+
+def headline_lines(report: Mapping[str, Any]) -> list[str]:
+    reference = report["mismatch_reference"]
+    lines = [
+        "tok/s = all streams' generated tokens ÷ wall time of the batch; × N=1 = tok/s ÷ tok/s at concurrency 1.",
+        "TTFT = request sent → first streamed chunk; ITL = gap between chunks (Outrider streams a chunk per round, "
+        "Hugging Face a token per step); ITL/token = gap ÷ tokens in the chunk; client-side, p50/p99 over the batch.",
+        f"mismatch = requests whose tokens differ from {reference} / from the same configuration at N=1.",
+    ]
+    for name, error in report["not_run"].items():
+        lines.append(f"{name}: did not run ({error})")
+    mismatches = report["mismatches"]
+    if mismatches:
+        lines.append(
+            f"MISMATCH: {len(mismatches)} (config, concurrency, request) outputs differ: "
+            + "; ".join(
+                f"{m['config']} at N={m['concurrency']} on {m['prompt']} vs {m['reference']} at token {m['first_difference_at']}"
+                for m in mismatches[:12]
+            )
+            + (" …" if len(mismatches) > 12 else "")
+        )
+    else:
+        lines.append(
+            f"outputs: every configuration at every concurrency produced the same tokens as {reference} "
+            "and as itself at N=1."
+        )
+    return lines
+
+
+def render(report: Mapping[str, Any], out=None) -> None:
+    print_tables([("per configuration and concurrency", HEADER, table_rows(report))], headline_lines(report), out or sys.stdout)

@@ -1,0 +1,149 @@
+"""The concurrency report (what ``--json`` writes with ``--concurrency``), built from the batches (pure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from outrider.bench.concurrency.streams import Batch, LoadConfig
+from outrider.bench.configs import BASELINE, TARGET_ONLY
+from outrider.bench.prompts import Prompt
+from outrider.bench.report import first_difference, ratio, round_or_none
+
+DEFINITIONS = {
+    "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; stream s sends requests s, s+N, ... in turn",
+    "tokens_per_s": "all streams' generated tokens / wall time of the batch (first request sent -> last stream ended)",
+    "speedup_vs_concurrency_1": "tokens_per_s / tokens_per_s of the same configuration at concurrency 1",
+    "ttft": "client-side, request sent -> first streamed chunk; p50/p99 over the batch's requests",
+    "itl": "client-side, between consecutive streamed chunks (Outrider: a chunk per round; Hugging Face: per token)",
+    "itl_per_token": "each chunk gap / tokens in that chunk",
+    "percentiles": "linear interpolation between order statistics (numpy's default)",
+}
+REQUIRED_RUN_KEYS = (
+    "concurrency",
+    "tokens_per_s",
+    "speedup_vs_concurrency_1",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "itl_per_token_ms_p50",
+    "itl_per_token_ms_p99",
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0–100), interpolating linearly between order statistics; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round_or_none(None if seconds is None else 1000 * seconds, 3)
+
+
+def summarize_batch(batch: Batch) -> dict[str, Any]:
+    """Throughput and latency percentiles of one configuration at one concurrency."""
+    streams = batch.streams
+    tokens = sum(s.generated_tokens for s in streams)
+    ttfts = [s.ttft_s for s in streams]
+    gaps = [g for s in streams for g in s.chunk_gaps_s]
+    per_token = [g / n for s in streams for g, n in zip(s.chunk_gaps_s, s.chunk_tokens)]
+    chunks = sum(len(s.chunk_gaps_s) + 1 for s in streams)
+    rounds = sum(s.rounds for s in streams)
+    drafted = sum(s.draft_tokens for s in streams)
+    accepted = sum(s.accepted_tokens for s in streams)
+    return {
+        "concurrency": batch.concurrency,
+        "requests": len(streams),
+        "generated_tokens": tokens,
+        "wall_s": round_or_none(batch.wall_s),
+        "tokens_per_s": round_or_none(tokens / batch.wall_s if batch.wall_s > 0 else 0.0),
+        "ttft_ms_p50": _ms(percentile(ttfts, 50)),
+        "ttft_ms_p99": _ms(percentile(ttfts, 99)),
+        "itl_ms_p50": _ms(percentile(gaps, 50)),
+        "itl_ms_p99": _ms(percentile(gaps, 99)),
+        "itl_per_token_ms_p50": _ms(percentile(per_token, 50)),
+        "itl_per_token_ms_p99": _ms(percentile(per_token, 99)),
+        "tokens_per_chunk": round_or_none(tokens / chunks if chunks else None),
+        "acceptance_rate": round_or_none(accepted / drafted if drafted else None),
+        "mean_acceptance_length": round_or_none((accepted + rounds) / rounds if rounds else None),
+    }
+
+
+def with_speedups(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of one configuration, each with ``speedup_vs_concurrency_1`` (None without a run at 1)."""
+    one = next((r["tokens_per_s"] for r in runs if r["concurrency"] == 1), None)
+    return [{**r, "speedup_vs_concurrency_1": round_or_none(ratio(r["tokens_per_s"], one))} for r in runs]
+
+
+def find_mismatches(
+    batches: Mapping[str, Mapping[int, Batch]], prompts: Sequence[Prompt], reference: str
+) -> list[dict[str, Any]]:
+    """Every (configuration, concurrency, request) whose tokens differ, on the same prompt, from the
+    reference configuration's at concurrency 1, and, at N > 1, from its own at concurrency 1."""
+    found = []
+    for name, by_concurrency in batches.items():
+        for n, batch in by_concurrency.items():
+            against = [reference] if (name, n) != (reference, 1) else []
+            if n != 1 and name != reference:
+                against.append(name)
+            for j, stream in enumerate(batch.streams):
+                prompt = j % len(prompts)
+                for other in against:
+                    theirs = batches[other][1].streams[prompt].token_ids
+                    if stream.token_ids == theirs:
+                        continue
+                    found.append(
+                        {
+                            "config": name,
+                            "concurrency": n,
+                            "request": j,
+                            "prompt": prompts[prompt].id,
+                            "reference": f"{other}@1",
+                            "first_difference_at": first_difference(stream.token_ids, theirs),
+                            "tokens": len(stream.token_ids),
+                            "reference_tokens": len(theirs),
+                        }
+                    )
+    return found
+
+
+def build_report(
+    configs: Sequence[LoadConfig],
+    prompts: Sequence[Prompt],
+    batches: Mapping[str, Mapping[int, Batch]],
+    not_run: Mapping[str, str] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole report: per configuration, one entry per concurrency; the output checks; what did not run."""
+    reference = BASELINE if BASELINE in batches else TARGET_ONLY
+    mismatches = find_mismatches(batches, prompts, reference)
+    rows = []
+    for config in (c for c in configs if c.name in batches):
+        runs = with_speedups([summarize_batch(b) for _, b in sorted(batches[config.name].items())])
+        for run in runs:
+            mine = [m for m in mismatches if m["config"] == config.name and m["concurrency"] == run["concurrency"]]
+            run["mismatches_vs_reference"] = sum(1 for m in mine if m["reference"] == f"{reference}@1")
+            run["mismatches_vs_concurrency_1"] = sum(1 for m in mine if m["reference"] == f"{config.name}@1")
+        rows.append(
+            {"name": config.name, "family": config.family, "drafter": config.drafter, "k": config.k,
+             "adaptive": config.adaptive, "runs": runs}
+        )  # fmt: skip
+    levels = sorted({n for by_concurrency in batches.values() for n in by_concurrency})
+    return {
+        **(meta or {}),
+        "mode": "concurrency",
+        "concurrency": levels,
+        "definitions": DEFINITIONS,
+        "configs": rows,
+        "not_run": dict(not_run or {}),
+        "mismatch_reference": f"{reference}@1",
+        "mismatches": mismatches,
+    }

@@ -1,0 +1,62 @@
+"""The concurrency run: every configuration at every concurrency, interleaved, after one warm-up each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests
+from outrider.bench.prompts import Prompt
+from outrider.bench.runner import failure_detail, interleaved_order, without_ignored_adaptive
+
+
+def run_concurrency(
+    configs: Sequence[LoadConfig],
+    prompts: Sequence[Prompt],
+    levels: Sequence[int],
+    max_new_tokens: int,
+    *,
+    progress: bool = True,
+) -> tuple[list[LoadConfig], dict[str, dict[int, Batch]], dict[str, str]]:
+    """For each concurrency N, every configuration in turn (the order rotated from N to N).
+
+    Returns the configurations that ran, their batches by name and N, and the
+    errors of those that may fail and did (left out from then on).
+    """
+    from tqdm import tqdm
+
+    not_run: dict[str, str] = {}
+    warm = {}
+    for config in tqdm(configs, desc="warm-up", unit="config", disable=not progress, leave=False):
+        warm[config.name] = _run_batch(config, prompts[:1], 1, min(max_new_tokens, 16), not_run)
+    configs = [c for c in configs if c.name not in not_run]
+    configs = without_ignored_adaptive(configs, {c.name: warm[c.name].streams[0].adaptive for c in configs})
+
+    batches: dict[str, dict[int, Batch]] = {c.name: {} for c in configs}
+    total = len(configs) * sum(len(batch_requests(prompts, n)) for n in levels)
+    with tqdm(total=total, desc="bench", unit="request", disable=not progress) as bar:
+        for i, n in enumerate(levels):
+            requests = batch_requests(prompts, n)
+            for config in interleaved_order(configs, i):
+                if config.name in not_run:
+                    bar.update(len(requests))
+                    continue
+                bar.set_postfix_str(f"{config.name} N={n}")
+                batch = _run_batch(config, requests, n, max_new_tokens, not_run, bar.update)
+                if batch is not None:
+                    batches[config.name][n] = batch
+    ran = [c for c in configs if c.name not in not_run]
+    return ran, {c.name: batches[c.name] for c in ran}, not_run
+
+
+def _run_batch(config, requests, concurrency, max_new_tokens, not_run, done=lambda n: None) -> Batch | None:
+    """``config.run``; a failure names the configuration and N, and stops the run unless the
+    configuration may fail: then it lands in ``not_run`` and None comes back."""
+    try:
+        return config.run(requests, concurrency, max_new_tokens, done)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        if not config.may_fail:
+            raise RuntimeError(f"{config.name} failed at concurrency {concurrency}: {failure_detail(exc)}") from exc
+        not_run[config.name] = f"{type(exc).__name__}: {failure_detail(exc)}"
+        return None

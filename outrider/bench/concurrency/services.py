@@ -1,0 +1,95 @@
+"""Outrider at concurrency N: N streaming clients, spread round-robin over a drafter's coordinator replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from outrider.bench.concurrency.streams import Batch, LoadConfig, Stream, stream_from_arrivals
+from outrider.bench.configs import outrider_variants
+from outrider.bench.prompts import Prompt
+from outrider.bench.runner import failure_detail
+
+
+class Replicas:
+    """The coordinator replicas in front of one drafter's workers, asked through the asyncio SDK."""
+
+    def __init__(self, addresses: Sequence[str], *, ignore_eos: bool = False) -> None:
+        self.addresses = list(addresses)
+        self.ignore_eos = ignore_eos
+
+    def run(
+        self,
+        requests: Sequence[Prompt],
+        concurrency: int,
+        max_new_tokens: int,
+        done: Callable[[int], None],
+        *,
+        k: int | None,
+        adaptive: bool = False,
+    ) -> Batch:
+        """N streams at once; stream s sends requests s, s + N, … and uses replica s mod replicas."""
+        return asyncio.run(self._run(requests, concurrency, max_new_tokens, done, k=k, adaptive=adaptive))
+
+    async def _run(self, requests, concurrency, max_new_tokens, done, *, k, adaptive) -> Batch:
+        from outrider.client import AsyncClient
+
+        clients = [AsyncClient(address) for address in self.addresses]
+        try:
+            # Connect every channel before the clock starts.
+            await asyncio.gather(*(client.model_info() for client in clients))
+            streams: list[Stream | None] = [None] * len(requests)
+
+            async def stream(s: int) -> None:
+                client = clients[s % len(clients)]
+                for j in range(s, len(requests), concurrency):
+                    streams[j] = await self._request(client, requests[j], max_new_tokens, k=k, adaptive=adaptive)
+                    done(1)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(stream(s) for s in range(concurrency)))
+            wall_s = time.perf_counter() - started
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+        return Batch(concurrency, tuple(streams), wall_s)  # type: ignore[arg-type]
+
+    async def _request(self, client, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool) -> Stream:
+        """One streamed request; a failure names the prompt."""
+        token_ids: list[int] = []
+        arrivals: list[tuple[float, int]] = []
+        stats = None
+        sent_s = time.perf_counter()
+        try:
+            async for chunk in client.stream(
+                messages=[{"role": "user", "content": prompt.text}],
+                max_new_tokens=max_new_tokens,
+                temperature=0.0,
+                num_speculative_tokens=k,
+                adaptive=adaptive,
+                ignore_eos=self.ignore_eos,
+            ):
+                arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+                token_ids += chunk.token_ids
+                stats = chunk.stats or stats
+        except Exception as exc:
+            raise RuntimeError(f"the request for {prompt.id}: {failure_detail(exc)}") from exc
+        return stream_from_arrivals(
+            token_ids, sent_s, arrivals,
+            rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+            adaptive=stats.adaptive,
+        )  # fmt: skip
+
+
+def outrider_load_configs(
+    replicas: Mapping[str | None, Replicas], ks: Sequence[int], *, adaptive: bool
+) -> list[LoadConfig]:
+    """The configurations of the sequential bench (``outrider-k0``, each drafter's K and adaptive K), N streams at once."""
+    return [
+        LoadConfig(
+            v.name, "outrider",
+            lambda r, n, t, d, e=replicas[v.coordinator], k=v.k, a=v.adaptive: e.run(r, n, t, d, k=k, adaptive=a),
+            v.drafter, v.k, v.adaptive,
+        )  # fmt: skip
+        for v in outrider_variants(list(replicas), ks, adaptive=adaptive)
+    ]

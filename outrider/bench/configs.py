@@ -1,0 +1,85 @@
+"""Configurations: what each one is called and runs, the drafters, the K list."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from outrider.bench.measurements import Measurement
+from outrider.bench.prompts import Prompt
+
+BASELINE = "hf-generate"
+TARGET_ONLY = "outrider-k0"
+
+
+@dataclass
+class Config:
+    """One way of generating: a name and a callable that runs one prompt."""
+
+    name: str
+    family: str
+    """``"hf"`` or ``"outrider"``."""
+    run: Callable[[Prompt, int], Measurement] = field(repr=False)
+    """``run(prompt, max_new_tokens)``."""
+    drafter: str | None = None
+    k: int | None = None
+    """Fixed K; ``None`` with ``adaptive`` or for HF's default schedule."""
+    adaptive: bool = False
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A drafter of ``--drafters``: its label and the draft worker's flags."""
+
+    label: str
+    draft_args: tuple[str, ...]
+    hf_peer: str | None
+    """``"assistant"`` (the target in bfloat16), ``"prompt-lookup"`` or None (no HF peer)."""
+
+
+@dataclass(frozen=True)
+class OutriderVariant:
+    """One Outrider configuration: its name, the coordinator it asks (by drafter label) and its K."""
+
+    name: str
+    coordinator: str | None
+    drafter: str | None
+    k: int | None
+    """0: target only; ``None`` with ``adaptive``."""
+    adaptive: bool = False
+
+
+def outrider_variants(labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool) -> list[OutriderVariant]:
+    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
+    variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
+    for label in labels:
+        if label is None:
+            continue
+        variants += [OutriderVariant(f"outrider-{label}-k{k}", label, label, k) for k in ks]
+        if adaptive:
+            variants.append(OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True))
+    return variants
+
+
+def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
+    """``prompt-lookup``, ``bf16`` (the target itself in bfloat16) or ``early-exit-L``."""
+    model = ("--model", target_model) if target_model else ()
+    if spec == "prompt-lookup":
+        return Drafter(spec, ("--drafter", "prompt-lookup"), "prompt-lookup")
+    if spec == "bf16":
+        return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "assistant")
+    if match := re.fullmatch(r"early-exit-(\d+)", spec):
+        layers = match.group(1)
+        return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
+    raise ValueError(f"unknown drafter {spec!r}: use prompt-lookup, bf16 or early-exit-L (e.g. early-exit-8)")
+
+
+def parse_k_list(raw: str) -> list[int]:
+    try:
+        ks = sorted({int(part) for part in raw.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"--k {raw!r}: give comma-separated integers, e.g. 4,8") from None
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"--k {raw!r}: give one or more K of at least 1 (K=0 always runs as outrider-k0)")
+    return ks

@@ -1,0 +1,51 @@
+"""Outrider through its services: one coordinator per drafter, asked by the SDK."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from outrider.bench.configs import Config, outrider_variants
+from outrider.bench.measurements import Measurement, measurement_from_stats
+from outrider.bench.prompts import Prompt
+
+
+class OutriderEndpoint:
+    """One coordinator, asked through the SDK's blocking client."""
+
+    def __init__(self, address: str, *, ignore_eos: bool = False) -> None:
+        from outrider.client import Client
+
+        self.client = Client(address)
+        self.ignore_eos = ignore_eos
+
+    def generate(self, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool = False) -> Measurement:
+        """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``)."""
+        started = time.perf_counter()
+        result = self.client.generate(
+            messages=[{"role": "user", "content": prompt.text}],
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            num_speculative_tokens=k,
+            adaptive=adaptive,
+            ignore_eos=self.ignore_eos,
+        )
+        wall_s = time.perf_counter() - started
+        return measurement_from_stats(result.token_ids, result.stats, wall_s)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def outrider_configs(
+    endpoints: Mapping[str | None, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool
+) -> list[Config]:
+    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
+    return [
+        Config(
+            v.name, "outrider",
+            lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive: e.generate(p, n, k=k, adaptive=a),
+            v.drafter, v.k, v.adaptive,
+        )  # fmt: skip
+        for v in outrider_variants(list(endpoints), ks, adaptive=adaptive)
+    ]

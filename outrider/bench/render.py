@@ -1,0 +1,134 @@
+"""The report in the terminal: tables and the headline, with rich when it is installed."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:{spec}}{suffix}"
+
+
+def _histogram(row: Mapping[str, Any], width: int = 8) -> str:
+    """Accepted per position as a fraction of rounds: ``.91 .80 .62 ...``."""
+    rounds = row["rounds"]
+    if not row["accepted_per_position"] or not rounds:
+        return "-"
+    shares = [f"{n / rounds:.2f}".lstrip("0") for n in row["accepted_per_position"][:width]]
+    more = " …" if len(row["accepted_per_position"]) > width else ""
+    return " ".join(shares) + more
+
+
+def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "config", "tok/s", "speedup", "accept", "MAL", "E", "draft ms", "verify ms",
+        "overhead ms p50", "bound", "achieved/bound", "mismatch", "accepted per position (share of rounds)",
+    ]  # fmt: skip
+    rows = []
+    for r in report["configs"]:
+        rows.append(
+            [
+                r["name"],
+                fmt(r["tokens_per_s"]),
+                fmt(r["speedup"], ".2f", "×"),
+                fmt(r["acceptance_rate"]),
+                fmt(r["mean_acceptance_length"]),
+                fmt(r["expected_tokens_per_round"]),
+                fmt(r["draft_ms_per_round"], ".1f"),
+                fmt(r["verify_ms_per_round"], ".1f"),
+                fmt(r["overhead_ms_per_round"], ".2f"),
+                fmt(r["bound_speedup"], ".2f", "×"),
+                fmt(r["achieved_over_bound"]),
+                str(r["mismatches"]),
+                _histogram(r),
+            ]
+        )
+    return header, rows
+
+
+def category_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["config"] + [f"{c} ({report['prompt_counts'][c]})" for c in report["categories"]]
+    rows = []
+    for r in report["configs"]:
+        cells = [r["name"]]
+        for c in report["categories"]:
+            s = r["by_category"][c]
+            cell = f"{fmt(s['tokens_per_s'], '.1f')} t/s {fmt(s['speedup'], '.2f', '×')}"
+            if s["acceptance_rate"] is not None:
+                cell += f" α{fmt(s['acceptance_rate'])} L{fmt(s['mean_acceptance_length'])}"
+            cells.append(cell)
+        rows.append(cells)
+    return header, rows
+
+
+def headline_lines(report: Mapping[str, Any]) -> list[str]:
+    h = report["headline"]
+    lines = [f"speedup = tokens/s ÷ tokens/s of {report['baseline']}; greedy, same prompts, interleaved."]
+    if h["best_outrider"] and h["best_hf_assisted"]:
+        lines.append(
+            f"best Outrider ({h['best_outrider']}) ÷ best HF assisted ({h['best_hf_assisted']}): "
+            f"{fmt(h['best_outrider_over_best_hf_assisted'], '.2f', '×')}"
+        )
+    if h["outrider_k0_over_hf_generate"] is not None:
+        verdict = "within 5%" if h["outrider_k0_within_5pct_of_hf_generate"] else "NOT within 5%"
+        lines.append(f"outrider-k0 ÷ hf-generate: {h['outrider_k0_over_hf_generate']:.3f} ({verdict})")
+    if h["achieved_over_bound"]:
+        parts = ", ".join(f"{n} {v:.2f}" for n, v in h["achieved_over_bound"].items())
+        lines.append(f"achieved/bound (vs outrider-k0): {parts}")
+    if h["max_overhead_ms_per_round_p50"] is not None:
+        lines.append(f"overhead per round (RPC + coordinator), p50, worst config: {h['max_overhead_ms_per_round_p50']:.2f} ms")
+    if report["mismatches"]:
+        lines.append(
+            f"MISMATCH: {len(report['mismatches'])} (config, prompt) outputs differ from {report['mismatch_reference']}: "
+            + "; ".join(f"{m['config']} on {m['prompt']} at token {m['first_difference_at']}" for m in report["mismatches"][:12])
+            + (" …" if len(report["mismatches"]) > 12 else "")
+        )
+    else:
+        lines.append(f"outputs: every configuration produced the same tokens as {report['mismatch_reference']} on every prompt.")
+    return lines
+
+
+def render(report: Mapping[str, Any], out=None) -> None:
+    """The tables and the headline, with rich when it is installed, else plain text."""
+    tables = [("per configuration", *table_rows(report)), ("per category", *category_rows(report))]
+    print_tables(tables, headline_lines(report), out or sys.stdout)
+
+
+def print_tables(tables: Sequence[tuple[str, list[str], list[list[str]]]], lines: Sequence[str], out) -> None:
+    """(title, header, rows) tables, then lines; rows with a non-zero ``mismatch`` cell and lines
+    starting with MISMATCH in bold red (with rich when it is installed, else plain text)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, header, rows in tables:
+            print(f"\n{title}", file=out)
+            print(_plain_table(header, rows), file=out)
+        for line in lines:
+            print(line, file=out)
+        return
+    console = Console(file=out, width=None if out.isatty() else 220, highlight=False)
+    for title, header, rows in tables:
+        table = Table(title=title, title_justify="left")
+        for i, name in enumerate(header):
+            table.add_column(name, justify="left" if i == 0 or name.startswith("accepted") else "right")
+        column = header.index("mismatch") if "mismatch" in header else None
+        for row in rows:
+            mismatch = column is not None and any(c in "123456789" for c in row[column])
+            table.add_row(*row, style="bold red" if mismatch else None)
+        console.print(table)
+    for line in lines:
+        console.print(line, style="bold red" if line.startswith("MISMATCH") else None)
+
+
+def _plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

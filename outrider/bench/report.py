@@ -1,0 +1,169 @@
+"""The report (what ``--json`` writes), built from the measurements (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from outrider.bench.bound import analytic_bound
+from outrider.bench.configs import BASELINE, TARGET_ONLY, Config
+from outrider.bench.measurements import Measurement, Totals, aggregate
+from outrider.bench.prompts import Prompt
+
+REQUIRED_CONFIG_KEYS = (
+    "name",
+    "tokens_per_s",
+    "speedup",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "bound_speedup",
+    "overhead_ms_per_round",
+)
+
+
+def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
+    """The index of the first token that differs (the shorter length when one is a prefix of the other)."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+
+
+def find_mismatches(
+    results: Mapping[str, Sequence[Measurement]], prompts: Sequence[Prompt], reference: str
+) -> list[dict[str, Any]]:
+    """Every (configuration, prompt) whose tokens differ from the reference's."""
+    found = []
+    for name, measurements in results.items():
+        if name == reference:
+            continue
+        for prompt, mine, theirs in zip(prompts, measurements, results[reference]):
+            if mine.token_ids == theirs.token_ids:
+                continue
+            found.append(
+                {
+                    "config": name,
+                    "prompt": prompt.id,
+                    "first_difference_at": first_difference(mine.token_ids, theirs.token_ids),
+                    "tokens": len(mine.token_ids),
+                    "reference_tokens": len(theirs.token_ids),
+                    "prompt_tokens": mine.prompt_tokens,
+                    "reference_prompt_tokens": theirs.prompt_tokens,
+                }
+            )
+    return found
+
+
+def round_or_none(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize_config(config: Config, totals: Totals, baseline: Totals, target_only: Totals | None) -> dict[str, Any]:
+    """One entry of the report's ``configs``."""
+    bound = analytic_bound(totals, target_only) if config.family == "outrider" and target_only else None
+    achieved = ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and config.family == "outrider" else None
+    row = {
+        "name": config.name,
+        "family": config.family,
+        "drafter": config.drafter,
+        "k": config.k,
+        "adaptive": config.adaptive,
+        "prompts": totals.prompts,
+        "generated_tokens": totals.generated_tokens,
+        "wall_s": round_or_none(totals.wall_s),
+        "tokens_per_s": round_or_none(totals.tokens_per_s),
+        "speedup": round_or_none(ratio(totals.tokens_per_s, baseline.tokens_per_s)),
+        "acceptance_rate": round_or_none(totals.acceptance_rate),
+        "mean_acceptance_length": round_or_none(totals.mean_acceptance_length),
+        "rounds": totals.rounds,
+        "draft_tokens": totals.draft_tokens,
+        "accepted_tokens": totals.accepted_tokens,
+        "accepted_per_position": list(totals.accepted_per_position),
+        "draft_ms_per_round": round_or_none(totals.per_round_ms(totals.draft_time_s), 3),
+        "verify_ms_per_round": round_or_none(totals.per_round_ms(totals.verify_time_s), 3),
+        "rpc_ms_per_round": round_or_none(totals.per_round_ms(totals.rpc_time_s), 3),
+        "overhead_ms_per_round": round_or_none(None if totals.overhead_s_p50 is None else 1000 * totals.overhead_s_p50, 3),
+        "expected_tokens_per_round": round_or_none(bound.expected_tokens_per_round if bound else None),
+        "mean_draft_tokens_per_round": round_or_none(bound.mean_draft_tokens if bound else None),
+        "bound_speedup": round_or_none(bound.speedup if bound else None),
+        "achieved_speedup_vs_k0": round_or_none(achieved),
+        "achieved_over_bound": round_or_none(ratio(achieved, bound.speedup if bound else None)),
+    }
+    return row
+
+
+def summarize_category(totals: Totals, baseline: Totals) -> dict[str, Any]:
+    return {
+        "prompts": totals.prompts,
+        "tokens_per_s": round_or_none(totals.tokens_per_s),
+        "speedup": round_or_none(ratio(totals.tokens_per_s, baseline.tokens_per_s)),
+        "acceptance_rate": round_or_none(totals.acceptance_rate),
+        "mean_acceptance_length": round_or_none(totals.mean_acceptance_length),
+    }
+
+
+def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]:
+    """Best Outrider vs best HF assisted; outrider-k0 vs hf-generate; achieved/bound; overhead."""
+    by_name = {r["name"]: r for r in rows}
+    speculative = [r for r in rows if r["family"] == "outrider" and r["name"] != TARGET_ONLY]
+    assisted = [r for r in rows if r["name"].startswith("hf-assisted")]
+    best_outrider = max(speculative, key=lambda r: r["tokens_per_s"], default=None)
+    best_hf = max(assisted, key=lambda r: r["tokens_per_s"], default=None)
+    k0, hf = by_name.get(TARGET_ONLY), by_name.get(BASELINE)
+    bounds = {r["name"]: r["achieved_over_bound"] for r in rows if r.get("achieved_over_bound") is not None}
+    overheads = [r["overhead_ms_per_round"] for r in rows if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None]
+    k0_vs_hf = ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
+    return {
+        "baseline": baseline,
+        "best_outrider": best_outrider["name"] if best_outrider else None,
+        "best_hf_assisted": best_hf["name"] if best_hf else None,
+        "best_outrider_over_best_hf_assisted": round_or_none(
+            ratio(best_outrider["tokens_per_s"], best_hf["tokens_per_s"]) if best_outrider and best_hf else None
+        ),
+        "outrider_k0_over_hf_generate": round_or_none(k0_vs_hf),
+        "outrider_k0_within_5pct_of_hf_generate": None if k0_vs_hf is None else abs(k0_vs_hf - 1) <= 0.05,
+        "achieved_over_bound": bounds,
+        "min_achieved_over_bound": min(bounds.values(), default=None),
+        "max_overhead_ms_per_round_p50": max(overheads, default=None),
+    }
+
+
+def build_report(
+    configs: Sequence[Config],
+    prompts: Sequence[Prompt],
+    results: Mapping[str, Sequence[Measurement]],
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole report (what ``--json`` writes): pure, from the measurements."""
+    names = [c.name for c in configs]
+    baseline = BASELINE if BASELINE in results else TARGET_ONLY
+    categories = sorted({p.category for p in prompts})
+
+    def totals_of(name: str, category: str | None = None) -> Totals:
+        return aggregate([m for p, m in zip(prompts, results[name]) if category is None or p.category == category])
+
+    base = totals_of(baseline)
+    target_only = totals_of(TARGET_ONLY) if TARGET_ONLY in results else None
+    rows = []
+    for config in configs:
+        row = summarize_config(config, totals_of(config.name), base, target_only)
+        row["by_category"] = {
+            c: summarize_category(totals_of(config.name, c), totals_of(baseline, c)) for c in categories
+        }
+        rows.append(row)
+    reference = BASELINE if BASELINE in results else TARGET_ONLY
+    mismatches = find_mismatches({n: results[n] for n in names}, prompts, reference) if reference in results else []
+    for row in rows:
+        row["mismatches"] = sum(1 for m in mismatches if m["config"] == row["name"])
+    return {
+        **(meta or {}),
+        "speedup_definition": f"tokens_per_s / tokens_per_s of {baseline}",
+        "baseline": baseline,
+        "categories": categories,
+        "prompt_counts": {c: sum(1 for p in prompts if p.category == c) for c in categories},
+        "configs": rows,
+        "mismatch_reference": reference,
+        "mismatches": mismatches,
+        "headline": headline(rows, baseline),
+    }

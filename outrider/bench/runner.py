@@ -1,0 +1,76 @@
+"""The interleaved run: for each prompt, every configuration in turn."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from outrider.bench.configs import Config
+from outrider.bench.measurements import Measurement
+from outrider.bench.prompts import Prompt
+
+C = TypeVar("C")
+
+
+def interleaved_order(configs: Sequence[C], index: int) -> list[C]:
+    """Every configuration once, the starting one rotated by ``index`` (the prompt's, or the concurrency's)."""
+    shift = index % len(configs) if configs else 0
+    return [*configs[shift:], *configs[:shift]]
+
+
+def run_interleaved(
+    configs: Sequence[Config],
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    *,
+    progress: bool = True,
+) -> dict[str, list[Measurement]]:
+    """For each prompt, every configuration in turn; the results by configuration, in prompt order."""
+    from tqdm import tqdm
+
+    results: dict[str, list[Measurement | None]] = {c.name: [None] * len(prompts) for c in configs}
+    with tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress) as bar:
+        for i, prompt in enumerate(prompts):
+            for config in interleaved_order(configs, i):
+                bar.set_postfix_str(f"{prompt.id} {config.name}")
+                results[config.name][i] = _run_one(config, prompt, max_new_tokens)
+                bar.update()
+    return results  # type: ignore[return-value]
+
+
+def warm_up(configs: Sequence[Config], prompt: Prompt, max_new_tokens: int, *, progress: bool = True) -> dict[str, Measurement]:
+    """One untimed request per configuration (first-call costs, connections)."""
+    from tqdm import tqdm
+
+    return {
+        config.name: _run_one(config, prompt, max_new_tokens)
+        for config in tqdm(configs, desc="warm-up", unit="config", disable=not progress, leave=False)
+    }
+
+
+def _run_one(config: Config, prompt: Prompt, max_new_tokens: int) -> Measurement:
+    """``config.run``; a failure names the configuration and the prompt."""
+    try:
+        return config.run(prompt, max_new_tokens)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        raise RuntimeError(f"{config.name} failed on {prompt.id}: {failure_detail(exc)}") from exc
+
+
+def failure_detail(exc: BaseException) -> str:
+    """A gRPC error as ``CODE: details``, anything else as its message."""
+    code = getattr(exc, "code", None)
+    return f"{code().name}: {exc.details()}" if callable(code) and hasattr(exc, "details") else str(exc)
+
+
+def without_ignored_adaptive(configs: Sequence[C], adaptive_used: Mapping[str, bool]) -> list[C]:
+    """The configurations, less the adaptive ones whose warm-up says K stayed fixed (with a warning)."""
+    ignored = [c.name for c in configs if c.adaptive and not adaptive_used[c.name]]
+    if ignored:
+        print(
+            f"WARNING: the coordinator ignored `adaptive` (its stats say K was fixed); left out: {', '.join(ignored)}",
+            file=sys.stderr,
+        )
+    return [c for c in configs if c.name not in ignored]
