@@ -142,7 +142,7 @@ async def test_sessions_starting_and_ending_at_different_times_share_steps_and_g
     spy = Spy(paged(llama, blocks=256))
     engine = Engine(spy, max_tokens_per_step=64, max_rows=16)
     prompts = [[5, 6, 7], list(range(10, 40)), [3], [8, 9, 10, 11, 12, 13], list(range(1, 20))]
-    lengths = [12, 4, 20, 9, 15]
+    lengths = [60, 40, 70, 50, 45]  # long enough to overlap however slowly the machine runs the sleeps
 
     async def session(i: int) -> list[int]:
         await asyncio.sleep(0.01 * i)  # joins mid-flight
