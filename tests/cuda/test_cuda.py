@@ -120,10 +120,11 @@ async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batch
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
     chats = [
-        tokenizer.apply_chat_template([{"role": "user", "content": rows[i * 10]["turns"][0]}], add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": rows[i * 10]["turns"][0]}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         for i in range(6)
     ]
-    chats = [c["input_ids"] if isinstance(c, dict) else c for c in chats]
     references = [hf_greedy(model_dir, c, 48) for c in chats]
     async with running_stack(model_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}, engine=CUDA_FP32) as stack:
         async with AsyncClient(stack.address, timeout=300) as client:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -92,8 +93,10 @@ def continuous_batching(
 
     rows = [hf.prompt_ids(p) for p in requests]
     pages = math.ceil((max(map(len, rows)) + max_new_tokens) / 32) + 1
+    # transformers 5.17 names the cache unit block_size; later releases, page_size.
+    unit = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
     batching = ContinuousBatchingConfig(
-        page_size=32,
+        **{unit: 32},
         num_blocks=concurrency * pages,
         max_batch_tokens=2048 if hf.device.type == "cuda" else 256,
         max_requests_per_batch=concurrency,
