@@ -56,6 +56,8 @@ class PagedRunner:
         self.dtype = forward.dtype
         self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
         self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
+        self.pad_groups = self.device.type == "cuda"
+        """Group rows by the power of two at or above their token count (see :meth:`_ragged_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
@@ -77,9 +79,17 @@ class PagedRunner:
         return _split(logits, wanted)
 
     def _ragged_batch(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
-        """The rows flattened into one sequence, grouped by tokens per row
-        for attention; and where each row's wanted logits land in the output."""
+        """The rows flattened into one sequence, grouped for attention; and
+        where each row's wanted logits land in the output.
+
+        Each group's rows feed the same number of tokens: on the CPU rows
+        are grouped by their exact count (a padded token costs real
+        compute); on CUDA by its next power of two, the shorter rows padded
+        (pad tokens at position 0 write to the null block), because there a
+        group costs kernel launches in every layer and a padded token next
+        to nothing — prompts of 64 lengths are a few groups, not 64."""
         block_size = self.pool.block_size
+        group_of = _power_of_two if self.pad_groups else len
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
         ids: list[int] = []
         positions: list[int] = []
@@ -87,10 +97,11 @@ class PagedRunner:
         logits_at: list[int] = []
         wanted: list[tuple[int, int] | None] = [None] * len(rows)
         tables: list[tuple[int, int, int, list[list[int]]]] = []  # (start, rows, tokens per row, block table)
-        for t, members in groupby(order, key=lambda i: len(rows[i].tokens)):
+        for _, members in groupby(order, key=lambda i: group_of(rows[i].tokens)):
             members = list(members)
+            t = len(rows[members[-1]].tokens)  # the group's longest row: the others are padded to it
             start = len(ids)
-            width = max(self.pool.blocks_for(len(rows[i].kv) + t) for i in members)
+            width = max(self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens)) for i in members)
             table = []
             for i in members:
                 row = rows[i]
@@ -103,7 +114,11 @@ class PagedRunner:
                 if row.num_logits:
                     wanted[i] = (len(logits_at), row.num_logits)
                     logits_at.extend(range(len(ids) - row.num_logits, len(ids)))
-                needed = self.pool.blocks_for(cached + t)
+                pad = t - len(row.tokens)
+                ids.extend([0] * pad)
+                positions.extend([0] * pad)
+                slots.extend([NULL_BLOCK * block_size] * pad)
+                needed = self.pool.blocks_for(cached + len(row.tokens))
                 table.append(blocks[:needed] + [NULL_BLOCK] * (width - needed))
             tables.append((start, len(members), t, table))
         n = len(ids)
@@ -125,6 +140,11 @@ class PagedRunner:
             logits_indices=packed[3 * n : 3 * n + len(logits_at)],
         )
         return batch, wanted
+
+
+def _power_of_two(tokens: Sequence[int]) -> int:
+    """The power of two at or above ``len(tokens)``."""
+    return 1 << (len(tokens) - 1).bit_length()
 
 
 class DynamicKVCache(KVCache):

@@ -53,16 +53,18 @@ def paged(model, *, blocks: int = 64, block_size: int = 4) -> PagedRunner:
     return PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(blocks, block_size))
 
 
+@pytest.mark.parametrize("pad_groups", [False, True], ids=["exact groups (CPU)", "padded groups (CUDA)"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name):
+def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_groups):
     model = tiny(name)
     torch.manual_seed(1)
-    sequences = [torch.randint(0, 97, (n,)).tolist() for n in (5, 23, 40)]
+    sequences = [torch.randint(0, 97, (n,)).tolist() for n in (5, 6, 9, 23, 40)]
     with torch.inference_mode():
         expected = [model(torch.tensor([s])).logits[0] for s in sequences]
         runner = paged(model)
+        runner.pad_groups = pad_groups
         caches = [runner.new_kv() for _ in sequences]
-        cuts = (3, 10, 17)  # step 1: a chunk of each; step 2: the rest, with every logit
+        cuts = (3, 3, 4, 10, 17)  # step 1: a chunk of each; step 2: the rest, with every logit
         for kv, s in zip(caches, sequences):
             kv.reserve(len(s))
         runner.execute([Row(kv, s[:c], 0) for kv, s, c in zip(caches, sequences, cuts)])
