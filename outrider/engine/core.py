@@ -88,7 +88,7 @@ class _Activity:
     thread was busy — near 100% means the engine is the limit, far below it
     means the sessions' rounds reach it too slowly."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 5.0) -> None:
         self.interval_s = interval_s
         self._reset(time.perf_counter())
 
