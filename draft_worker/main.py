@@ -80,16 +80,13 @@ async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
 async def serve(config: DraftWorkerConfig) -> None:
     log.info("loading drafter", drafter=config.drafter, model=config.model, device=config.engine.device, dtype=config.engine.dtype)
     await serve_worker(
-        config.address,
-        config.engine,
-        build=lambda: build_engine(config),
-        warm_up=warm_up,
+        config,
+        module=__name__,
         add_servicer=lambda draft, engine, server, metrics: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
             DraftWorkerService(draft, engine, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
         ),
         service_name=SERVICE_NAME,
         role="draft",
-        max_sessions=config.limits.max_sessions,
     )
 
 

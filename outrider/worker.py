@@ -1,27 +1,32 @@
-"""Running a worker service (draft or target): its engine, its gRPC server,
-its metrics, its warm-up, its drain on SIGTERM."""
+"""Running a worker service (draft or target): its sessions and engine, its
+gRPC server, its metrics, its warm-up, its drain on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from outrider.config import EngineConfig, ServiceAddress
+from outrider.config import EngineConfig
 from outrider.engine import Engine, InlineEngine
+from outrider.engine.process import EngineClient
 from outrider.logging import get_logger
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
 from outrider.rpc import serve_until_signalled, start_server
 
 log = get_logger(__name__)
 
+AnyEngine = Engine | InlineEngine | EngineClient
 
-def start_engine(worker: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine | InlineEngine:
-    """The engine that runs ``worker``'s jobs: a batching :class:`Engine` on
-    its own thread, or, for a worker without a model, an :class:`InlineEngine`."""
-    runner = worker.runner
+
+def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine | InlineEngine:
+    """The engine that runs ``sessions``' jobs in this process: a batching
+    :class:`Engine` on its own thread, or, for a worker without a model, an
+    :class:`InlineEngine`."""
+    runner = sessions.runner
     if runner is None:
         return InlineEngine()
     return Engine(
@@ -33,30 +38,53 @@ def start_engine(worker: Any, config: EngineConfig, *, max_rows: int, on_step=No
     )
 
 
+async def _warm() -> None:
+    pass
+
+
+async def open_worker(
+    module: str, config: Any, *, on_step: Callable | None = None
+) -> tuple[Any, AnyEngine, Callable[[], Awaitable[None]]]:
+    """The sessions of the worker that ``module`` (``target_worker.main`` or
+    ``draft_worker.main``) builds from ``config``, the engine that runs their
+    jobs, and their warm-up. With ``config.engine.process`` both live in an
+    engine process of their own, already warmed up; else here (the model
+    loads off the event loop)."""
+    if config.engine.process:
+        client = await EngineClient.start(module, config, on_step=on_step)
+        return client.sessions, client, _warm
+    role = importlib.import_module(module)
+    sessions = await asyncio.to_thread(role.build_engine, config)
+    engine = start_engine(sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step)
+    return sessions, engine, lambda: role.warm_up(sessions, engine)
+
+
 async def serve_worker(
-    address: ServiceAddress,
-    config: EngineConfig,
+    config: Any,
     *,
-    build: Callable[[], Any],
-    warm_up: Callable[[Any, Engine | InlineEngine], Awaitable[None]],
-    add_servicer: Callable[[Any, Engine | InlineEngine, grpc.aio.Server, WorkerMetrics | None], None],
+    module: str,
+    add_servicer: Callable[[Any, AnyEngine, grpc.aio.Server, WorkerMetrics | None], None],
     service_name: str,
     role: str,
-    max_sessions: int,
 ) -> None:
-    """Runs a worker (``role``: draft or target): loads it with ``build``
-    (off the event loop), starts its engine, serves its metrics when it has
-    a metrics port, serves it, flips health to SERVING after ``warm_up``,
-    drains on SIGTERM."""
+    """Runs a worker (``role``: draft or target; see :func:`open_worker`):
+    serves its metrics when it has a metrics port, serves it, flips health
+    to SERVING after its warm-up, drains on SIGTERM."""
+    address = config.address
+    metrics: WorkerMetrics | None = None
+
+    def on_step(stats) -> None:
+        if metrics is not None:
+            metrics.step(stats)
+
     with serving_metrics(address) as endpoint:
-        worker = await asyncio.to_thread(build)
-        metrics = WorkerMetrics(endpoint.registry, worker.store, role=role) if endpoint else None
-        engine = start_engine(worker, config, max_rows=max_sessions, on_step=metrics.step if metrics else None)
-        info = worker.info
-        log.info("worker ready to warm up", role=role, device=info.device, dtype=info.dtype, runner=type(worker.runner).__name__)
+        sessions, engine, warm_up = await open_worker(module, config, on_step=on_step)
+        info = sessions.info
+        log.info("worker loaded", role=role, device=info.device, dtype=info.dtype, engine=type(engine).__name__)
         try:
+            metrics = WorkerMetrics(endpoint.registry, sessions.store, role=role) if endpoint else None
             running = await start_server(
-                lambda server: add_servicer(worker, engine, server, metrics),
+                lambda server: add_servicer(sessions, engine, server, metrics),
                 [service_name],
                 host=address.host,
                 port=address.port,
@@ -64,10 +92,7 @@ async def serve_worker(
                 metrics=RpcMetrics(endpoint.registry) if endpoint else None,
             )
             await serve_until_signalled(
-                running,
-                warmup=lambda: warm_up(worker, engine),
-                ready_file=address.ready_file,
-                grace_s=address.shutdown_grace_s,
+                running, warmup=warm_up, ready_file=address.ready_file, grace_s=address.shutdown_grace_s
             )
         finally:
             engine.shutdown()

@@ -62,16 +62,13 @@ async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None
 async def serve(config: TargetWorkerConfig) -> None:
     log.info("loading target model", model=config.model or models.DEFAULT_MODEL, device=config.engine.device, dtype=config.engine.dtype)
     await serve_worker(
-        config.address,
-        config.engine,
-        build=lambda: build_engine(config),
-        warm_up=warm_up,
+        config,
+        module=__name__,
         add_servicer=lambda target, engine, server, metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
             TargetWorkerService(target, engine, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
         ),
         service_name=SERVICE_NAME,
         role="target",
-        max_sessions=config.limits.max_sessions,
     )
 
 

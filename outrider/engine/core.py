@@ -114,24 +114,28 @@ class _Activity:
             self._reset(now)
 
 
-class _Call:
-    __slots__ = ("fn", "args", "context", "loop", "future", "started", "job")
+Reply = Callable[[bool, Any, float], None]
+"""How a call's outcome goes back: ``reply(True, result, seconds)`` or ``reply(False, exception, 0.0)``."""
 
-    def __init__(self, fn, args, loop, future) -> None:
-        self.fn, self.args, self.loop, self.future = fn, args, loop, future
+
+class _Call:
+    __slots__ = ("fn", "args", "context", "reply", "started", "job")
+
+    def __init__(self, fn, args, reply: Reply | None) -> None:
+        self.fn, self.args, self.reply = fn, args, reply
         self.context = contextvars.copy_context()
         self.started = 0.0
         self.job: Job | None = None
 
     def finish(self, value: Any) -> None:
-        if self.future is not None:
-            _post(self.loop, _set_result, self.future, (value, time.perf_counter() - self.started))
+        if self.reply is not None:
+            self.reply(True, value, time.perf_counter() - self.started)
 
     def fail(self, exc: BaseException) -> None:
         if self.job is not None:
             self.job.close()  # its finally blocks run; it never resumes
-        if self.future is not None:
-            _post(self.loop, _set_exception, self.future, exc)
+        if self.reply is not None:
+            self.reply(False, exc, 0.0)
         else:
             log.error("engine call failed", call=getattr(self.fn, "__name__", repr(self.fn)), error=repr(exc))
 
@@ -166,12 +170,16 @@ class Engine:
         to its end (its steps, shared with other sessions, included)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._calls.put(_Call(fn, args, loop, future))
+        self.enqueue(fn, args, lambda ok, value, seconds: _post(loop, _settle, future, ok, value, seconds))
         return await future
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         """Queues ``fn(*args)`` without waiting (safe from a cancelled task's cleanup)."""
-        self._calls.put(_Call(fn, args, None, None))
+        self.enqueue(fn, args, None)
+
+    def enqueue(self, fn: Callable[..., object], args: tuple, reply: Reply | None) -> None:
+        """Queues ``fn(*args)``; ``reply`` gets its outcome, on the engine thread."""
+        self._calls.put(_Call(fn, args, reply))
 
     def shutdown(self) -> None:
         self._calls.put(None)
@@ -267,6 +275,19 @@ class InlineEngine:
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         fn(*args)
 
+    def enqueue(self, fn: Callable[..., object], args: tuple, reply: Reply | None) -> None:
+        """Runs ``fn(*args)`` now; ``reply`` gets its outcome."""
+        started = time.perf_counter()
+        try:
+            value = self.call(fn, *args)
+        except Exception as exc:
+            if reply is None:
+                raise
+            reply(False, exc, 0.0)
+        else:
+            if reply is not None:
+                reply(True, value, time.perf_counter() - started)
+
     def shutdown(self) -> None:
         pass
 
@@ -290,11 +311,10 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
         pass  # the loop has closed: nobody is waiting any more
 
 
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():  # the caller may have been cancelled meanwhile
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+def _settle(future: asyncio.Future, ok: bool, value: Any, seconds: float) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if ok:
+        future.set_result((value, seconds))
+    else:
+        future.set_exception(value)

@@ -19,12 +19,11 @@ from draft_worker import main as draft_main
 from draft_worker.sessions import DraftSessions
 from draft_worker.service import DraftWorkerService
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
-from outrider.engine import Engine, InlineEngine
+from outrider.worker import AnyEngine, open_worker
 from coordinator.metrics import CoordinatorMetrics
 from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
-from outrider.worker import start_engine
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from target_worker import main as target_main
 from target_worker.sessions import TargetSessions
@@ -41,7 +40,7 @@ class Stack:
     targets: list[TargetSessions]
     target_servers: list[RunningServer]
     draft_server: RunningServer | None
-    draft_engine: Engine | InlineEngine | None = None
+    draft_engine: AnyEngine | None = None
     metrics: dict[str, MetricsEndpoint] = field(default_factory=dict)
     """With ``running_stack(metrics=True)``: each service's /metrics endpoint
     (``target``, ``target-1``, ..., ``draft``, ``coordinator``)."""
@@ -78,14 +77,15 @@ async def running_stack(
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
     them (``engine`` says how: by default float64 on the CPU, each model
-    worker batching on its own engine thread). ``publish_targets`` gets the
+    worker batching on its own engine thread; with ``process=True`` in an
+    engine process of its own). ``publish_targets`` gets the
     target workers' addresses and returns the ones the coordinator is given
     (e.g. k8s:// ones after publishing EndpointSlices to the API server that
     ``kube_api`` reaches)."""
     worker_credentials = worker_tls[0].credentials() if worker_tls else None
     worker_client_credentials = worker_tls[1].credentials() if worker_tls else None
     servers: list[RunningServer] = []
-    engines: list[Engine | InlineEngine] = []
+    engines: list[AnyEngine] = []
     clients = []
     endpoints: dict[str, MetricsEndpoint] = {}
 
@@ -100,15 +100,16 @@ async def running_stack(
         target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), engine=engine, limits=limits)
         target_workers, target_servers = [], []
         for replica in range(target_replicas):
-            worker = await asyncio.to_thread(target_main.build_engine, target_config)
-            target_workers.append(worker)
             target_registry = registry(f"target-{replica}" if replica else "target")
-            target_metrics = WorkerMetrics(target_registry, worker.store, role="target") if metrics else None
-            target_engine = start_engine(
-                worker, engine, max_rows=limits.max_sessions, on_step=target_metrics.step if target_metrics else None
+            steps = []  # the worker's metrics exist once its store does
+            worker, target_engine, warm_up = await open_worker(
+                "target_worker.main", target_config, on_step=lambda s, steps=steps: steps and steps[0].step(s)
             )
+            target_metrics = WorkerMetrics(target_registry, worker.store, role="target") if metrics else None
+            steps.extend([target_metrics] if target_metrics else [])
+            target_workers.append(worker)
             engines.append(target_engine)
-            await target_main.warm_up(worker, target_engine)
+            await warm_up()
             target_servers.append(
                 await start_server(
                     lambda s, w=worker, e=target_engine, m=target_metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
@@ -139,14 +140,15 @@ async def running_stack(
                 draft_layers=draft_layers,
                 limits=limits,
             )
-            draft_worker = await asyncio.to_thread(draft_main.build_engine, draft_config)
             draft_registry = registry("draft")
-            draft_metrics = WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
-            draft_engine = start_engine(
-                draft_worker, engine, max_rows=limits.max_sessions, on_step=draft_metrics.step if draft_metrics else None
+            steps = []
+            draft_worker, draft_engine, warm_up = await open_worker(
+                "draft_worker.main", draft_config, on_step=lambda s: steps and steps[0].step(s)
             )
+            draft_metrics = WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
+            steps.extend([draft_metrics] if draft_metrics else [])
             engines.append(draft_engine)
-            await draft_main.warm_up(draft_worker, draft_engine)
+            await warm_up()
             servers.append(
                 await start_server(
                     lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
