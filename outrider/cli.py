@@ -132,12 +132,6 @@ def _add_worker_flags(flags: _EnvFlags) -> None:
         "what is left (default: 256 on the CPU, 2048 on CUDA)",
     )
     flags.add("--enforce-eager", action="store_true", help="never capture CUDA graphs (every step runs eagerly)")
-    flags.add(
-        "--engine-process",
-        action="store_true",
-        help="run the model, its sessions and the engine loop in a child process behind ZeroMQ, so that the gRPC "
-        "threads never hold the engine's steps back (vLLM's engine core)",
-    )
     flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
     flags.add(
         "--max-cached-tokens",
@@ -337,7 +331,6 @@ def _serve(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 max_tokens_per_step=args.max_tokens_per_step,
                 enforce_eager=args.enforce_eager,
-                process=args.engine_process,
             )
             common = dict(
                 address=address,

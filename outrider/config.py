@@ -60,10 +60,6 @@ class EngineConfig:
     the CPU, where a 256-token chunk costs a few round steps, 2048 on CUDA."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (vLLM's ``--enforce-eager``)."""
-    process: bool = False
-    """Run the sessions and their engine in a process of their own, behind
-    ZeroMQ (``outrider.engine.process``), so the gRPC threads never hold
-    its steps back."""
 
     def __post_init__(self) -> None:
         check_device(self.device)

@@ -12,18 +12,10 @@ import structlog
 get_logger = structlog.get_logger
 bind_contextvars = structlog.contextvars.bind_contextvars
 get_contextvars = structlog.contextvars.get_contextvars
-_level = "info"
-
-
-def configured_level() -> str:
-    """The level :func:`configure_logging` set (for child processes to use too)."""
-    return _level
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     """Configures structlog and the stdlib root logger once, at process start."""
-    global _level
-    _level = level
     if json is None:
         json = not sys.stderr.isatty()
     renderer = (

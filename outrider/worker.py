@@ -12,14 +12,13 @@ import grpc
 
 from outrider.config import EngineConfig
 from outrider.engine import Engine, InlineEngine
-from outrider.engine.process import EngineClient
 from outrider.logging import get_logger
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
 from outrider.rpc import serve_until_signalled, start_server
 
 log = get_logger(__name__)
 
-AnyEngine = Engine | InlineEngine | EngineClient
+AnyEngine = Engine | InlineEngine
 
 
 def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine | InlineEngine:
@@ -38,21 +37,17 @@ def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=
     )
 
 
-async def _warm() -> None:
-    pass
-
-
 async def open_worker(
     module: str, config: Any, *, on_step: Callable | None = None
 ) -> tuple[Any, AnyEngine, Callable[[], Awaitable[None]]]:
     """The sessions of the worker that ``module`` (``target_worker.main`` or
-    ``draft_worker.main``) builds from ``config``, the engine that runs their
-    jobs, and their warm-up. With ``config.engine.process`` both live in an
-    engine process of their own, already warmed up; else here (the model
-    loads off the event loop)."""
-    if config.engine.process:
-        client = await EngineClient.start(module, config, on_step=on_step)
-        return client.sessions, client, _warm
+    ``draft_worker.main``) builds from ``config`` (the model loads off the
+    event loop), the engine that runs their jobs, and their warm-up.
+
+    The engine runs in this process, on a thread of its own. In its own
+    process behind ZeroMQ (as vLLM's engine core) it was measured slower on
+    an H100: the calls' pickling and hops cost more than the interpreter
+    time they took from the gRPC threads (docs/benchmark.md)."""
     role = importlib.import_module(module)
     sessions = await asyncio.to_thread(role.build_engine, config)
     engine = start_engine(sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step)

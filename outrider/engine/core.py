@@ -275,19 +275,6 @@ class InlineEngine:
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         fn(*args)
 
-    def enqueue(self, fn: Callable[..., object], args: tuple, reply: Reply | None) -> None:
-        """Runs ``fn(*args)`` now; ``reply`` gets its outcome."""
-        started = time.perf_counter()
-        try:
-            value = self.call(fn, *args)
-        except Exception as exc:
-            if reply is None:
-                raise
-            reply(False, exc, 0.0)
-        else:
-            if reply is not None:
-                reply(True, value, time.perf_counter() - started)
-
     def shutdown(self) -> None:
         pass
 

@@ -77,8 +77,7 @@ async def running_stack(
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
     them (``engine`` says how: by default float64 on the CPU, each model
-    worker batching on its own engine thread; with ``process=True`` in an
-    engine process of its own). ``publish_targets`` gets the
+    worker batching on its own engine thread). ``publish_targets`` gets the
     target workers' addresses and returns the ones the coordinator is given
     (e.g. k8s:// ones after publishing EndpointSlices to the API server that
     ``kube_api`` reaches)."""

@@ -184,37 +184,3 @@ async def test_a_model_outside_the_llama_family_still_serves_through_the_fallbac
         assert await stack.sessions_left() == (0, 0)
         assert stack.target.store.pool.free_blocks == stack.target.store.pool.num_blocks
 
-
-async def test_with_each_engine_in_its_own_process_sessions_get_their_solo_outputs(tiny_target_dir, tiny_draft_other_dir):
-    cases = [(prompt, 10 + 5 * i, SPECULATION[i % len(SPECULATION)]) for i, prompt in enumerate(prompts(6, seed=7))]
-    references = [reference_greedy(tiny_target_dir, p, n, eos=None) for p, n, _ in cases]
-    engine = EngineConfig(dtype="float64", process=True)
-    async with running_stack(
-        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, engine=engine, metrics=True
-    ) as stack:
-        async with AsyncClient(stack.address, timeout=120) as client:
-            results = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, **s) for p, n, s in cases))
-            info = await client.model_info()
-        assert [list(r.token_ids) for r in results] == references
-        assert info.target_device == "cpu" and info.target_dtype == "float64"
-        assert steps_with_more_rows_than(stack, "target", 1) > 0  # the engine's steps reach the metrics here
-        assert await stack.sessions_left() == (0, 0)  # as the engine process last counted them
-        assert stack.target.store.cached_tokens == 0 and stack.target.store.usage == 0.0
-
-
-async def test_a_dead_engine_process_fails_its_calls_with_unavailable(tiny_target_dir):
-    from outrider.config import ServiceAddress, TargetWorkerConfig
-    from outrider.engine.process import EngineClient
-    from outrider.errors import Unavailable
-
-    config = TargetWorkerConfig(ServiceAddress(), model=str(tiny_target_dir), engine=EngineConfig(dtype="float64"))
-    died = asyncio.Event()
-    client = await EngineClient.start("target_worker.main", config, on_death=died.set)
-    try:
-        assert await client.run("open", "a", [5, 6, 7]) == 3
-        client.process.kill()
-        await asyncio.wait_for(died.wait(), 10)
-        with pytest.raises(Unavailable, match="engine process"):
-            await client.run("verify", "a", 3, [1, 2])
-    finally:
-        client.shutdown()
