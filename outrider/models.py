@@ -413,8 +413,8 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except that CPU inputs of 2 to 16 rows are computed as
-    ``(W @ x.T).T``: same results to float rounding, several times faster on
-    this CPU's BLAS (DESIGN §8). A single row (a decode step) is a
+    ``(W @ x.T).T`` (made contiguous): same results to float rounding,
+    several times faster on this CPU's BLAS (DESIGN §8). A single row (a decode step) is a
     matrix-vector product either way and stays on ``F.linear``, which is a
     few microseconds cheaper there; so do more rows, where the BLAS is fast."""
     in_features = weight.shape[1]
@@ -423,7 +423,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x2d = x.reshape(rows, in_features)
     out = torch.mm(weight, x2d.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2d.T)
-    return out.T.reshape(*x.shape[:-1], weight.shape[0])
+    # Contiguous, as F.linear's would be: a transposed result carries its
+    # layout into q and k, and attention then takes the slow path (copies of
+    # every key and value) instead of the fused kernel.
+    return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
 class SmallBatchLinear(nn.Linear):
