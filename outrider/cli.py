@@ -132,6 +132,13 @@ def _add_worker_flags(flags: _EnvFlags) -> None:
         "what is left (default: 256 on the CPU, 2048 on CUDA)",
     )
     flags.add("--enforce-eager", action="store_true", help="never capture CUDA graphs (every step runs eagerly)")
+    flags.add(
+        "--max-batch-wait",
+        default=0.25,
+        type=float,
+        help="how long a step may wait for the sessions the previous step answered, so they stay in one batch, "
+        "as a share of a forward pass (0: never wait)",
+    )
     flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
     flags.add(
         "--max-cached-tokens",
@@ -331,6 +338,7 @@ def _serve(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 max_tokens_per_step=args.max_tokens_per_step,
                 enforce_eager=args.enforce_eager,
+                max_batch_wait=args.max_batch_wait,
             )
             common = dict(
                 address=address,

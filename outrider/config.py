@@ -60,12 +60,18 @@ class EngineConfig:
     the CPU, where a 256-token chunk costs a few round steps, 2048 on CUDA."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (vLLM's ``--enforce-eager``)."""
+    max_batch_wait: float = 0.25
+    """How long a step may wait for the sessions the previous one answered,
+    as a share of a forward pass, so they stay in one batch (0: never wait;
+    ``outrider.engine.core._Returns``)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
         check_dtype(self.dtype)
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if not 0 <= self.max_batch_wait <= 1:
+            raise ValueError(f"max_batch_wait is a share of a forward pass, from 0 to 1; got {self.max_batch_wait}")
         if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be at least 1, got {self.max_tokens_per_step}")
 

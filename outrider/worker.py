@@ -33,6 +33,7 @@ def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=
         max_tokens_per_step=config.tokens_per_step(runner.device.type),
         max_rows=max_rows,
         torch_threads=config.threads,
+        max_batch_wait=config.max_batch_wait,
         on_step=on_step,
     )
 

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from outrider.engine.kv_cache import KVCache
 from outrider.engine.runner import Logits
 from outrider.engine.scheduler import Feed, Row, Scheduler
 from outrider.errors import ResourceExhausted, SessionNotFound
@@ -114,18 +115,86 @@ class _Activity:
             self._reset(now)
 
 
+class _Returns:
+    """The sessions a step answered, on their way back with their next round.
+
+    A session's rounds reach the engine one after another: its verify is
+    answered, the coordinator commits and asks the draft, and the next verify
+    arrives a round trip later. An engine that steps the moment any work is
+    waiting splits sessions that run together into groups that then take
+    turns for good, two forward passes per round where one would do — and a
+    pass costs far less than twice a pass of half the rows (on the CPU, a
+    8-session verify of 5 tokens costs 3.3 single ones; on CUDA, the same).
+    So while work waits, the engine holds the step for the sessions it
+    answered last, until they are all back or ``max_wait`` of a forward pass
+    has gone by — only while their round trip (its moving average) is that
+    short: where it is longer (a draft model's K steps between two verifies)
+    the groups taking turns is the right schedule, and nobody waits. A
+    session that misses a wait is not waited for again until its next
+    answer; a closed one is forgotten."""
+
+    def __init__(self, max_wait: float) -> None:
+        self.max_wait = max_wait
+        self.round_trip_s: float | None = None
+        self.forward_s: float | None = None
+        self._answered: dict[KVCache, float] = {}
+        """Session cache → when its last round was answered."""
+        self._late: dict[KVCache, float] = {}
+        """The same, for sessions that missed a wait (still measured on return)."""
+
+    def stepped(self, seconds: float) -> None:
+        self.forward_s = _average(self.forward_s, seconds)
+
+    def answered(self, kv: KVCache, at: float) -> None:
+        self._late.pop(kv, None)
+        self._answered[kv] = at
+
+    def arrived(self, kv: KVCache, at: float) -> None:
+        answered = self._answered.pop(kv, None)
+        if answered is None:
+            answered = self._late.pop(kv, None)
+        if answered is not None:
+            self.round_trip_s = _average(self.round_trip_s, at - answered)
+
+    def deadline(self, now: float) -> float | None:
+        """Until when to hold the step; None: start it now."""
+        for kv in [kv for kv in self._late if kv.freed]:
+            del self._late[kv]
+        if not self.expected() or self.round_trip_s is None or self.forward_s is None:
+            return None
+        longest = self.max_wait * self.forward_s
+        return now + longest if self.round_trip_s <= longest else None
+
+    def expected(self) -> bool:
+        """Whether a session answered last is still on its way back (not closed)."""
+        for kv in [kv for kv in self._answered if kv.freed]:
+            del self._answered[kv]
+        return bool(self._answered)
+
+    def missed(self) -> None:
+        self._late.update(self._answered)
+        self._answered.clear()
+
+
+def _average(average: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if average is None else average + weight * (sample - average)
+
+
 Reply = Callable[[bool, Any, float], None]
 """How a call's outcome goes back: ``reply(True, result, seconds)`` or ``reply(False, exception, 0.0)``."""
 
 
 class _Call:
-    __slots__ = ("fn", "args", "context", "reply", "started", "job")
+    __slots__ = ("fn", "args", "context", "reply", "queued", "started", "job", "kv")
 
     def __init__(self, fn, args, reply: Reply | None) -> None:
         self.fn, self.args, self.reply = fn, args, reply
         self.context = contextvars.copy_context()
+        self.queued = time.perf_counter()
         self.started = 0.0
         self.job: Job | None = None
+        self.kv: KVCache | None = None
+        """The cache of the job's last feed."""
 
     def finish(self, value: Any) -> None:
         if self.reply is not None:
@@ -150,12 +219,16 @@ class Engine:
         max_tokens_per_step: int,
         max_rows: int,
         torch_threads: int | None = None,
+        max_batch_wait: float = 0.0,
         on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
+        """``max_batch_wait``: how long a step may be held for the sessions
+        the last one answered, as a share of a forward pass (0: never held)."""
         self.runner = runner
         self.scheduler = Scheduler(max_tokens_per_step=max_tokens_per_step, max_rows=max_rows)
         self.on_step = on_step
         self._activity = _Activity()
+        self._returns = _Returns(max_batch_wait)
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, args=(torch_threads,), name="engine", daemon=True)
         self._thread.start()
@@ -192,17 +265,19 @@ class Engine:
             torch.set_num_threads(torch_threads)
         with torch.inference_mode():
             while self._take_calls(block=not self.scheduler):
+                if self.scheduler and not self._await_returns():
+                    break
                 for call in self.scheduler.drop_closed():
                     call.fail(SessionNotFound("the session was closed while its round was running"))
                 if self.scheduler:
                     self._step()
 
-    def _take_calls(self, *, block: bool) -> bool:
-        """Starts every call queued so far (waiting for one when ``block``);
-        False once shut down."""
+    def _take_calls(self, *, block: bool, timeout: float | None = None) -> bool:
+        """Starts every call queued so far (waiting for one when ``block``,
+        at most ``timeout`` seconds); False once shut down."""
         waiting_since = time.perf_counter()
         try:
-            call = self._calls.get(block=block)
+            call = self._calls.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         if block:
@@ -214,6 +289,21 @@ class Engine:
             except queue.Empty:
                 return True
         return False
+
+    def _await_returns(self) -> bool:
+        """Holds the step for the sessions on their way back (:class:`_Returns`);
+        False once shut down."""
+        deadline = self._returns.deadline(time.perf_counter())
+        if deadline is None:
+            return True
+        while self._returns.expected():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self._returns.missed()
+                break
+            if not self._take_calls(block=True, timeout=left):
+                return False
+        return True
 
     def _start(self, call: _Call) -> None:
         call.started = time.perf_counter()
@@ -235,9 +325,14 @@ class Engine:
             call.fail(exc)
             return
         if isinstance(outcome, _Done):
+            if call.kv is not None:
+                self._returns.answered(call.kv, time.perf_counter())
             call.finish(outcome.value)
-        else:
-            self.scheduler.add(outcome, call)
+            return
+        if call.kv is None:  # the job's first feed: its session is back
+            self._returns.arrived(outcome.kv, call.queued)
+        call.kv = outcome.kv
+        self.scheduler.add(outcome, call)
 
     def _step(self) -> None:
         step = self.scheduler.schedule()
@@ -251,6 +346,7 @@ class Engine:
                 call.fail(exc)
             return
         stats = StepStats(len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started)
+        self._returns.stepped(stats.seconds)
         if self.on_step is not None:
             self.on_step(stats)
         for call, output in self.scheduler.update(step, outputs):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 import torch
@@ -206,3 +207,79 @@ async def test_a_full_pool_is_thrown_into_the_job_that_asked():
             return len(out.argmax)
 
     assert await engine.run(retries_shorter, engine.runner.new_kv()) == 1
+
+
+# --- holding a step for the sessions on their way back ----------------------------
+
+
+class Slow(Spy):
+    """A spy whose forward passes take ``seconds`` more, as a model's would."""
+
+    def __init__(self, runner, seconds: float) -> None:
+        super().__init__(runner)
+        self.seconds = seconds
+
+    def execute(self, rows):
+        time.sleep(self.seconds)
+        return super().execute(rows)
+
+
+def one_token(kv: KVCache, token: int):
+    out = yield Feed(kv, [token])
+    return out.argmax[-1]
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.5], ids=["never held", "held for returning sessions"])
+async def test_sessions_whose_rounds_come_back_quickly_stay_in_one_step(llama, wait):
+    # Sessions joining at different moments split into groups that take
+    # turns; holding a step briefly for the ones just answered merges them.
+    slow = Slow(paged(llama, blocks=256), seconds=0.04)
+    engine = Engine(slow, max_tokens_per_step=64, max_rows=16, max_batch_wait=wait)
+
+    async def session(i: int) -> list[int]:
+        await asyncio.sleep(0.015 * i)  # joins during another session's step
+        kv = slow.new_kv()
+        tokens = await engine.run(greedy, kv, [i + 1, i + 2], 1)
+        for _ in range(14):
+            await asyncio.sleep(0.002)  # the round trip through the coordinator
+            tokens.append(await engine.run(one_token, kv, tokens[-1]))
+        return tokens
+
+    try:
+        results = await asyncio.gather(*(session(i) for i in range(4)))
+    finally:
+        engine.shutdown()
+    for i, tokens in enumerate(results):
+        assert tokens == solo(llama, [i + 1, i + 2], 15)
+    rows = [len(step) for step in slow.steps]
+    if wait:  # in one step once every session has joined and its round trip is known ...
+        first = rows.index(4)
+        assert first <= 4 and set(rows[first:-1]) == {4}, rows  # (the last session to join ends last)
+    else:  # ... while unheld, the groups take turns
+        assert rows.count(4) < len(rows) // 2, rows
+
+
+def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
+    from outrider.engine.core import _Returns
+
+    pool = BlockPool(8, 4)
+    a, b = KVCache(pool), KVCache(pool)
+    returns = _Returns(max_wait=0.25)
+    returns.stepped(0.100)
+    returns.answered(a, at=1.0)
+    assert returns.deadline(now=1.0) is None  # no round trip measured yet
+    returns.arrived(a, at=1.004)
+    returns.answered(a, at=2.0)
+    returns.answered(b, at=2.0)
+    assert returns.deadline(now=2.0) == pytest.approx(2.025)  # a quarter of a forward pass
+    returns.arrived(a, at=2.003)
+    assert returns.expected()  # b is still on its way
+    returns.missed()  # ... and missed the wait: not waited for again
+    assert not returns.expected() and returns.deadline(now=2.1) is None
+    returns.arrived(b, at=2.5)  # its late return counts, and the average round trip grows
+    assert returns.round_trip_s == pytest.approx(0.0038 + 0.2 * (0.5 - 0.0038))
+    returns.answered(a, at=3.0)
+    assert returns.deadline(now=3.0) is None  # round trips now longer than the wait
+    returns.round_trip_s = 0.004
+    a.free()  # a closed session is never waited for
+    assert returns.deadline(now=3.0) is None
