@@ -8,6 +8,7 @@ SIGTERM to all three (they drain), then SIGKILL to any that linger.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ class Stack:
     """Three running services; use as a context manager to stop them."""
 
     workdir: Path
+    """Holds the services' ready files; removed with the stack."""
     services: list[Service] = field(default_factory=list)
     coordinators: dict[str | None, list[Service]] = field(default_factory=dict)
     """Coordinator replicas by drafter label (``start_shared_target_stack``; None: no draft worker)."""
@@ -126,6 +128,7 @@ class Stack:
                 os.killpg(service.process.pid, signal.SIGKILL)
                 service.process.wait()
         self.services.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> Stack:
         return self

@@ -157,7 +157,7 @@ def main() -> int:
         cells = [f"{row[k]:8.2f} ms {row[k] / unit:4.2f}×" if row[k] is not None else f"{'-':>16}" for k in ("hf_ms", "engine_ms", "graph_ms")]
         print(f"{row['shape']:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "device": str(device), "dtype": str(dtype), "context": args.context, "hf_unit_ms": unit, "rows": results}, indent=2))
+        args.json.write_text(json.dumps({"model": args.model, "overrides": overrides, "device": str(device), "dtype": str(dtype), "context": args.context, "hf_unit_ms": unit, "rows": results}, indent=2))
     return 0
 
 
