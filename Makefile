@@ -6,13 +6,15 @@
 #   make test    create .venv if missing, install, fetch the model, run the tests
 #   make tools   install the deployment tests' tools (helm into ~/.cache/outrider/tools)
 #   make proto   regenerate outrider/v1 from protos/ (committed; a test checks it)
+#   make bench-gpu  on a CUDA machine: the CUDA tests and the concurrency bench
+#                in float32 and bfloat16 (scripts/bench_gpu.sh)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast tools proto model venv clean
+.PHONY: demo test test-fast tools proto model venv clean bench-gpu
 
 venv: $(STAMP)
 
@@ -41,6 +43,9 @@ test-fast: venv
 # come with the test extra.
 tools: venv
 	$(PY) scripts/install_tools.py
+
+bench-gpu: model
+	PYTHON=$(PY) scripts/bench_gpu.sh
 
 proto: venv
 	$(PY) -m outrider._protogen
