@@ -19,7 +19,9 @@ calls, lets the scheduler pick the rows of every job that is waiting for a
 feed, runs them as ONE forward pass, and sends each finished feed's logits
 back into its job, which answers or asks for its next feed — so K draft
 steps of many sessions run as K batched steps, and sessions join and leave
-between steps. The gRPC event loop only ever waits on a future.
+between steps; a step is held briefly for the sessions the last one answered
+while their next round is a short round trip away (:class:`_Returns`). The
+gRPC event loop only ever waits on a future.
 :class:`InlineEngine` runs the same jobs at once on the caller's thread,
 each feed alone: for model-free drafters (no thread hop) and tests.
 
