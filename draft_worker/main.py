@@ -51,13 +51,7 @@ def build_engine(config: DraftWorkerConfig) -> DraftSessions:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
     )
-    runner = build_runner(
-        model,
-        max_sessions=limits.max_sessions,
-        max_context=info.max_context,
-        max_cached_tokens=limits.max_cached_tokens,
-        cuda_graphs=not config.engine.enforce_eager,
-    )
+    runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
     name = config.model or models.DEFAULT_MODEL
     if config.drafter == "early-exit":
         drafter = EarlyExitDrafter(runner, model_name=f"{name}[:{config.draft_layers}]")

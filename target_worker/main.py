@@ -37,13 +37,7 @@ def build_engine(config: TargetWorkerConfig) -> TargetSessions:
         dtype=str(dtype).removeprefix("torch."),
     )
     limits = config.limits
-    runner = build_runner(
-        model,
-        max_sessions=limits.max_sessions,
-        max_context=info.max_context,
-        max_cached_tokens=limits.max_cached_tokens,
-        cuda_graphs=not config.engine.enforce_eager,
-    )
+    runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
     store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
     return TargetSessions(runner, store, info)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from outrider.config import EngineConfig, WorkerLimits
 from outrider.engine import llama
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import FallbackRunner, PagedRunner
@@ -19,15 +20,16 @@ BLOCK_SIZE = 16
 
 
 def build_runner(
-    model: nn.Module, *, max_sessions: int, max_context: int, max_cached_tokens: int | None, cuda_graphs: bool
+    model: nn.Module, *, limits: WorkerLimits, engine: EngineConfig, max_context: int
 ) -> PagedRunner | FallbackRunner:
-    """``cuda_graphs``: capture CUDA graphs at warm-up (on a CUDA device)."""
+    """The runner of a worker with these ``limits`` and ``engine`` settings, for
+    sessions of at most ``max_context`` tokens."""
     budget = worker_cache_budget(
-        model, max_sessions=max_sessions, max_context=max_context, max_cached_tokens=max_cached_tokens
+        model, max_sessions=limits.max_sessions, max_context=max_context, max_cached_tokens=limits.max_cached_tokens
     )
     if (reason := llama.unsupported(model)) is not None:
         log.warning("model runs on the unbatched fallback runner", reason=reason)
         return FallbackRunner(model, BlockPool(budget, 1))
     forward = llama.LlamaForward(model)
     pool = BlockPool(max(1, budget // BLOCK_SIZE), BLOCK_SIZE)
-    return PagedRunner(forward, pool, cuda_graphs=cuda_graphs and forward.device.type == "cuda")
+    return PagedRunner(forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda")
