@@ -46,6 +46,12 @@ def unsupported(model: nn.Module) -> str | None:
         return f"activation {config.hidden_act!r} is not silu"
     if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
         return "its layers mix attention types"
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if len({p.bias is None for p in (attention.q_proj, attention.k_proj, attention.v_proj)}) > 1:
+            return "its q/k/v projections mix biases and none"
+        if any(p.bias is not None for p in (attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "its output or MLP projections have biases"
     return None
 
 
@@ -92,6 +98,8 @@ class LlamaForward:
     originals as it goes): the transformers model is not used afterwards."""
 
     def __init__(self, model: nn.Module) -> None:
+        if (reason := unsupported(model)) is not None:
+            raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
         if reason := unsupported(model):
             raise ValueError(f"{type(model).__name__}: {reason}")
         config = model.config
@@ -124,7 +132,7 @@ class LlamaForward:
         biases = [p.bias for p in projections]
         fused = _Layer(
             qkv=torch.cat([p.weight for p in projections]),
-            qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
+            qkv_bias=None if biases[0] is None else torch.cat(biases),  # all or none (unsupported())
             o=attention.o_proj.weight,
             gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
             down=mlp.down_proj.weight,
@@ -133,10 +141,6 @@ class LlamaForward:
             q_norm=getattr(getattr(attention, "q_norm", None), "weight", None),
             k_norm=getattr(getattr(attention, "k_norm", None), "weight", None),
         )
-        if any(b is not None for b in biases) and fused.qkv_bias is None:
-            raise ValueError("q/k/v projections with and without bias")
-        if attention.o_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
-            raise ValueError("biases on the output or MLP projections are not supported")
         for module in (*projections, mlp.gate_proj, mlp.up_proj):  # fused copies replace them
             module.weight = None
             module.bias = None
