@@ -337,10 +337,11 @@ async def serve_until_signalled(
     warmup: Callable[[], Awaitable[None]] | None = None,
     ready_file: Path | None = None,
     grace_s: float = 10.0,
+    until: Awaitable[object] | None = None,
 ) -> None:
     """Warms up, flips health to SERVING, writes the bound port to
-    ``ready_file``, and on SIGTERM/SIGINT shuts down gracefully
-    (:meth:`RunningServer.shutdown`) within ``grace_s`` seconds."""
+    ``ready_file``, and on SIGTERM/SIGINT (or once ``until`` is done) shuts
+    down gracefully (:meth:`RunningServer.shutdown`) within ``grace_s`` seconds."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -353,5 +354,8 @@ async def serve_until_signalled(
         tmp.write_text(str(running.port))
         tmp.replace(ready_file)
     log.info("serving", port=running.port, services=list(running.service_names))
-    await stop.wait()
+    signalled = asyncio.ensure_future(stop.wait())
+    waits = {signalled} if until is None else {signalled, asyncio.ensure_future(until)}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()  # (``until`` is the caller's: left as it is)
     await running.shutdown(grace_s)

@@ -87,8 +87,13 @@ async def serve_worker(
                 credentials=address.tls.credentials() if address.tls else None,
                 metrics=RpcMetrics(endpoint.registry) if endpoint else None,
             )
+            # A worker whose engine loop died stops (health NOT_SERVING, exit
+            # status 1) for its supervisor to restart, as vLLM's server does.
+            exited = asyncio.wrap_future(engine.exited) if isinstance(engine, Engine) else None
             await serve_until_signalled(
-                running, warmup=warm_up, ready_file=address.ready_file, grace_s=address.shutdown_grace_s
+                running, warmup=warm_up, ready_file=address.ready_file, grace_s=address.shutdown_grace_s, until=exited
             )
+            if exited is not None and exited.done() and (failure := exited.result()) is not None:
+                raise RuntimeError("the worker's engine loop failed") from failure
         finally:
             engine.shutdown()

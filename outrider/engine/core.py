@@ -34,6 +34,7 @@ pass never touches freed memory.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import queue
 import threading
@@ -47,7 +48,7 @@ import torch
 from outrider.engine.kv_cache import KVCache
 from outrider.engine.runner import Logits
 from outrider.engine.scheduler import Feed, Row, Scheduler
-from outrider.errors import ResourceExhausted, SessionNotFound
+from outrider.errors import ResourceExhausted, SessionNotFound, Unavailable
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -232,6 +233,10 @@ class Engine:
         self._activity = _Activity()
         self._returns = _Returns(max_batch_wait)
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._stopped = False
+        self.exited: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
+        """Set when the loop ends: to None after :meth:`shutdown`, to the
+        exception that ended it otherwise (the worker then stops)."""
         self._thread = threading.Thread(target=self._serve, args=(torch_threads,), name="engine", daemon=True)
         self._thread.start()
 
@@ -255,6 +260,8 @@ class Engine:
     def enqueue(self, fn: Callable[..., object], args: tuple, reply: Reply | None) -> None:
         """Queues ``fn(*args)``; ``reply`` gets its outcome, on the engine thread."""
         self._calls.put(_Call(fn, args, reply))
+        if self._stopped:  # nobody will take it
+            self._fail_queued()
 
     def shutdown(self) -> None:
         self._calls.put(None)
@@ -263,16 +270,40 @@ class Engine:
     # --- the engine thread ----------------------------------------------------------
 
     def _serve(self, torch_threads: int | None) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        with torch.inference_mode():
-            while self._take_calls(block=not self.scheduler):
-                if self.scheduler and not self._await_returns():
-                    break
-                for call in self.scheduler.drop_closed():
-                    call.fail(SessionNotFound("the session was closed while its round was running"))
-                if self.scheduler:
-                    self._step()
+        failure = None
+        try:
+            if torch_threads:
+                torch.set_num_threads(torch_threads)
+            device = getattr(self.runner, "device", None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # graphs capture on this thread's current device
+            with torch.inference_mode():
+                while self._take_calls(block=not self.scheduler):
+                    if self.scheduler and not self._await_returns():
+                        break
+                    for call in self.scheduler.drop_closed():
+                        call.fail(SessionNotFound("the session was closed while its round was running"))
+                    if self.scheduler:
+                        self._step()
+        except BaseException as exc:  # a bug of the loop itself: answer everyone, then stop the worker
+            log.exception("the engine loop failed")
+            failure = exc
+        finally:
+            self._stopped = True
+            gone = Unavailable("the worker's engine has stopped; retry on another replica")
+            for call in self.scheduler.discard(self.scheduler.owners()):
+                call.fail(gone)
+            self._fail_queued()
+            self.exited.set_result(failure)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if call is not None:
+                call.fail(Unavailable("the worker's engine has stopped; retry on another replica"))
 
     def _take_calls(self, *, block: bool, timeout: float | None = None) -> bool:
         """Starts every call queued so far (waiting for one when ``block``,

@@ -14,8 +14,8 @@ wait here:
   most one budget's worth of step time, never a whole prefill.
 
 The first feed of a step always gets tokens, so every step makes progress;
-a round larger than the whole budget runs alone, in chunks that keep the
-tokens whose logits are wanted in its last one. Pure bookkeeping: no tensors, no threads.
+a round larger than the whole budget runs first in its steps, in chunks that
+keep the tokens whose logits are wanted in its last one. Pure bookkeeping: no tensors, no threads.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class Scheduler:
         closed = [p for p in self._pending if p.feed.kv.freed]
         self._pending = [p for p in self._pending if not p.feed.kv.freed]
         return [p.owner for p in closed]
+
+    def owners(self) -> list[Any]:
+        """The owners of every queued feed."""
+        return [p.owner for p in self._pending]
 
     def discard(self, owners: Iterable[Any]) -> list[Any]:
         """Forgets the feeds of ``owners`` (their step failed); returns those owners."""
