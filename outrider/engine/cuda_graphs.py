@@ -8,8 +8,10 @@ bucketed: a step of at most ``B`` rows, each feeding at most ``T`` tokens
 and reading at most ``W`` blocks of cache, replays the graph of the smallest
 bucket ``(B, T, W)`` that holds it. Its rows and tokens are padded: pad
 tokens sit at position 0 and write to the null block, pad rows read only the
-null block, and their logits are never read. Steps that fit no bucket
-(prefill chunks, very long contexts) run eagerly.
+null block, and their logits are never read. Widths stop at what the
+pool holds, and no bucket's rows × width exceeds it (its gathered keys and
+values would). Steps that fit no bucket (prefill chunks, many rows at long
+contexts) run eagerly.
 
 Every graph reads the same static input buffers and writes the same static
 logits buffer, and all share one memory pool, captured largest first, so
@@ -55,7 +57,8 @@ class CudaGraphs:
 
     def capture(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
         """Captures every bucket up to ``max_rows`` rows and ``max_tokens_per_row`` tokens a row."""
-        max_blocks = -(-self.forward.max_positions // self.block_size)
+        pool_blocks = self.cache.shape[2] - 1  # (block 0 is the null block)
+        max_blocks = min(-(-self.forward.max_positions // self.block_size), pool_blocks)
         self.rows = buckets(ROW_BUCKETS, max_rows)
         self.tokens = buckets(TOKEN_BUCKETS, max_tokens_per_row)
         widths, width = [], -(-MIN_CONTEXT_BUCKET // self.block_size)
@@ -71,8 +74,8 @@ class CudaGraphs:
         self.logits = torch.zeros(rows * tokens, self.forward.vocab_size, dtype=self.forward.dtype, device=device)
         self.pool = torch.cuda.graph_pool_handle()
 
-        keys = sorted(
-            ((b, t, w) for b in self.rows for t in self.tokens for w in self.widths),
+        keys = sorted(  # no bucket reads more blocks than the pool holds
+            ((b, t, w) for b in self.rows for t in self.tokens for w in self.widths if b * w <= pool_blocks),
             key=lambda key: key[0] * key[1] * key[2],
             reverse=True,
         )
@@ -122,7 +125,8 @@ class CudaGraphs:
         b = next((b for b in self.rows if b >= len(rows)), None)
         t = next((t for t in self.tokens if t >= tokens), None)
         w = next((w for w in self.widths if w >= blocks), None)
-        return None if b is None or t is None or w is None else (b, t, w)
+        key = (b, t, w)
+        return key if key in self.graphs else None
 
     def run(self, key: tuple[int, int, int], rows: Sequence) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
         """Replays bucket ``key`` on ``rows``: their wanted logits, gathered,

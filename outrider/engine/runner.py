@@ -3,7 +3,7 @@
 A runner turns one step's rows (:class:`~outrider.engine.scheduler.Row`)
 into tensors, runs them, writes their keys and values into the sessions'
 caches, and returns each row's wanted logits. Which tokens to feed and what
-to make of the logits is the jobs' business (the workers' engines).
+to make of the logits is the jobs' business (the workers' sessions).
 
 * :class:`PagedRunner` — the Llama family (:mod:`outrider.engine.llama`):
   every row of the step in ONE forward pass over the paged cache, and on
@@ -53,7 +53,6 @@ class PagedRunner:
         self.pool = pool
         self.vocab_size = forward.vocab_size
         self.device = forward.device
-        self.dtype = forward.dtype
         self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
         self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
         self.pad_groups = self.device.type == "cuda"
@@ -89,15 +88,23 @@ class PagedRunner:
         group costs kernel launches in every layer and a padded token next
         to nothing — prompts of 64 lengths are a few groups, not 64."""
         block_size = self.pool.block_size
-        group_of = _power_of_two if self.pad_groups else len
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        tokens_class = _power_of_two if self.pad_groups else len
+
+        def group_of(i: int) -> tuple[int, int]:
+            # Rows also read their cache padded to the group's longest context,
+            # so a long one is grouped with others of about its length: a step's
+            # gathered keys and values stay near what its rows hold.
+            blocks = self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens))
+            return tokens_class(rows[i].tokens), 0 if blocks <= SHARED_WIDTH_BLOCKS else _power_of_two_at_least(blocks)
+
+        order = sorted(range(len(rows)), key=lambda i: (group_of(i), len(rows[i].tokens)))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_at: list[int] = []
         wanted: list[tuple[int, int] | None] = [None] * len(rows)
         tables: list[tuple[int, int, int, list[list[int]]]] = []  # (start, rows, tokens per row, block table)
-        for _, members in groupby(order, key=lambda i: group_of(rows[i].tokens)):
+        for _, members in groupby(order, key=group_of):
             members = list(members)
             t = len(rows[members[-1]].tokens)  # the group's longest row: the others are padded to it
             start = len(ids)
@@ -142,9 +149,18 @@ class PagedRunner:
         return batch, wanted
 
 
+SHARED_WIDTH_BLOCKS = 64
+"""Rows whose context fits this many blocks (1,024 tokens) share a group
+whatever their lengths; longer ones group by the power of two of theirs."""
+
+
 def _power_of_two(tokens: Sequence[int]) -> int:
     """The power of two at or above ``len(tokens)``."""
-    return 1 << (len(tokens) - 1).bit_length()
+    return _power_of_two_at_least(len(tokens))
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 class DynamicKVCache(KVCache):
@@ -171,8 +187,7 @@ class FallbackRunner:
         self.model = model
         self.pool = pool
         self.vocab_size: int = model.config.vocab_size
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        self.device = next(model.parameters()).device
 
     def new_kv(self) -> DynamicKVCache:
         return DynamicKVCache(self.pool, DynamicCache(config=self.model.config))
