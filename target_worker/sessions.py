@@ -1,4 +1,4 @@
-"""The target engine: open a session (prefill), verify a round, close.
+"""The target worker's sessions: open one (prefill), verify a round, close.
 
 ``open`` and ``verify`` are engine jobs (:mod:`outrider.engine.core`): they
 check the request, ``yield`` the forward pass they need, and the worker's
@@ -78,6 +78,7 @@ class TargetSessions:
             else:
                 verdict = verify(draft_tokens, q, out.rows, session.sampling, start_position=committed_len)
         except ValueError as exc:  # e.g. a draft token its own q gives no mass
+            kv.crop(len(session.tokens) - 1)  # the round never happened
             raise InvalidArgument(str(exc)) from None
 
         # 3. Commit the accepted drafts and the recovered/bonus token; keep in
