@@ -1,4 +1,4 @@
-"""The draft engine: open a session (check the vocabulary, prefill), sync and
+"""The draft worker's sessions: open one (check the vocabulary, prefill), sync and
 propose each round, close.
 
 ``open`` and ``propose`` are engine jobs (:mod:`outrider.engine.core`): a

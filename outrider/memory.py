@@ -36,8 +36,8 @@ MIB = 1 << 20
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes one token takes in a transformers ``DynamicCache`` of this model:
-    a key and a value vector per KV head, per layer."""
+    """Bytes one token takes in a worker's KV cache of this model: a key and
+    a value vector per KV head, per layer."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     heads = config.num_attention_heads

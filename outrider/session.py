@@ -57,8 +57,9 @@ class Session:
 class SessionStore:
     """Sessions of one worker, at most ``max_sessions``, their caches drawn
     from ``pool`` (None: a model-free drafter, which caches nothing). All
-    methods run on the worker's engine thread; the metrics endpoint only
-    reads ``len``, ``cached_tokens`` and ``usage``, from its own."""
+    methods run on the thread of the worker's engine (the event loop's, for
+    a model-free drafter's inline engine); the metrics endpoint only reads
+    ``len``, ``cached_tokens`` and ``usage``, from its own."""
 
     def __init__(self, *, max_sessions: int, pool: BlockPool | None = None) -> None:
         self.max_sessions = max_sessions

@@ -26,7 +26,7 @@ from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.engine.llama import LlamaForward, unsupported
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
-from outrider.errors import ResourceExhausted, SessionNotFound
+from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound, Unavailable
 
 SHAPE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -75,11 +75,38 @@ def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_g
         assert out.argmax == logits[cut:].argmax(-1).tolist()
 
 
+def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_transformers(llama):
+    torch.manual_seed(2)
+    sequences = [torch.randint(0, 97, (n,)).tolist() for n in (6, 40, 90, 200)]
+    runner = paged(llama, blocks=400, block_size=1)  # contexts of 6, 40 | 90 | 200 blocks
+    seen = []
+    forward = runner.forward.forward
+    runner.forward.forward = lambda batch, cache: seen.append(len(batch.groups)) or forward(batch, cache)
+    with torch.inference_mode():
+        expected = [llama(torch.tensor([s])).logits[0, -1] for s in sequences]
+        caches = [runner.new_kv() for _ in sequences]
+        for kv, s in zip(caches, sequences):
+            kv.reserve(len(s))
+        runner.execute([Row(kv, s[:-1], 0) for kv, s in zip(caches, sequences)])
+        outputs = runner.execute([Row(kv, s[-1:], 1) for kv, s in zip(caches, sequences)])
+    assert seen[-1] == 3  # short contexts share a group; 90 and 200 blocks have one each
+    for out, logits in zip(outputs, expected):
+        torch.testing.assert_close(out.rows[0], logits, rtol=0, atol=1e-12)
+
+
 def test_other_architectures_are_named_for_the_fallback():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     reason = unsupported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
     assert reason is not None and "gpt2" in reason
+
+
+def test_a_llama_with_output_and_mlp_biases_is_named_for_the_fallback_and_left_whole():
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True))
+    assert unsupported(model) == "its output or MLP projections have biases"
+    with pytest.raises(ValueError, match="output or MLP projections have biases"):
+        LlamaForward(model)
+    assert model.model.layers[0].self_attn.q_proj.weight is not None  # the fallback can still run it
 
 
 def test_rollback_in_one_session_never_touches_another(llama):
@@ -283,3 +310,48 @@ def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
     returns.round_trip_s = 0.004
     a.free()  # a closed session is never waited for
     assert returns.deadline(now=3.0) is None
+
+
+async def test_an_engine_whose_loop_fails_answers_every_call_and_says_it_stopped(llama):
+    def broken_metrics(stats):
+        raise RuntimeError("a bug outside any job")
+
+    spy = Spy(paged(llama))
+    engine = Engine(spy, max_tokens_per_step=64, max_rows=8, on_step=broken_metrics)
+    with pytest.raises(Unavailable, match="engine has stopped"):
+        await asyncio.gather(*(engine.run(greedy, spy.new_kv(), [1, 2, 3], 5) for _ in range(3)))
+    failure = await asyncio.wait_for(asyncio.wrap_future(engine.exited), 5)
+    assert isinstance(failure, RuntimeError) and "outside any job" in str(failure)
+    with pytest.raises(Unavailable, match="engine has stopped"):  # later calls too, at once
+        await asyncio.wait_for(engine.run(greedy, spy.new_kv(), [1], 1), 5)
+    engine.shutdown()
+
+
+async def test_a_shut_down_engine_answers_the_jobs_it_held(llama):
+    engine = Engine(Slow(paged(llama), seconds=0.05), max_tokens_per_step=64, max_rows=8)
+    job = asyncio.ensure_future(engine.run(greedy, engine.runner.new_kv(), [1, 2], 50))
+    await asyncio.sleep(0.1)
+    await asyncio.to_thread(engine.shutdown)
+    with pytest.raises(Unavailable):
+        await job
+    assert await asyncio.wrap_future(engine.exited) is None
+
+
+async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was(llama):
+    from outrider.sampling import SamplingParams, Verification, compact
+    from outrider.session import SessionStore
+    from target_worker.sessions import TargetInfo, TargetSessions
+
+    runner = paged(llama)
+    info = TargetInfo(model_name="t", vocab_size=97, vocab_fingerprint="", max_context=200)
+    target = TargetSessions(runner, SessionStore(max_sessions=2, pool=runner.pool), info)
+    engine = InlineEngine(runner)
+    sampling = SamplingParams(temperature=1.0, seed=3, verification=Verification.REJECTION)
+    committed = await engine.run(target.open, "s", [5, 6, 7], sampling)
+    q_elsewhere = torch.zeros(97, dtype=torch.float64)
+    q_elsewhere[1] = 1.0  # q gives the draft token 2 no mass: the round is refused
+    with pytest.raises(InvalidArgument):
+        await engine.run(target.verify, "s", committed, [2], [compact(q_elsewhere)])
+    assert len(target.store.get("s").kv) == committed - 1
+    verdict = await engine.run(target.verify, "s", committed, [2], [])  # the same round, well formed
+    assert verdict.next_token is not None
