@@ -8,7 +8,6 @@ from draft_worker.sessions import DraftSessions, DraftInfo
 from draft_worker.service import DraftWorkerService
 from outrider import models
 from outrider.config import DraftWorkerConfig
-from outrider.device import resolve_device, resolve_dtype
 from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
@@ -16,7 +15,7 @@ from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import serve_worker
+from outrider.worker import load_model, serve_worker
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -35,21 +34,13 @@ def build_engine(config: DraftWorkerConfig) -> DraftSessions:
         drafter = PromptLookupDrafter(max_ngram=config.max_ngram)
         info = DraftInfo(vocab_fingerprint="", max_context=UNBOUNDED_CONTEXT, max_draft_tokens=config.max_draft_tokens)
         return DraftSessions(drafter, SessionStore(max_sessions=limits.max_sessions), info)
-    device = resolve_device(config.engine.device)
-    dtype = resolve_dtype(config.engine.dtype, device)
-    model = models.load_causal_lm(
-        config.model,
-        dtype=dtype,
-        device=device,
-        num_layers=config.draft_layers,
-        trust_remote_code=config.trust_remote_code,
-    )
+    model, device, dtype = load_model(config, num_layers=config.draft_layers)
     info = DraftInfo(
         vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
         max_context=models.context_length(model),
         max_draft_tokens=config.max_draft_tokens,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        dtype=dtype,
     )
     runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
     name = config.model or models.DEFAULT_MODEL

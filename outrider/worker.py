@@ -10,7 +10,9 @@ from typing import Any
 
 import grpc
 
+from outrider import models
 from outrider.config import EngineConfig
+from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
 from outrider.logging import get_logger
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
@@ -19,6 +21,17 @@ from outrider.rpc import serve_until_signalled, start_server
 log = get_logger(__name__)
 
 AnyEngine = Engine | InlineEngine
+
+
+def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str, str]:
+    """The worker's model (``config.model``, cut to ``num_layers``) on its
+    engine's device and dtype, and their names as the worker reports them."""
+    device = resolve_device(config.engine.device)
+    dtype = resolve_dtype(config.engine.dtype, device)
+    model = models.load_causal_lm(
+        config.model, dtype=dtype, device=device, num_layers=num_layers, trust_remote_code=config.trust_remote_code
+    )
+    return model, str(device), str(dtype).removeprefix("torch.")
 
 
 def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine | InlineEngine:

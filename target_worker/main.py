@@ -6,14 +6,13 @@ import functools
 
 from outrider import models
 from outrider.config import TargetWorkerConfig
-from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
 from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import serve_worker
+from outrider.worker import load_model, serve_worker
 from target_worker.sessions import TargetSessions, TargetInfo
 from target_worker.service import TargetWorkerService
 
@@ -25,16 +24,14 @@ GRAPH_TOKENS_PER_ROW = 9
 
 
 def build_engine(config: TargetWorkerConfig) -> TargetSessions:
-    device = resolve_device(config.engine.device)
-    dtype = resolve_dtype(config.engine.dtype, device)
-    model = models.load_causal_lm(config.model, dtype=dtype, device=device, trust_remote_code=config.trust_remote_code)
+    model, device, dtype = load_model(config)
     info = TargetInfo(
         model_name=config.model or models.DEFAULT_MODEL,
         vocab_size=model.config.vocab_size,
         vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
         max_context=models.context_length(model),
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        dtype=dtype,
     )
     limits = config.limits
     runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
