@@ -7,12 +7,12 @@ import asyncio
 from transformers import GenerationConfig
 
 from coordinator.loop import Models, Recovery, eos_token_ids
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
-from coordinator.metrics import CoordinatorMetrics
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
 from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from coordinator.loop import Delta, GenerationRequest, Models, Recovery, Stats, generate
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.policy import CostModel
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
-from coordinator.metrics import CoordinatorMetrics
 from outrider.sampling import SamplingParams, Verification
 from outrider.validation import check_request_id
 from outrider.wire import VERIFICATION_TO_PB, verification_from_pb

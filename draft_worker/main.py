@@ -27,7 +27,7 @@ GRAPH_TOKENS_PER_ROW = 3
 """CUDA graphs cover draft steps (1 token) and syncs (2 after a full accept)."""
 
 
-def build_engine(config: DraftWorkerConfig) -> DraftSessions:
+def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     drafter: Drafter
     limits = config.limits
     if config.drafter == "prompt-lookup":

@@ -63,7 +63,7 @@ async def open_worker(
     an H100: the calls' pickling and hops cost more than the interpreter
     time they took from the gRPC threads (docs/benchmark.md)."""
     role = importlib.import_module(module)
-    sessions = await asyncio.to_thread(role.build_engine, config)
+    sessions = await asyncio.to_thread(role.build_sessions, config)
     engine = start_engine(sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step)
     return sessions, engine, lambda: role.warm_up(sessions, engine)
 

@@ -23,7 +23,7 @@ GRAPH_TOKENS_PER_ROW = 9
 """CUDA graphs cover verify rounds of up to K = 8 drafts; longer ones run eagerly."""
 
 
-def build_engine(config: TargetWorkerConfig) -> TargetSessions:
+def build_sessions(config: TargetWorkerConfig) -> TargetSessions:
     model, device, dtype = load_model(config)
     info = TargetInfo(
         model_name=config.model or models.DEFAULT_MODEL,

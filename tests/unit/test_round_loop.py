@@ -6,18 +6,18 @@ from transformers import AutoTokenizer
 
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import InProcessDraftClient, InProcessTargetClient
-from draft_worker.main import build_engine as build_draft_engine
+from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig
 from outrider.worker import start_engine
-from target_worker.main import build_engine as build_target_engine
+from target_worker.main import build_sessions as build_target_sessions
 from tests.integration.harness import reference_greedy
 
 
 @pytest.fixture
 async def clients(tiny_target_dir, tiny_draft_other_dir):
     address, engine = ServiceAddress(), EngineConfig(dtype="float64")
-    target = build_target_engine(TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine))
-    draft = build_draft_engine(DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), engine=engine))
+    target = build_target_sessions(TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine))
+    draft = build_draft_sessions(DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), engine=engine))
     target_engine, draft_engine = start_engine(target, engine, max_rows=8), start_engine(draft, engine, max_rows=8)
     yield InProcessTargetClient(target, target_engine), InProcessDraftClient(draft, draft_engine)
     target_engine.shutdown()
