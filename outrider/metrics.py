@@ -65,7 +65,10 @@ PREFIX = "outrider_"
 # Compute steps span 1 ms to seconds.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+"""Those of the CUDA graphs (``outrider.engine.cuda_graphs``, which a test holds
+them equal to), so a step's bucket shows which graph it replayed; repeated
+here so that the coordinator's metrics import no torch."""
 RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 

@@ -355,3 +355,10 @@ async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was
     assert len(target.store.get("s").kv) == committed - 1
     verdict = await engine.run(target.verify, "s", committed, [2], [])  # the same round, well formed
     assert verdict.next_token is not None
+
+
+def test_the_rows_histogram_has_the_cuda_graphs_buckets():
+    from outrider import metrics
+    from outrider.engine import cuda_graphs
+
+    assert metrics.ROW_BUCKETS == cuda_graphs.ROW_BUCKETS
