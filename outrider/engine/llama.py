@@ -12,6 +12,10 @@ attention, each group reading its rows' keys and values through their block
 tables. Norms, rotary embedding and activations are computed exactly as
 transformers computes them, so a float64 model gives transformers' tokens.
 
+With ``int4_group_size``, every projection is kept in 4 bits and the LM
+head in 8 (:mod:`outrider.quantize`; the int4 self-draft), the embedding
+and norms in the model's dtype.
+
 The numbers of one step (:class:`ForwardBatch`) are tensors only, so the
 same forward runs eagerly on any device and inside a captured CUDA graph.
 """
@@ -24,7 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.models import linear
+from outrider import models
+from outrider.quantize import QuantizedWeight, quantize_weight
+
+Weight = torch.Tensor | QuantizedWeight
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -81,11 +88,11 @@ class ForwardBatch:
 
 @dataclass
 class _Layer:
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o: Weight
+    gate_up: Weight
+    down: Weight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -95,13 +102,12 @@ class _Layer:
 class LlamaForward:
     """The forward of one Llama-family model. Construction takes the
     weights out of ``model`` (fusing q/k/v and gate/up, releasing the
-    originals as it goes): the transformers model is not used afterwards."""
+    originals as it goes): the transformers model is not used afterwards.
+    ``int4_group_size`` quantizes the projections (4 bits) and the LM head (8)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, int4_group_size: int | None = None) -> None:
         if (reason := unsupported(model)) is not None:
             raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
-        if reason := unsupported(model):
-            raise ValueError(f"{type(model).__name__}: {reason}")
         config = model.config
         decoder = model.model
         attention = decoder.layers[0].self_attn
@@ -117,31 +123,40 @@ class LlamaForward:
         self.sliding_window = window if window and use_window and window < self.max_positions else None
         self.embed = decoder.embed_tokens.weight
         self.norm = decoder.norm.weight
-        self.lm_head = model.lm_head.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [self._take(layer) for layer in decoder.layers]
+
+        def quantize(weight: torch.Tensor, *, lm_head: bool = False) -> Weight:
+            return weight if int4_group_size is None else quantize_weight(weight, int4_group_size, lm_head=lm_head)
+
+        self.lm_head = quantize(model.lm_head.weight, lm_head=True)
+        if int4_group_size is not None:
+            model.lm_head.weight = None  # the embedding keeps its own (tied or not)
+        self.layers = [self._take(layer, quantize) for layer in decoder.layers]
         positions = torch.arange(self.max_positions, device=self.device)[None]
         cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
         self.cos, self.sin = cos[0], sin[0]
 
     @staticmethod
-    def _take(layer: nn.Module) -> _Layer:
+    def _take(layer: nn.Module, quantize) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         biases = [p.bias for p in projections]
         fused = _Layer(
-            qkv=torch.cat([p.weight for p in projections]),
+            qkv=quantize(torch.cat([p.weight for p in projections])),
             qkv_bias=None if biases[0] is None else torch.cat(biases),  # all or none (unsupported())
-            o=attention.o_proj.weight,
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            down=mlp.down_proj.weight,
+            o=quantize(attention.o_proj.weight),
+            gate_up=quantize(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=quantize(mlp.down_proj.weight),
             input_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
             q_norm=getattr(getattr(attention, "q_norm", None), "weight", None),
             k_norm=getattr(getattr(attention, "k_norm", None), "weight", None),
         )
-        for module in (*projections, mlp.gate_proj, mlp.up_proj):  # fused copies replace them
+        replaced = (*projections, mlp.gate_proj, mlp.up_proj)  # fused copies replace them
+        if not isinstance(fused.o, torch.Tensor):
+            replaced += (attention.o_proj, mlp.down_proj)  # and 4-bit ones these
+        for module in replaced:
             module.weight = None
             module.bias = None
         return fused
@@ -223,6 +238,13 @@ class LlamaForward:
         v = values.flatten(1).index_select(0, table).view(rows, width, kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return out.view(rows, kv_heads, per_kv, t, head_dim).permute(0, 3, 1, 2, 4).reshape(rows * t, -1)
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of a float or quantized weight."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)
+    return models.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
