@@ -8,7 +8,7 @@ from draft_worker.sessions import DraftSessions, DraftInfo
 from draft_worker.service import DraftWorkerService
 from outrider import models
 from outrider.config import DraftWorkerConfig
-from outrider.drafters import Drafter, EarlyExitDrafter, ModelDrafter, PromptLookupDrafter
+from outrider.drafters import Drafter, EarlyExitDrafter, Int4Drafter, ModelDrafter, PromptLookupDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
 from outrider.logging import get_logger
@@ -42,10 +42,19 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         device=device,
         dtype=dtype,
     )
-    runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
+    int4 = config.drafter == "int4"
+    runner = build_runner(
+        model,
+        limits=limits,
+        engine=config.engine,
+        max_context=info.max_context,
+        int4_group_size=config.int4_group_size if int4 else None,
+    )
     name = config.model or models.DEFAULT_MODEL
     if config.drafter == "early-exit":
         drafter = EarlyExitDrafter(runner, model_name=f"{name}[:{config.draft_layers}]")
+    elif int4:
+        drafter = Int4Drafter(runner, model_name=f"{name}[int4-g{config.int4_group_size}]")
     else:
         drafter = ModelDrafter(runner, model_name=name)
     return DraftSessions(drafter, SessionStore(max_sessions=limits.max_sessions, pool=runner.pool), info)

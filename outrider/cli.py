@@ -19,6 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from outrider.config import DRAFTERS, default_drafter
+
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -167,7 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (up, demo):
         p.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
         p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (implies --drafter model)")
-        p.add_argument("--drafter", choices=["model", "prompt-lookup", "early-exit"], help="drafter kind (default: prompt-lookup)")
+        p.add_argument(
+            "--drafter",
+            choices=DRAFTERS,
+            help="drafter kind: model, int4 (the target in 4 bits), prompt-lookup or early-exit "
+            "(default: int4 on the CPU, prompt-lookup on CUDA)",
+        )
         p.add_argument("--draft-layers", type=int, help="layers kept by the early-exit drafter")
         p.add_argument(
             "--device",
@@ -241,9 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     draft = roles.add_parser("draft", help="the drafter: proposes K tokens a round")
     flags = _EnvFlags(draft)
     _add_common_service_flags(flags, "draft")
-    flags.add("--drafter", default=None, help="model, prompt-lookup or early-exit (default: model if --model is given, else prompt-lookup)")
-    flags.add("--model", help="draft model, or the checkpoint the early-exit drafter cuts (default: the default model)")
+    flags.add(
+        "--drafter",
+        default=None,
+        help="model (a small model), int4 (the checkpoint in 4 bits), prompt-lookup or early-exit "
+        "(default: model if --model is given, else int4 on the CPU and prompt-lookup on CUDA)",
+    )
+    flags.add(
+        "--model",
+        help="draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter cuts "
+        "(default: the default model)",
+    )
     flags.add("--draft-layers", type=int, help="layers kept by the early-exit drafter")
+    flags.add("--int4-group-size", default=32, type=int, help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256")
     flags.add("--max-draft-tokens", default=16, type=int, help="largest K a round may ask for")
     flags.add("--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches")
     _add_worker_flags(flags)
@@ -351,11 +368,12 @@ def _serve(args: argparse.Namespace) -> int:
                 config = cfg.TargetWorkerConfig(**common)
                 from target_worker.main import main as run
             else:
-                drafter = args.drafter or ("model" if args.model else "prompt-lookup")
+                drafter = args.drafter or cfg.default_drafter(args.device, draft_model=args.model)
                 config = cfg.DraftWorkerConfig(
                     **common,
                     drafter=drafter,
                     draft_layers=args.draft_layers,
+                    int4_group_size=args.int4_group_size,
                     max_draft_tokens=args.max_draft_tokens,
                     max_ngram=args.max_ngram,
                 )
@@ -376,13 +394,13 @@ def _stack_args(args: argparse.Namespace) -> dict:
         draft += ["--threads", str(args.threads)]
     if args.target_model:
         target += ["--model", args.target_model]
-    drafter = args.drafter or ("model" if args.draft_model else "prompt-lookup")
+    drafter = args.drafter or default_drafter(args.device, draft_model=args.draft_model)
     draft += ["--drafter", drafter]
     if drafter == "early-exit":
         if not args.draft_layers:
             raise ValueError("--drafter early-exit needs --draft-layers L")
         draft += ["--draft-layers", str(args.draft_layers)]
-    # Model drafters default to the target's checkpoint (e.g. in bfloat16).
+    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut).
     if drafter != "prompt-lookup" and (args.draft_model or args.target_model):
         draft += ["--model", args.draft_model or args.target_model]
     coordinator = ["--log-level", args.log_level, "--num-speculative-tokens", str(args.k)]
@@ -555,9 +573,10 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     bench.add_argument("--k", default="4", metavar="LIST", help="fixed K values, comma-separated (default: 4); K=0 always runs")
     bench.add_argument(
-        "--drafters", default="prompt-lookup,bf16", metavar="LIST",
-        help="drafters, comma-separated: prompt-lookup, bf16 (the target itself in bfloat16), "
-        "early-exit-L (the target's first L layers; no HF peer) (default: prompt-lookup,bf16)",
+        "--drafters", default="prompt-lookup,int4", metavar="LIST",
+        help="drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), "
+        "bf16 (the target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer) "
+        "(default: prompt-lookup,int4)",
     )  # fmt: skip
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face configurations (speedup is then vs outrider-k0)")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K configurations")

@@ -160,7 +160,7 @@ class ModelInfo:
     draft_model: str
     """Model id, or the model-free drafter's name."""
     drafter: str
-    """``"model"``, ``"prompt-lookup"`` or ``"early-exit"``."""
+    """``"model"``, ``"int4"``, ``"prompt-lookup"`` or ``"early-exit"``."""
     vocab_size: int
     max_context_length: int
     default_num_speculative_tokens: int

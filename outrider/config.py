@@ -15,9 +15,33 @@ from pathlib import Path
 from outrider.device import check_device, check_dtype
 from outrider.security import ClientTls, ServerTls
 
-DRAFTERS = ("model", "prompt-lookup", "early-exit")
+DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
+"""model: a small model of its own; int4: the target's checkpoint in 4 bits
+(``outrider.quantize``); prompt-lookup: n-grams of the history, no model;
+early-exit: the target's first L layers."""
+DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
+"""The drafter a draft worker runs when none is named (nor a draft model),
+by device type, chosen from measurements (README, "The default drafter"):
+on the CPU the target's memory-bound step makes its 4-bit copy cost ~0.4
+of it and agree on ~96% of tokens; on CUDA a small model's step is bound by
+kernel launches, not bytes, so the 4-bit copy saves little, and prompt
+lookup costs nothing."""
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+"""Group sizes torch's int4 kernels take (CPU and CUDA)."""
+DEFAULT_INT4_GROUP_SIZE = 32
+"""The GGUF 4-bit formats' block: the embedded default model's weights were
+4-bit in groups of 32, so requantizing them in the same groups loses little."""
 CPU_TOKENS_PER_STEP = 256
 CUDA_TOKENS_PER_STEP = 2048
+
+
+def default_drafter(device: str, *, draft_model: str | None = None) -> str:
+    """``model`` when a draft model is named, else the default for ``device``'s type (``auto``: as resolved)."""
+    if draft_model:
+        return "model"
+    from outrider.device import resolve_device
+
+    return DEFAULT_DRAFTERS.get(resolve_device(device).type, "prompt-lookup")
 
 
 def default_threads() -> int:
@@ -120,9 +144,11 @@ class DraftWorkerConfig:
     address: ServiceAddress
     drafter: str = "prompt-lookup"
     model: str | None = None
-    """Draft model (drafter "model") or checkpoint to cut (drafter "early-exit"); None: the default model."""
+    """Draft model (drafter "model"), checkpoint to quantize ("int4") or to cut ("early-exit"); None: the default model."""
     engine: EngineConfig = EngineConfig()
     draft_layers: int | None = None
+    int4_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    """Weights sharing a scale and zero in the int4 drafter."""
     max_draft_tokens: int = 16
     max_ngram: int = 3
     limits: WorkerLimits = WorkerLimits()
@@ -137,6 +163,8 @@ class DraftWorkerConfig:
             raise ValueError("--draft-layers only applies to --drafter early-exit")
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be at least 1")
+        if self.int4_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"--int4-group-size {self.int4_group_size}: use one of {', '.join(map(str, INT4_GROUP_SIZES))}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ model, extends the session's cache.
 
 * :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
   decoding greedily.
+* :class:`Int4Drafter` — a checkpoint (usually the target's own) with its
+  weights in 4 bits (:mod:`outrider.quantize`): the target's own
+  predictions at a fraction of its weight bytes.
 * :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
   target's own) followed by its final norm and head.
 * :class:`PromptLookupDrafter` — no model: the continuation of the most
@@ -42,7 +45,7 @@ class Proposal:
 
 class Drafter(Protocol):
     kind: str
-    """"model", "early-exit" or "prompt-lookup"."""
+    """"model", "int4", "early-exit" or "prompt-lookup"."""
     model_name: str
     runner: object | None
     """The model runner; None for model-free drafters (sessions keep no KV cache)."""
@@ -82,6 +85,13 @@ class ModelDrafter:
             if len(tokens) == k:
                 return Proposal(tokens, None if q is None else probs)
             out = yield Feed(kv, [token])
+
+
+class Int4Drafter(ModelDrafter):
+    """A model drafter whose model's weights are 4-bit (built by
+    ``outrider.engine.build.build_runner(..., int4_group_size=G)``)."""
+
+    kind = "int4"
 
 
 class EarlyExitDrafter(ModelDrafter):

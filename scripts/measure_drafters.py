@@ -24,6 +24,7 @@ MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" 
 
 CANDIDATES = {
     "prompt lookup": ["--drafter", "prompt-lookup"],
+    "target in 4 bits (int4)": ["--drafter", "int4"],
     "target in bfloat16": ["--drafter", "model", "--dtype", "bfloat16"],
     "early exit, 8 of 30 layers": ["--drafter", "early-exit", "--draft-layers", "8"],
 }

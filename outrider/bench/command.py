@@ -30,7 +30,7 @@ from outrider.bench.render import render
 from outrider.bench.report import build_report
 from outrider.bench.runner import run_interleaved, warm_up, without_ignored_adaptive
 
-DEFAULT_DRAFTERS = ("prompt-lookup", "bf16")
+DEFAULT_DRAFTERS = ("prompt-lookup", "int4")
 
 
 @dataclass(frozen=True)

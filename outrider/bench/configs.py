@@ -35,7 +35,9 @@ class Drafter:
     label: str
     draft_args: tuple[str, ...]
     hf_peer: str | None
-    """``"assistant"`` (the target in bfloat16), ``"prompt-lookup"`` or None (no HF peer)."""
+    """The Hugging Face peer: ``assistant_model=`` the target in bfloat16
+    (``"bf16"``) or with the int4 drafter's weights (``"int4"``),
+    ``"prompt-lookup"``, or None (no HF peer)."""
 
 
 @dataclass(frozen=True)
@@ -63,16 +65,19 @@ def outrider_variants(labels: Sequence[str | None], ks: Sequence[int], *, adapti
 
 
 def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
-    """``prompt-lookup``, ``bf16`` (the target itself in bfloat16) or ``early-exit-L``."""
+    """``prompt-lookup``, ``bf16`` (the target itself in bfloat16), ``int4``
+    (the target with 4-bit weights) or ``early-exit-L``."""
     model = ("--model", target_model) if target_model else ()
     if spec == "prompt-lookup":
         return Drafter(spec, ("--drafter", "prompt-lookup"), "prompt-lookup")
     if spec == "bf16":
-        return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "assistant")
+        return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "bf16")
+    if spec == "int4":
+        return Drafter(spec, ("--drafter", "int4", *model), "int4")
     if match := re.fullmatch(r"early-exit-(\d+)", spec):
         layers = match.group(1)
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
-    raise ValueError(f"unknown drafter {spec!r}: use prompt-lookup, bf16 or early-exit-L (e.g. early-exit-8)")
+    raise ValueError(f"unknown drafter {spec!r}: use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)")
 
 
 def parse_k_list(raw: str) -> list[int]:

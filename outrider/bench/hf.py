@@ -49,7 +49,7 @@ def rounds_from_forward_calls(
 
 
 class HuggingFace:
-    """The stock target (and its bfloat16 assistant) in this process."""
+    """The stock target (and its assistants: bfloat16, int4) in this process."""
 
     def __init__(self, model_dir: str, dtype: str, device: str = "auto", *, ignore_eos: bool = False) -> None:
         import torch
@@ -63,7 +63,7 @@ class HuggingFace:
         self.ignore_eos = ignore_eos
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
-        self._assistant = None
+        self._assistants: dict[str, Any] = {}
         self._calls: list[tuple[int, int]] = []
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -95,33 +95,36 @@ class HuggingFace:
         cache = kwargs.get("past_key_values")
         self._calls.append((int(input_ids.shape[1]), int(cache.get_seq_length()) if cache is not None else 0))
 
-    @property
-    def assistant(self):
-        """The target's checkpoint in bfloat16, loaded on first use."""
-        if self._assistant is None:
+    def assistant(self, kind: str):
+        """The target's checkpoint as an assistant, loaded on first use:
+        ``"bf16"`` in bfloat16, ``"int4"`` with the int4 drafter's weights
+        (:func:`outrider.quantize.quantize_linears`)."""
+        if kind not in self._assistants:
             from transformers import AutoModelForCausalLM
 
-            self._assistant = (
-                AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._torch.bfloat16).to(self.device).eval()
-            )
-            config = self._assistant.generation_config
-            self._assistant_defaults = (
+            from outrider.quantize import quantize_linears
+
+            dtype = self._torch.bfloat16 if kind == "bf16" else self.model.dtype
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+            if kind == "int4":
+                quantize_linears(model)
+            config = model.generation_config
+            model.outrider_defaults = (
                 config.num_assistant_tokens,
                 config.num_assistant_tokens_schedule,
                 config.assistant_confidence_threshold,
             )
-        return self._assistant
+            self._assistants[kind] = model
+        return self._assistants[kind]
 
-    def _set_assistant_k(self, k: int | None) -> None:
+    @staticmethod
+    def _set_assistant_k(assistant, k: int | None) -> None:
         """Fixed K (constant schedule, no confidence stop), or transformers' defaults for None.
 
         Set before every call: a "heuristic" schedule would carry K over from call to call.
         """
-        config = self.assistant.generation_config
-        if k is None:
-            values = self._assistant_defaults
-        else:
-            values = (k, "constant", 0.0)
+        config = assistant.generation_config
+        values = assistant.outrider_defaults if k is None else (k, "constant", 0.0)
         (
             config.num_assistant_tokens,
             config.num_assistant_tokens_schedule,
@@ -178,12 +181,17 @@ class HuggingFace:
     def configs(self, drafters: Sequence[Drafter], ks: Sequence[int]) -> list[Config]:
         configs = [Config(BASELINE, "hf", lambda p, n: self.generate(p, n), k=0)]
         for drafter in drafters:
-            if drafter.hf_peer == "assistant":
+            if drafter.hf_peer in ("bf16", "int4"):
                 for k in ks:
                     configs.append(
-                        Config(f"hf-assisted-{drafter.label}-k{k}", "hf", self._assisted(k), drafter.label, k)
+                        Config(
+                            f"hf-assisted-{drafter.label}-k{k}", "hf", self._assisted(drafter.hf_peer, k),
+                            drafter.label, k,
+                        )  # fmt: skip
                     )
-                configs.append(Config(f"hf-assisted-{drafter.label}-default", "hf", self._assisted(None), drafter.label))
+                configs.append(
+                    Config(f"hf-assisted-{drafter.label}-default", "hf", self._assisted(drafter.hf_peer, None), drafter.label)
+                )
             elif drafter.hf_peer == "prompt-lookup":
                 for k in ks:
                     configs.append(
@@ -195,9 +203,10 @@ class HuggingFace:
                     )
         return configs
 
-    def _assisted(self, k: int | None) -> Callable[[Prompt, int], Measurement]:
+    def _assisted(self, kind: str, k: int | None) -> Callable[[Prompt, int], Measurement]:
         def run(prompt: Prompt, max_new_tokens: int) -> Measurement:
-            self._set_assistant_k(k)
-            return self.generate(prompt, max_new_tokens, assistant_model=self.assistant)
+            assistant = self.assistant(kind)
+            self._set_assistant_k(assistant, k)
+            return self.generate(prompt, max_new_tokens, assistant_model=assistant)
 
         return run

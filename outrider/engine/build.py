@@ -20,16 +20,27 @@ BLOCK_SIZE = 16
 
 
 def build_runner(
-    model: nn.Module, *, limits: WorkerLimits, engine: EngineConfig, max_context: int
+    model: nn.Module,
+    *,
+    limits: WorkerLimits,
+    engine: EngineConfig,
+    max_context: int,
+    int4_group_size: int | None = None,
 ) -> PagedRunner | FallbackRunner:
     """The runner of a worker with these ``limits`` and ``engine`` settings, for
-    sessions of at most ``max_context`` tokens."""
-    budget = worker_cache_budget(
-        model, max_sessions=limits.max_sessions, max_context=max_context, max_cached_tokens=limits.max_cached_tokens
-    )
+    sessions of at most ``max_context`` tokens; ``int4_group_size``: its
+    weights in 4 bits (the Llama-family forward only)."""
+
+    def budget() -> int:
+        return worker_cache_budget(
+            model, max_sessions=limits.max_sessions, max_context=max_context, max_cached_tokens=limits.max_cached_tokens
+        )
+
     if (reason := llama.unsupported(model)) is not None:
+        if int4_group_size is not None:
+            raise ValueError(f"the int4 drafter runs the Llama-family forward only, and this model cannot: {reason}")
         log.warning("model runs on the unbatched fallback runner", reason=reason)
-        return FallbackRunner(model, BlockPool(budget, 1))
-    forward = llama.LlamaForward(model)
-    pool = BlockPool(max(1, budget // BLOCK_SIZE), BLOCK_SIZE)
+        return FallbackRunner(model, BlockPool(budget(), 1))
+    forward = llama.LlamaForward(model, int4_group_size=int4_group_size)  # before the budget: quantizing frees memory
+    pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
     return PagedRunner(forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda")

@@ -90,6 +90,20 @@ async def test_early_exit_drafter_output_equals_target_only(tiny_target_dir, pro
         assert result.stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+async def test_int4_drafter_output_equals_target_only(tiny_target_dir, prompt_ids, reference, k):
+    async with running_stack(tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address) as client:
+            info = await client.model_info()
+            result = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+    assert list(result.token_ids) == reference
+    assert info.drafter == "int4" and info.draft_model.endswith("[int4-g32]")
+    # The target's own weights in 4 bits (its LM head in 8) agree with it on
+    # most tokens (an unrelated draft gets under 0.2); that they are 4-bit
+    # at all is tests/unit/test_quantize.py's.
+    assert result.stats.acceptance_rate >= 0.6
+
+
 # --- stops inside a multi-token accept (identical draft, K = 8: every round commits 9) ---
 
 

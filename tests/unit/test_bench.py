@@ -28,7 +28,7 @@ from outrider.bench.concurrency.streams import (
     closed_loop_send_times,
     stream_from_arrivals,
 )
-from outrider.bench.configs import Config, parse_drafter, parse_k_list
+from outrider.bench.configs import Config, Drafter, parse_drafter, parse_k_list
 from outrider.bench.hf import rounds_from_forward_calls
 from outrider.bench.measurements import Measurement, aggregate
 from outrider.bench.plot import plot
@@ -102,6 +102,7 @@ def test_k_list_and_drafters_parse():
     assert parse_drafter("bf16", target_model="/m").draft_args == (
         "--drafter", "model", "--dtype", "bfloat16", "--model", "/m",
     )  # fmt: skip
+    assert parse_drafter("int4", target_model=None) == Drafter("int4", ("--drafter", "int4"), "int4")
     assert parse_drafter("early-exit-8", target_model=None).hf_peer is None
     with pytest.raises(ValueError, match="unknown drafter"):
         parse_drafter("medusa", target_model=None)
