@@ -4,6 +4,9 @@ memory budget (:mod:`outrider.memory`)."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 from torch import nn
 
 from outrider.config import EngineConfig, WorkerLimits
@@ -41,6 +44,16 @@ def build_runner(
             raise ValueError(f"the int4 drafter runs the Llama-family forward only, and this model cannot: {reason}")
         log.warning("model runs on the unbatched fallback runner", reason=reason)
         return FallbackRunner(model, BlockPool(budget(), 1))
-    forward = llama.LlamaForward(model, int4_group_size=int4_group_size)  # before the budget: quantizing frees memory
+    started = time.perf_counter()
+    # Quantizing frees memory, so it comes before the budget; its bar only on a terminal.
+    forward = llama.LlamaForward(model, int4_group_size=int4_group_size, progress=sys.stderr.isatty())
+    if int4_group_size is not None:
+        log.info(
+            "weights quantized",
+            layers="int4",
+            group_size=int4_group_size,
+            lm_head="int8",
+            seconds=round(time.perf_counter() - started, 2),
+        )
     pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
     return PagedRunner(forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from outrider import models
 from outrider.quantize import QuantizedWeight, quantize_weight
@@ -103,9 +104,10 @@ class LlamaForward:
     """The forward of one Llama-family model. Construction takes the
     weights out of ``model`` (fusing q/k/v and gate/up, releasing the
     originals as it goes): the transformers model is not used afterwards.
-    ``int4_group_size`` quantizes the projections (4 bits) and the LM head (8)."""
+    ``int4_group_size`` quantizes the projections (4 bits) and the LM head
+    (8), with a progress bar if ``progress``."""
 
-    def __init__(self, model: nn.Module, *, int4_group_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, int4_group_size: int | None = None, progress: bool = False) -> None:
         if (reason := unsupported(model)) is not None:
             raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
         config = model.config
@@ -132,7 +134,10 @@ class LlamaForward:
         self.lm_head = quantize(model.lm_head.weight, lm_head=True)
         if int4_group_size is not None:
             model.lm_head.weight = None  # the embedding keeps its own (tied or not)
-        self.layers = [self._take(layer, quantize) for layer in decoder.layers]
+        layers = decoder.layers
+        if int4_group_size is not None:  # seconds a layer on the CPU
+            layers = tqdm(layers, desc=f"quantize to int4 (groups of {int4_group_size})", unit="layer", disable=not progress)
+        self.layers = [self._take(layer, quantize) for layer in layers]
         positions = torch.arange(self.max_positions, device=self.device)[None]
         cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
         self.cos, self.sin = cos[0], sin[0]

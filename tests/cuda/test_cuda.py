@@ -134,3 +134,33 @@ async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batch
             )
     assert [list(r.token_ids) for r in alone] == references
     assert [list(r.token_ids) for r in together] == references
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (10, 40), (1536, 576)], ids=["aligned", "padded", "smollm2 mlp"])
+def test_tinygemm_int4_and_int8_products_equal_their_levels_on_cuda(shape):
+    from outrider.quantize import Int4Weight, Int8Weight
+
+    torch.manual_seed(0)
+    weight = torch.randn(shape, device="cuda")
+    x = torch.randn(3, shape[1], device="cuda", dtype=torch.bfloat16)
+    for quantized in (Int4Weight.quantize(weight), Int8Weight.quantize(weight)):
+        expected = x.float() @ quantized.dequantize().T
+        actual = quantized.linear(x).float()
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0.02 * expected.abs().max().item())
+    # The same levels as the CPU's packing: one quantizer, two layouts.
+    torch.testing.assert_close(
+        Int4Weight.quantize(weight).dequantize().cpu(), Int4Weight.quantize(weight.cpu()).dequantize(), rtol=0, atol=0.02
+    )
+
+
+async def test_int4_drafter_on_cuda_with_graphs_keeps_the_output(tiny_target_dir):
+    cases = [(p, 12 + 4 * i, (1, 4, 8)[i % 3]) for i, p in enumerate(prompts(6, seed=13))]
+    references = [hf_greedy(tiny_target_dir, p, n) for p, n, _ in cases]
+    async with running_stack(tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}, engine=CUDA_FP32) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k) for p, n, k in cases)
+            )
+    for result, reference in zip(results, references):
+        assert list(result.token_ids) == reference
+    assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(r.stats.draft_tokens for r in results)

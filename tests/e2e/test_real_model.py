@@ -1,5 +1,6 @@
 """End to end on the real default model through the CLI: `outrider up` starts
-the three services, `outrider generate --json --k 4` asks them, and the
+the three services (on the CPU, with the int4 drafter: the target's own
+weights in 4 bits), `outrider generate --json --k K` asks them, and the
 greedy output equals Hugging Face `generate(do_sample=False)` on the same
 target, token for token."""
 
@@ -106,19 +107,33 @@ def hf_greedy(default_model_dir):
     return run
 
 
-@pytest.mark.parametrize("index", range(NUM_PROMPTS))
-def test_greedy_output_equals_hf_generate(stack_address, hf_greedy, index):
+@pytest.mark.parametrize("index, k", [(0, 4), (1, 4), (2, 8)])
+def test_greedy_output_equals_hf_generate(stack_address, hf_greedy, index, k):
     prompt = mt_bench_prompts(NUM_PROMPTS)[index]
-    result = outrider_generate(stack_address, prompt, "--chat", "--k", "4", "--max-new-tokens", str(MAX_NEW_TOKENS))
+    result = outrider_generate(stack_address, prompt, "--chat", "--k", str(k), "--max-new-tokens", str(MAX_NEW_TOKENS))
     assert result["token_ids"] == hf_greedy(prompt)
     assert result["finish_reason"] in {"stop", "length"}
     stats = result["stats"]
     assert {"rounds", "draft_tokens", "accepted_tokens", "mean_acceptance_length"} <= stats.keys()
-    assert stats["num_speculative_tokens"] == 4
+    assert stats["num_speculative_tokens"] == k
     print(
         f"\nprompt {index}: {len(result['token_ids'])} tokens, {stats['rounds']} rounds, "
         f"mean acceptance length {stats['mean_acceptance_length']:.2f}"
     )
+
+
+def test_the_default_drafter_on_the_cpu_is_the_target_in_4_bits_and_agrees_with_it(stack_address):
+    from outrider import Client
+
+    if torch.cuda.is_available():
+        pytest.skip("`outrider up` picks prompt lookup on CUDA")
+    with Client(stack_address) as client:
+        info = client.model_info()
+        result = client.generate(
+            messages=[{"role": "user", "content": mt_bench_prompts(1)[0]}], max_new_tokens=32, num_speculative_tokens=4
+        )
+    assert info.drafter == "int4" and info.draft_model.endswith("[int4-g32]")
+    assert result.stats.acceptance_rate >= 0.7  # ~0.93 measured; an unrelated draft gets ~0
 
 
 def test_generate_streams_text(stack_address):

@@ -184,3 +184,36 @@ async def test_a_model_outside_the_llama_family_still_serves_through_the_fallbac
         assert await stack.sessions_left() == (0, 0)
         assert stack.target.store.pool.free_blocks == stack.target.store.pool.num_blocks
 
+
+
+async def test_int4_draft_steps_batched_across_sessions_propose_what_each_session_proposes_alone(tiny_target_dir):
+    from outrider.config import DraftWorkerConfig, ServiceAddress
+    from outrider.worker import open_worker
+
+    config = DraftWorkerConfig(
+        address=ServiceAddress(host="127.0.0.1", port=0),
+        drafter="int4",
+        model=str(tiny_target_dir),
+        engine=EngineConfig(dtype="float64"),
+    )
+    rows = []
+    draft, engine, warm_up = await open_worker("draft_worker.main", config, on_step=lambda step: rows.append(step.rows))
+    histories = prompts(8, seed=5)
+
+    async def propose(i: int, tag: str) -> list[int]:
+        session = f"{tag}-{i}"
+        await engine.run(draft.open, session, histories[i], 0, "")
+        tokens, _ = await engine.run(draft.propose, session, len(histories[i]), [], 6)
+        await engine.run(draft.close, session)
+        return tokens
+
+    try:
+        await warm_up()
+        alone = [await propose(i, "alone") for i in range(len(histories))]
+        rows.clear()
+        together = await asyncio.gather(*(propose(i, "together") for i in range(len(histories))))
+    finally:
+        engine.shutdown()
+    assert max(rows) > 2  # the sessions' draft steps shared forward passes
+    assert together == alone
+    assert len(draft.store) == 0

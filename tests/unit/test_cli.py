@@ -68,3 +68,32 @@ def test_serve_refuses_an_inconsistent_drafter_configuration(capsys):
 
     assert main(["serve", "draft", "--drafter", "early-exit"]) == 2
     assert "--draft-layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, device_type, drafter",
+    [
+        ([], "cpu", "int4"),
+        ([], "cuda", "prompt-lookup"),
+        (["--draft-model", "/d"], "cpu", "model"),
+        (["--drafter", "prompt-lookup"], "cpu", "prompt-lookup"),
+    ],
+)
+def test_up_picks_the_measured_default_drafter_for_the_device(monkeypatch, flags, device_type, drafter):
+    import torch
+
+    from outrider.cli import _stack_args
+
+    monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
+    args = build_parser().parse_args(["up", *flags])
+    draft = _stack_args(args)["draft_args"]
+    assert draft[draft.index("--drafter") + 1] == drafter
+    if drafter == "int4":
+        assert "--model" not in draft  # the target's own checkpoint
+
+
+def test_serve_refuses_an_int4_group_size_the_kernels_lack(capsys):
+    from outrider.cli import main
+
+    assert main(["serve", "draft", "--drafter", "int4", "--int4-group-size", "48"]) == 2
+    assert "--int4-group-size 48: use one of 32, 64, 128, 256" in capsys.readouterr().err
