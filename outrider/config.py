@@ -21,11 +21,12 @@ DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
 early-exit: the target's first L layers."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
 """The drafter a draft worker runs when none is named (nor a draft model),
-by device type, chosen from measurements (README, "The default drafter"):
-on the CPU the target's memory-bound step makes its 4-bit copy cost ~0.4
-of it and agree on ~96% of tokens; on CUDA a small model's step is bound by
-kernel launches, not bytes, so the 4-bit copy saves little, and prompt
-lookup costs nothing."""
+by device type, from measurements (README, "The default drafter"). On the
+CPU the target's step is bound by reading its weights, so its 4-bit copy
+costs ~0.4 of a step and agrees on ~93% of drafts. On CUDA the default
+model's step is bound by kernel launches, not bytes (3.6 ms a graphed step
+on an H100, GPU.md), so a 4-bit copy would cost about a target step, and
+prompt lookup costs nothing (the int4 drafter was not measured on a GPU)."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32

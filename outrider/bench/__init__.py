@@ -14,7 +14,9 @@ mismatch loudly (it does not abort). The configurations:
   one coordinator per drafter.
 * ``hf-assisted-...`` — the peer: Hugging Face assisted generation in this
   process on the same models and prompts: ``assistant_model=`` the target in
-  bfloat16 with K fixed (``-k<K>``) or transformers' own default schedule
+  bfloat16 (``bf16``) or with the int4 drafter's weights (``int4``,
+  :func:`outrider.quantize.quantize_linears`), with K fixed (``-k<K>``) or
+  transformers' own default schedule
   (``-default``: up to 20 tokens, drafting stops early when the assistant's
   confidence falls below 0.4), and ``prompt_lookup_num_tokens=K``.
 

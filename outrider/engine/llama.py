@@ -135,7 +135,7 @@ class LlamaForward:
         if int4_group_size is not None:
             model.lm_head.weight = None  # the embedding keeps its own (tied or not)
         layers = decoder.layers
-        if int4_group_size is not None:  # seconds a layer on the CPU
+        if int4_group_size is not None:  # a few seconds for the default model on the CPU, more for large ones
             layers = tqdm(layers, desc=f"quantize to int4 (groups of {int4_group_size})", unit="layer", disable=not progress)
         self.layers = [self._take(layer, quantize) for layer in layers]
         positions = torch.arange(self.max_positions, device=self.device)[None]
