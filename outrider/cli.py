@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from outrider.config import DRAFTERS, default_drafter
+from outrider.config import DEFAULT_INT4_GROUP_SIZE, DRAFTERS, default_drafter
 
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the default model)",
     )
     flags.add("--draft-layers", type=int, help="layers kept by the early-exit drafter")
-    flags.add("--int4-group-size", default=32, type=int, help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256")
+    flags.add("--int4-group-size", default=DEFAULT_INT4_GROUP_SIZE, type=int, help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256")
     flags.add("--max-draft-tokens", default=16, type=int, help="largest K a round may ask for")
     flags.add("--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches")
     _add_worker_flags(flags)

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.config import DEFAULT_INT4_GROUP_SIZE as DEFAULT_GROUP_SIZE
-from outrider.config import INT4_GROUP_SIZES as GROUP_SIZES
+from outrider.config import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 LEVELS = 16
 ROW_MULTIPLE = 16
@@ -48,10 +47,10 @@ class Int4Weight:
     in_features: int
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weight:
+    def quantize(cls, weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> Int4Weight:
         """The 4-bit form of ``weight``, on its device: each group's levels span its min to its max."""
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group size {group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}")
         out_features, in_features = weight.shape
         w = F.pad(weight.detach().float(), (0, -in_features % group_size, 0, -out_features % ROW_MULTIPLE))
         groups = w.reshape(-1, group_size)
@@ -173,7 +172,7 @@ class QuantizedLinear(nn.Module):
         return f"in_features={in_features}, out_features={out_features}, {type(self.quantized).__name__}"
 
 
-def quantize_linears(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+def quantize_linears(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
     """Gives a transformers causal LM the int4 drafter's weights: every
     ``nn.Linear`` in 4 bits, the LM head (``get_output_embeddings``, untied
     from the input embedding) in 8; returns how many it replaced."""
