@@ -22,17 +22,15 @@ from outrider import models
 
 pytestmark = pytest.mark.e2e
 
-MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
 MAX_NEW_TOKENS = 48
-NUM_PROMPTS = 3
 
 
-def mt_bench_prompts(n: int) -> list[str]:
-    if not MT_BENCH.exists():
-        pytest.skip(f"{MT_BENCH} is not here")
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-    # Spread over categories: every 10th question.
-    return [rows[i * 10]["turns"][0] for i in range(n)]
+PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Write a short travel blog post about a weekend in Lisbon.",
+)
+"""Our own prompts (a question, code, open writing), so the test needs no data from outside the repository."""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +107,7 @@ def hf_greedy(default_model_dir):
 
 @pytest.mark.parametrize("index, k", [(0, 4), (1, 4), (2, 8)])
 def test_greedy_output_equals_hf_generate(stack_address, hf_greedy, index, k):
-    prompt = mt_bench_prompts(NUM_PROMPTS)[index]
+    prompt = PROMPTS[index]
     result = outrider_generate(stack_address, prompt, "--chat", "--k", str(k), "--max-new-tokens", str(MAX_NEW_TOKENS))
     assert result["token_ids"] == hf_greedy(prompt)
     assert result["finish_reason"] in {"stop", "length"}
@@ -130,7 +128,7 @@ def test_the_default_drafter_on_the_cpu_is_the_target_in_4_bits_and_agrees_with_
     with Client(stack_address) as client:
         info = client.model_info()
         result = client.generate(
-            messages=[{"role": "user", "content": mt_bench_prompts(1)[0]}], max_new_tokens=32, num_speculative_tokens=4
+            messages=[{"role": "user", "content": PROMPTS[0]}], max_new_tokens=32, num_speculative_tokens=4
         )
     assert info.drafter == "int4" and info.draft_model.endswith("[int4-g32]")
     assert result.stats.acceptance_rate >= 0.7  # ~0.93 measured; an unrelated draft gets ~0
