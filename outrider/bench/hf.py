@@ -108,23 +108,23 @@ class HuggingFace:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
             if kind == "int4":
                 quantize_linears(model)
-            config = model.generation_config
-            model.outrider_defaults = (
-                config.num_assistant_tokens,
-                config.num_assistant_tokens_schedule,
-                config.assistant_confidence_threshold,
-            )
             self._assistants[kind] = model
         return self._assistants[kind]
 
-    @staticmethod
-    def _set_assistant_k(assistant, k: int | None) -> None:
-        """Fixed K (constant schedule, no confidence stop), or transformers' defaults for None.
+    def _set_assistant_k(self, assistant, k: int | None) -> None:
+        """Fixed K (constant schedule, no confidence stop), or for None the
+        checkpoint's own settings, as the target's generation config (the
+        same checkpoint, never changed here) holds them.
 
         Set before every call: a "heuristic" schedule would carry K over from call to call.
         """
         config = assistant.generation_config
-        values = assistant.outrider_defaults if k is None else (k, "constant", 0.0)
+        defaults = self.model.generation_config
+        values = (
+            (defaults.num_assistant_tokens, defaults.num_assistant_tokens_schedule, defaults.assistant_confidence_threshold)
+            if k is None
+            else (k, "constant", 0.0)
+        )
         (
             config.num_assistant_tokens,
             config.num_assistant_tokens_schedule,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, WorkerLimits
+from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
 from outrider.engine.build import build_runner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
@@ -124,8 +124,6 @@ def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_
     engine = EngineConfig(dtype="float64")
     address = ServiceAddress(host="127.0.0.1", port=0)
     draft = build_sessions(DraftWorkerConfig(address=address, drafter="int4", model=str(tiny_target_dir), engine=engine, limits=limits))
-    from outrider.config import TargetWorkerConfig
-
     target = build_target(TargetWorkerConfig(address=address, model=str(tiny_target_dir), engine=engine, limits=limits))
     layer = draft.runner.forward.layers[0]
     assert isinstance(layer.qkv, Int4Weight) and isinstance(draft.runner.forward.lm_head, Int8Weight)
