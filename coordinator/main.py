@@ -39,6 +39,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         max_k=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,
         default_adaptive=config.adaptive and draft is not None,
+        default_pipeline=config.pipeline and draft is not None,
     )
     try:
         # The coordinator serves once its target has described itself
@@ -54,7 +55,9 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             draft,
             policy,
             draft_info=draft_info,
-            recovery=Recovery(draft_deadline_s=config.draft_deadline_s),
+            recovery=Recovery(
+                draft_deadline_s=config.draft_deadline_s, verify_deadline_floor_s=config.verify_deadline_floor_s
+            ),
             metrics=CoordinatorMetrics(
                 metrics.registry,
                 model_name=target_info.model,

@@ -16,6 +16,12 @@ Coordinator (per request, recorded when it finishes unless said otherwise):
 * ``outrider_spec_decode_num_accepted_tokens_per_pos_total{position}`` —
   drafts whose token at ``position`` (0-based) was accepted. Acceptance rate
   = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
+* ``outrider_spec_decode_num_speculation_hits_total`` — pipelined rounds
+  whose drafts were drafted while the previous round was verified (an
+  Outrider name: vLLM does not pipeline);
+* ``outrider_spec_decode_num_speculation_misses_total`` — pipelined rounds
+  whose speculation was discarded because the verdict differed from what it
+  assumed (those rounds drafted afresh). Hit rate = hits / (hits + misses);
 * ``outrider_time_to_first_token_seconds`` — from receiving the request to
   having its first tokens to stream (tokenization, both prefills and the
   first round included);
@@ -91,6 +97,13 @@ class CoordinatorMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Rounds that verified at least one draft token.").labels(**model)
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(**model)
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(**model)
+        self.num_speculation_hits = counter(
+            "spec_decode_num_speculation_hits", "Pipelined rounds whose drafts were drafted during the previous verify."
+        ).labels(**model)
+        self.num_speculation_misses = counter(
+            "spec_decode_num_speculation_misses",
+            "Pipelined rounds whose speculation was discarded (the verdict differed from its assumption).",
+        ).labels(**model)
         self._per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position (0-based) was accepted.",
@@ -128,6 +141,8 @@ class CoordinatorMetrics:
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.draft_tokens)
         self.num_accepted_tokens.inc(stats.accepted_tokens)
+        self.num_speculation_hits.inc(stats.speculation_hits)
+        self.num_speculation_misses.inc(stats.speculation_misses)
         for position, accepted in enumerate(stats.accepted_per_position):
             if position >= len(self.accepted_per_pos):
                 self.accepted_per_pos.append(self._per_pos.labels(self.model_name, str(position)))

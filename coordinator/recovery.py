@@ -19,14 +19,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from coordinator.workers import DraftClient, Proposal, TargetClient, VerifyResult, WorkerInfo
-from outrider.errors import OutriderError, ResourceExhausted, Unavailable
+from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
 from outrider.sampling import CompactProbs, SamplingParams
 
 log = get_logger(__name__)
+
+
+@dataclass
+class Speculation:
+    """The next round's proposal, drafted while this round is verified."""
+
+    expected: list[int]
+    """The history it assumes, but for the draft's guess of the bonus token."""
+    task: asyncio.Future[Proposal]
 
 
 class DraftLink:
@@ -59,6 +69,10 @@ class DraftLink:
         self.synced = 0
         self.failures = 0
         self.retry_at = 0.0
+        self.rounds = 0
+        """Ids of the rounds asked for: a proposal must answer the last one."""
+        self.speculation: Speculation | None = None
+        """At most one speculation in flight."""
 
     async def propose(self, history: list[int], k: int) -> tuple[Proposal | None, float]:
         """Syncs and proposes: the proposal (None when the draft is lost:
@@ -99,14 +113,59 @@ class DraftLink:
                 log.info("draft session reopened", committed_len=self.synced)
         try:
             async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
-                proposal = await self.session.propose(len(history), history[self.synced :], k)
+                proposal = await self._ask(history, k, None)
         except (OutriderError, TimeoutError) as exc:
             await self.close()
             self._lost(exc)
             return None, open_s
-        self.synced = len(history)
         self.failures = 0
         return proposal, open_s
+
+    def speculate(self, history: list[int], drafts: list[int], k: int) -> None:
+        """Starts a speculation (DESIGN §5): while the target verifies
+        ``drafts``, the draft proposes the next round of ``k`` drafts as if
+        it accepted them whole and committed the draft's guess of its bonus
+        token. A lost draft speculates nothing."""
+        if self.session is None or self.speculation is not None:
+            return
+        history = list(history)  # the loop's grows while this runs
+        expected = [*history, *drafts]  # and the guess, which the answer brings
+
+        async def ask() -> Proposal:
+            async with asyncio.timeout(self.deadline_s):
+                return await self._ask(history, k, drafts)
+
+        self.speculation = Speculation(expected, asyncio.ensure_future(ask()))
+
+    async def speculated(self, history: list[int]) -> tuple[Proposal | None, bool | None]:
+        """The proposal of the speculation in flight, if the history is what
+        it assumed: ``(proposal, True)`` (a hit); ``(None, False)`` when it is
+        not (a miss: the round drafts afresh); ``(None, None)`` without one.
+        A lost draft's speculation is a miss."""
+        speculation, self.speculation = self.speculation, None
+        if speculation is None:
+            return None, None
+        try:
+            proposal = await speculation.task
+        except (OutriderError, TimeoutError) as exc:
+            await self.close()
+            self._lost(exc)
+            return None, False
+        hit = proposal.guess is not None and history == [*speculation.expected, proposal.guess]
+        return (proposal, True) if hit else (None, False)
+
+    async def _ask(self, history: list[int], k: int, assumed: list[int] | None) -> Proposal:
+        """One round on the session: sync, propose (after ``assumed``, when given)."""
+        self.rounds += 1
+        new_tokens, self.synced = history[self.synced :], len(history)
+        proposal = await self.session.propose(len(history), new_tokens, k, assumed, self.rounds)
+        follows = len(history) if assumed is None else len(history) + len(assumed) + 1
+        if proposal.round_id != self.rounds or (proposal.draft_tokens and proposal.follows_len != follows):
+            raise FailedPrecondition(
+                f"the draft answered round {proposal.round_id} after {proposal.follows_len} tokens "
+                f"where round {self.rounds} after {follows} was asked for"
+            )
+        return proposal
 
     async def _open(self, history: Sequence[int]) -> None:
         self.session, _ = await self.client.open(
@@ -123,10 +182,13 @@ class DraftLink:
         log.warning("draft lost: continuing at K=0", error=reason, retry_in_s=delay)
 
     async def close(self) -> None:
-        opening, self.opening = self.opening, None
-        if opening is not None:
-            opening.cancel()  # an open cut short closes its stream itself
-            await asyncio.gather(opening, return_exceptions=True)
+        """Closes the session; an open or a speculation in flight is cancelled
+        (the worker frees the session's cache either way)."""
+        for task in (self.opening, self.speculation and self.speculation.task):
+            if task is not None:
+                task.cancel()  # an open cut short closes its stream itself
+                await asyncio.gather(task, return_exceptions=True)
+        self.opening = self.speculation = None
         session, self.session = self.session, None
         if session is not None:
             await session.close()
@@ -135,11 +197,22 @@ class DraftLink:
 class TargetLink:
     """The target session of one generation, reopened on failure."""
 
-    def __init__(self, client: TargetClient, *, request_id: str, sampling: SamplingParams, attempts: int) -> None:
+    def __init__(
+        self,
+        client: TargetClient,
+        *,
+        request_id: str,
+        sampling: SamplingParams,
+        attempts: int,
+        open_deadline_s: Callable[[int], float | None] = lambda tokens: None,
+    ) -> None:
+        """``open_deadline_s(tokens)``: how long opening a session on that
+        many tokens may take before the replica counts as lost (None: no limit)."""
         self.client = client
         self.request_id = request_id
         self.sampling = sampling
         self.attempts = attempts
+        self.open_deadline_s = open_deadline_s
         self.session = None
 
     async def open(self, history: Sequence[int]) -> float:
@@ -147,7 +220,10 @@ class TargetLink:
         for attempt in range(self.attempts):
             try:
                 self.session, compute_s = await self.client.open(
-                    history, request_id=self.request_id, sampling=self.sampling
+                    history,
+                    request_id=self.request_id,
+                    sampling=self.sampling,
+                    deadline_s=self.open_deadline_s(len(history)),
                 )
                 return compute_s
             except Unavailable as exc:
@@ -157,21 +233,32 @@ class TargetLink:
         raise Unavailable(f"no target worker is available: {last}")
 
     async def verify(
-        self, history: list[int], draft_tokens: list[int], draft_probs: Sequence[CompactProbs]
+        self,
+        history: list[int],
+        draft_tokens: list[int],
+        draft_probs: Sequence[CompactProbs],
+        deadline_s: float | None = None,
     ) -> tuple[VerifyResult, float]:
-        """Verifies, reopening the session on the history after a failure.
-        Returns the verdict and the compute time of any reopening prefill."""
+        """Verifies, reopening the session on the history after a failure or
+        after no answer within ``deadline_s`` (a frozen or overloaded worker:
+        the reopen goes to another replica while there is one). Returns the
+        verdict and the compute time of any reopening prefill."""
         reopen_s = 0.0
         for attempt in range(self.attempts):
             if self.session is None:
                 reopen_s += await self.open(history)
                 log.info("target session reopened", committed_len=len(history))
             try:
-                return await self.session.verify(len(history), draft_tokens, draft_probs), reopen_s
+                async with asyncio.timeout(deadline_s):
+                    return await self.session.verify(len(history), draft_tokens, draft_probs), reopen_s
             except Unavailable as exc:
                 log.warning("target lost: reopening on the history", error=str(exc), attempt=attempt)
-                await self.close()
                 last = exc
+            except TimeoutError:
+                log.warning("target gave no verdict in time: reopening on the history", deadline_s=deadline_s)
+                last = Unavailable(f"the target gave no verdict within {deadline_s:.3g} s")
+                self.session.failing()
+            await self.close()
         raise Unavailable(f"no target worker could finish the request: {last}")
 
     async def close(self) -> None:

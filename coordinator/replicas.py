@@ -74,9 +74,17 @@ class Replica:
     """It serves another vocabulary than the first replica: never routed to."""
     removed: bool = False
     """Gone from the table (its pod was deleted); its channel is closed."""
+    failures: int = 0
+    """Failures since its last session opened."""
 
-    def failed(self, *, for_s: float = 5.0) -> None:
-        self.down_until = time.monotonic() + for_s
+    def failed(self, *, for_s: float = 5.0, max_s: float = 60.0) -> None:
+        """Sends new sessions to the others for ``for_s``, doubling with each
+        failure in a row (a frozen worker keeps failing) up to ``max_s``."""
+        self.failures += 1
+        self.down_until = time.monotonic() + min(max_s, for_s * 2 ** (self.failures - 1))
+
+    def opened(self) -> None:
+        self.failures = 0
 
 
 class Replicas:

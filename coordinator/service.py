@@ -36,6 +36,8 @@ class SpeculationPolicy:
     default_max_new_tokens: int
     default_adaptive: bool = False
     """Requests that leave K unset choose it per round (up to max_k)."""
+    default_pipeline: bool = False
+    """Requests that leave pipeline unset run pipelined."""
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -95,6 +97,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             max_num_speculative_tokens=self.policy.max_k,
             default_max_new_tokens=self.policy.default_max_new_tokens,
             default_adaptive=self.policy.default_adaptive,
+            default_pipeline=self.policy.default_pipeline,
             target_device=target.device,
             target_dtype=target.dtype,
             draft_device=draft.device if draft else "",
@@ -155,6 +158,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             k = self.policy.default_k
         if self.draft is None:
             k = 0
+        # Pipelining overlaps drafting with verifying: without drafts
+        # (K = 0, no draft worker) there is nothing to overlap.
+        pipeline = speculation.pipeline if speculation.HasField("pipeline") else self.policy.default_pipeline
+        pipeline = pipeline and k > 0
 
         try:
             sampling_params = SamplingParams(
@@ -181,6 +188,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             adaptive=adaptive,
             sampling=sampling_params,
             request_id=request_id,
+            pipeline=pipeline,
         )
 
     def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -250,6 +258,10 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         draft_probs_bytes=stats.draft_probs_bytes,
         adaptive=stats.adaptive,
         overhead_s_p50=stats.overhead_s_p50,
+        pipeline=stats.pipeline,
+        speculation_hits=stats.speculation_hits,
+        speculation_misses=stats.speculation_misses,
+        critical_path_overhead_s_p50=stats.critical_path_overhead_s_p50,
     )
 
 

@@ -43,6 +43,12 @@ class Proposal:
     compute_s: float
     draft_probs: list[CompactProbs] = field(default_factory=list)
     """q of each draft token (rejection mode with a sampling draft), else empty."""
+    round_id: int = 0
+    """The round it answers (echoed)."""
+    follows_len: int = 0
+    """The length of the history the drafts follow."""
+    guess: int | None = None
+    """A speculation's guess of the bonus token after the assumed drafts."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,18 @@ class VerifyResult:
 
 
 class DraftSession(Protocol):
-    async def propose(self, committed_len: int, new_tokens: Sequence[int], k: int) -> Proposal: ...
+    async def propose(
+        self,
+        committed_len: int,
+        new_tokens: Sequence[int],
+        k: int,
+        assumed: Sequence[int] | None = None,
+        round_id: int = 0,
+    ) -> Proposal:
+        """Syncs the new committed tokens and proposes up to k drafts after
+        the history; given ``assumed`` drafts (even none), a speculation:
+        a guess of the bonus token after them, then the drafts after that."""
+        ...
     async def close(self) -> None: ...
 
 
@@ -61,6 +78,9 @@ class TargetSession(Protocol):
     async def verify(
         self, committed_len: int, draft_tokens: Sequence[int], draft_probs: Sequence[CompactProbs] = ()
     ) -> VerifyResult: ...
+    def failing(self) -> None:
+        """Says the session's worker stopped answering: new sessions go to
+        other replicas for a while."""
     async def close(self) -> None: ...
 
 
@@ -74,7 +94,7 @@ class DraftClient(Protocol):
 class TargetClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(
-        self, tokens: Sequence[int], *, request_id: str, sampling: SamplingParams
+        self, tokens: Sequence[int], *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
     ) -> tuple[TargetSession, float]: ...
 
 
@@ -112,6 +132,9 @@ class _GrpcSession:
         self._release = release
         self._failed = failed
 
+    def failing(self) -> None:
+        self._failed()
+
     async def exchange(self, request):
         try:
             await self._call.write(request)
@@ -142,16 +165,28 @@ class _GrpcSession:
 class GrpcDraftSession(_GrpcSession):
     role = "draft"
 
-    async def propose(self, committed_len: int, new_tokens: Sequence[int], k: int) -> Proposal:
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
         response = await self.exchange(
             pb.DraftRequest(
                 round=pb.DraftRound(
-                    committed_len=committed_len, new_token_ids=new_tokens, num_draft_tokens=k
+                    committed_len=committed_len,
+                    new_token_ids=new_tokens,
+                    num_draft_tokens=k,
+                    speculate=assumed is not None,
+                    assumed_token_ids=assumed or (),
+                    round_id=round_id,
                 )
             )
         )
-        proposal = response.proposal
-        return Proposal(list(proposal.draft_token_ids), proposal.compute_s, probs_from_pb(proposal.draft_probs))
+        p = response.proposal
+        return Proposal(
+            list(p.draft_token_ids),
+            p.compute_s,
+            probs_from_pb(p.draft_probs),
+            round_id=p.round_id,
+            follows_len=p.follows_len,
+            guess=p.guess_token_id if p.HasField("guess_token_id") else None,
+        )
 
 
 class GrpcTargetSession(_GrpcSession):
@@ -171,7 +206,9 @@ class GrpcTargetSession(_GrpcSession):
         return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
 
 
-async def _open(replicas: Replicas, session_class, request, *, request_id: str):
+async def _open(replicas: Replicas, session_class, request, *, request_id: str, deadline_s: float | None = None):
+    """Opens a session on a replica; one that does not answer within
+    ``deadline_s`` (frozen) counts as failed: Unavailable."""
     replica = await replicas.choose()
     replica.load += 1
 
@@ -181,10 +218,18 @@ async def _open(replicas: Replicas, session_class, request, *, request_id: str):
     call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
     session = session_class(call, replica.address, release, replica.failed)
     try:
-        response = await session.exchange(request)
+        async with asyncio.timeout(deadline_s):
+            response = await session.exchange(request)
+    except TimeoutError:
+        await session.close()
+        replica.failed()
+        raise Unavailable(
+            f"{session.role} worker {replica.address} did not open the session within {deadline_s:.3g} s"
+        ) from None
     except BaseException:
         await session.close()
         raise
+    replica.opened()
     return session, response.opened.compute_s
 
 
@@ -232,11 +277,11 @@ class GrpcTargetClient:
         """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
         return _info_from_pb(await self.replicas.wait_ready(timeout_s))
 
-    async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
+    async def open(self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None):
         request = pb.VerifyRequest(
             open=pb.SessionOpen(token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling))
         )
-        return await _open(self.replicas, GrpcTargetSession, request, request_id=request_id)
+        return await _open(self.replicas, GrpcTargetSession, request, request_id=request_id, deadline_s=deadline_s)
 
     async def close(self) -> None:
         await self.replicas.close()
@@ -256,7 +301,7 @@ class InProcessTargetClient:
         i = self.sessions.info
         return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype)
 
-    async def open(self, tokens, *, request_id: str, sampling: SamplingParams):
+    async def open(self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None):
         session_id = uuid.uuid4().hex[:16]
         _, compute_s = await self.engine.timed(self.sessions.open, session_id, list(tokens), sampling)
         return _InProcessTargetSession(self, session_id), compute_s
@@ -272,6 +317,9 @@ class _InProcessTargetSession:
             self.client.sessions.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
         )
         return VerifyResult(v.num_accepted, v.next_token, compute_s)
+
+    def failing(self) -> None:
+        pass
 
     async def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
@@ -301,11 +349,11 @@ class _InProcessDraftSession:
         self.client = client
         self.session_id = session_id
 
-    async def propose(self, committed_len, new_tokens, k) -> Proposal:
-        (tokens, probs), compute_s = await self.client.engine.timed(
-            self.client.sessions.propose, self.session_id, committed_len, list(new_tokens), k
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
+        drafts, compute_s = await self.client.engine.timed(
+            self.client.sessions.propose, self.session_id, committed_len, list(new_tokens), k, assumed
         )
-        return Proposal(tokens, compute_s, probs)
+        return Proposal(drafts.tokens, compute_s, drafts.probs, round_id, drafts.follows_len, drafts.guess)
 
     async def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)

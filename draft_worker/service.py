@@ -26,16 +26,22 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
-        (tokens, probs), compute_s = await self.engine.timed(
+        drafts, compute_s = await self.engine.timed(
             self.sessions.propose,
             session_id,
             request.committed_len,
             list(request.new_token_ids),
             request.num_draft_tokens,
+            list(request.assumed_token_ids) if request.speculate else None,
         )
         return pb.DraftResponse(
             proposal=pb.DraftProposal(
-                draft_token_ids=tokens, draft_probs=probs_to_pb(probs), compute_s=compute_s
+                draft_token_ids=drafts.tokens,
+                draft_probs=probs_to_pb(drafts.probs),
+                compute_s=compute_s,
+                round_id=request.round_id,
+                follows_len=drafts.follows_len,
+                guess_token_id=drafts.guess,
             )
         )
 

@@ -13,9 +13,23 @@ from dataclasses import dataclass
 from outrider.drafters import Drafter
 from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.sampling import SamplingParams, compact
+from outrider.sampling import CompactProbs, SamplingParams, compact
 from outrider.session import SessionStore
 from outrider.validation import check_context, check_token_ids
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A proposal, its q in wire form (empty: point masses)."""
+
+    tokens: list[int]
+    probs: list[CompactProbs]
+    follows_len: int
+    """The length of the history the tokens follow."""
+    guess: int | None = None
+    """A speculation's guess of the bonus token after the assumed ones (the
+    tokens follow it); None for a proposal after the committed history, or a
+    speculation that had no guess."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +103,17 @@ class DraftSessions:
         committed_len: int,
         new_tokens: Sequence[int],
         num_draft_tokens: int,
+        assumed: Sequence[int] | None = None,
     ) -> Job:
         """Appends the tokens committed since the last round, then proposes
         up to ``num_draft_tokens`` tokens, with their q in wire form when the
-        draft sampled them (else none: a point mass)."""
+        draft sampled them (else none: a point mass).
+
+        Given ``assumed`` tokens, even none (a speculation, DESIGN §5), it
+        proposes after them instead, as if the target accepted them whole: it drafts one
+        token more, its guess of the target's bonus token, which the drafts
+        then follow. Nothing of the assumption is committed; the next round's
+        new tokens say what was."""
         session = self.store.get(session_id)
         if session.committed_len + len(new_tokens) != committed_len:
             raise FailedPrecondition(
@@ -104,21 +125,35 @@ class DraftSessions:
             raise InvalidArgument(
                 f"num_draft_tokens = {num_draft_tokens}; it must lie in [1, {self.info.max_draft_tokens}]"
             )
+        guessing = assumed is not None
+        assumed = assumed or []
+        if len(assumed) > self.info.max_draft_tokens:
+            raise InvalidArgument(
+                f"{len(assumed)} assumed_token_ids; a speculation assumes at most "
+                f"{self.info.max_draft_tokens} (one round's drafts)"
+            )
         check_token_ids(new_tokens, self.drafter.vocab_size, what="new_token_ids")
-        k = min(num_draft_tokens, self.info.max_context - committed_len)
+        check_token_ids(assumed, self.drafter.vocab_size, what="assumed_token_ids")
         # Rollback: the cache agrees with the history up to the last round's
-        # committed length; keep the longest prefix it shares with the new
-        # history, never the last committed token (the draft feeds it).
+        # committed length; keep the longest prefix it shares with the
+        # history to draft after, never its last token (the draft feeds it).
         kv = session.kv
         agreed = min(len(kv), session.committed_len) if kv is not None else 0
         session.tokens.extend(new_tokens)
+        history = [*session.tokens, *assumed] if guessing else session.tokens
+        k = min(num_draft_tokens + guessing, self.info.max_context - len(history))
         if k <= 0:
-            return [], []
+            return Drafts([], [], len(history))
         if kv is not None:
-            kv.crop(min(kv.shared_prefix(session.tokens, agreed), committed_len - 1))
-            kv.reserve(committed_len + k - 1)
-        proposal = yield from self.drafter.propose(session, k)
-        return proposal.tokens, [compact(q) for q in proposal.probs or ()]
+            kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
+            kv.reserve(len(history) + k - 1)
+        proposal = yield from self.drafter.propose(session, history, k)
+        tokens, probs = proposal.tokens, [compact(q) for q in proposal.probs or ()]
+        if not guessing:
+            return Drafts(tokens, probs, len(history))
+        if not tokens:
+            return Drafts([], [], len(history))  # no guess: nothing to speculate on
+        return Drafts(tokens[1:], probs[1:], len(history) + 1, guess=tokens[0])
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)

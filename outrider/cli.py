@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", type=_dtype, default="auto", help="dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)")
         p.add_argument("--draft-dtype", type=_dtype, default="auto", help="dtype of the draft model (auto: as the target's default)")
         p.add_argument("--k", type=_k_value, default=4, help="default draft tokens per round, or 'auto' (adaptive)")
+        p.add_argument(
+            "--pipeline",
+            action="store_true",
+            help="draft the next round while the target verifies this one (requests may override)",
+        )
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
         p.add_argument("--log-level", default="warning", help="log level of the three services")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port (0: any free port)")
@@ -224,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_k_value,
         help="default draft tokens per round (K), or 'auto': choose K per round from acceptance and costs",
     )
+    flags.add(
+        "--pipeline",
+        action="store_true",
+        help="draft the next round while the target verifies this one (requests may override)",
+    )
     flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
     flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
     flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait at start for a target (and draft) worker to answer; with k8s:// addresses, for a ready endpoint")
@@ -237,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="a draft worker that has not answered a round within this many seconds is skipped: "
         "the stream goes on at K=0 and the draft session is reopened later",
+    )
+    flags.add(
+        "--verify-deadline-floor-s",
+        default=2.0,
+        type=float,
+        help="a target worker that gives no verdict within max(this, 10 x the measured verify time) "
+        "counts as lost (frozen or stalled): the session is reopened on another replica",
     )
 
     target = roles.add_parser("target", help="the target model: verifies K drafts in one forward pass")
@@ -273,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: the server's)")
     gen.add_argument(
         "--k", type=_k_value, help="draft tokens per round (0: target only; 'auto': adaptive; default: the server's)"
+    )
+    gen.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        help="draft the next round while the target verifies this one, or not (default: the server's)",
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -333,6 +355,7 @@ def _serve(args: argparse.Namespace) -> int:
                 tokenizer=args.tokenizer,
                 num_speculative_tokens=0 if args.num_speculative_tokens == "auto" else args.num_speculative_tokens,
                 adaptive=args.num_speculative_tokens == "auto",
+                pipeline=args.pipeline,
                 max_num_speculative_tokens=args.max_num_speculative_tokens,
                 default_max_new_tokens=args.default_max_new_tokens,
                 worker_wait_s=args.worker_wait_s,
@@ -341,6 +364,7 @@ def _serve(args: argparse.Namespace) -> int:
                 else None,
                 auth_tokens=security.load_tokens(args.auth_tokens_file) if args.auth_tokens_file else frozenset(),
                 draft_deadline_s=args.draft_deadline_s,
+                verify_deadline_floor_s=args.verify_deadline_floor_s,
             )
             from coordinator.main import main as run
         else:
@@ -404,6 +428,8 @@ def _stack_args(args: argparse.Namespace) -> dict:
     if drafter != "prompt-lookup" and (args.draft_model or args.target_model):
         draft += ["--model", args.draft_model or args.target_model]
     coordinator = ["--log-level", args.log_level, "--num-speculative-tokens", str(args.k)]
+    if args.pipeline:
+        coordinator += ["--pipeline"]
     if args.target_model:
         coordinator += ["--tokenizer", args.target_model]
     return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
@@ -453,7 +479,8 @@ def _demo(args: argparse.Namespace) -> int:
     with stack, Client(stack.coordinator.address) as client:
         info = client.model_info()
         drafter = info.drafter if info.draft_model == info.drafter else f"{info.drafter} ({info.draft_model})"
-        print(f"target: {info.target_model}   drafter: {drafter}   K={args.k}")
+        pipelined = "   pipelined" if info.default_pipeline else ""
+        print(f"target: {info.target_model}   drafter: {drafter}   K={args.k}{pipelined}")
         print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
         stats = None
         for chunk in client.stream(messages=[{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens):
@@ -474,11 +501,19 @@ def _print_stats(stats) -> None:
         ("mean acceptance length", f"{stats.mean_acceptance_length:.2f} tokens/round"),
         ("time to first token", f"{stats.time_to_first_token_s * 1000:.0f} ms"),
         ("draft / verify / rpc", f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.rpc_time_s:.3f} s"),
+        *(_pipeline_rows(stats) if stats.pipeline else []),
         ("throughput", f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s over {stats.total_time_s:.2f} s"),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+def _pipeline_rows(stats) -> list[tuple[str, str]]:
+    return [
+        ("speculation hits / misses", f"{stats.speculation_hits} / {stats.speculation_misses}"),
+        ("critical-path overhead", f"{stats.critical_path_overhead_s_p50 * 1000:.1f} ms/round (p50)"),
+    ]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -491,6 +526,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         num_speculative_tokens=None if args.k == "auto" else args.k,
         adaptive=args.k == "auto",
+        pipeline=args.pipeline,
         stop=args.stop,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -515,9 +551,14 @@ def _generate(args: argparse.Namespace) -> int:
                 stats = chunk.stats or stats
             sys.stdout.write("\n")
             if sys.stderr.isatty() and stats is not None:
+                pipelined = (
+                    f", pipelined: {stats.speculation_hits} hits, {stats.speculation_misses} misses"
+                    if stats.pipeline
+                    else ""
+                )
                 print(
                     f"[{stats.generated_tokens} tokens, {stats.rounds} rounds, "
-                    f"mean acceptance length {stats.mean_acceptance_length:.2f}]",
+                    f"mean acceptance length {stats.mean_acceptance_length:.2f}{pipelined}]",
                     file=sys.stderr,
                 )
     except grpc.RpcError as exc:
@@ -554,7 +595,8 @@ def _add_bench_parser(commands) -> None:
         description=(
             "Runs a prompt set through every configuration in one run, interleaved (for each prompt, "
             "every configuration in turn): plain Hugging Face generate (hf-generate, the baseline), "
-            "Outrider target-only (outrider-k0), Outrider with each drafter and K and with adaptive K, "
+            "Outrider target-only (outrider-k0), Outrider with each drafter and K and with adaptive K, each "
+            "synchronous and pipelined, "
             "and Hugging Face assisted generation on the same models. Greedy decoding; outputs are "
             "checked to be identical. Reports tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance "
             "rate, mean acceptance length, accepted per position, the per-round time split and the "
@@ -580,6 +622,11 @@ def _add_bench_parser(commands) -> None:
     )  # fmt: skip
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face configurations (speedup is then vs outrider-k0)")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K configurations")
+    bench.add_argument(
+        "--no-pipelined", action="store_true",
+        help="skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined, outrider-<drafter>-adaptive-pipelined: "
+        "the draft drafts the next round while the target verifies this one); the others always run synchronous",
+    )  # fmt: skip
     bench.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
     bench.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],

@@ -108,6 +108,14 @@ class GenerationStats:
     """Median per-round time outside the workers' compute (RPC + coordinator)."""
     num_drafts: int = 0
     """Rounds that verified at least one draft token (vLLM's drafts; rounds minus the target-only ones)."""
+    pipeline: bool = False
+    """Whether the request ran pipelined (drafting the next round while the target verified this one)."""
+    speculation_hits: int = 0
+    """Rounds whose drafts were drafted during the previous round's verify."""
+    speculation_misses: int = 0
+    """Rounds whose speculation was discarded (the verdict differed from what it assumed); they drafted afresh."""
+    critical_path_overhead_s_p50: float = 0.0
+    """Median per-round wall time beyond the target's verify compute (waiting for drafts, RPC, coordinator)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
@@ -174,6 +182,8 @@ class ModelInfo:
     draft_device: str = ""
     draft_dtype: str = ""
     """Empty for a model-free drafter."""
+    default_pipeline: bool = False
+    """Requests that leave ``pipeline`` unset run pipelined."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
@@ -205,6 +215,7 @@ def _build_request(
     ignore_eos: bool,
     num_speculative_tokens: int | None,
     adaptive: bool,
+    pipeline: bool | None,
     temperature: float,
     top_k: int,
     top_p: float | None,
@@ -262,6 +273,9 @@ def _build_request(
         request.speculation.num_speculative_tokens = num_speculative_tokens
     if adaptive:
         request.speculation.adaptive = True
+    # Explicit presence: unset means the server's default.
+    if pipeline is not None:
+        request.speculation.pipeline = pipeline
     return request
 
 
@@ -362,6 +376,7 @@ class Client:
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         adaptive: bool = False,
+        pipeline: bool | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -387,6 +402,9 @@ class Client:
             adaptive: Choose K each round from the running acceptance and
                 the measured costs (down to 0 when drafting does not pay);
                 a ``num_speculative_tokens`` that is given wins.
+            pipeline: Pipelined rounds (``None``: the server's default): the
+                draft worker drafts the next round while the target verifies
+                this one; the output is the same either way.
             temperature: ``0`` (the default) is greedy decoding.
             top_k: Keep the ``top_k`` most likely tokens (``0``: off).
             top_p: Nucleus sampling mass in ``(0, 1]`` (``None``: off).
@@ -413,6 +431,7 @@ class Client:
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
             adaptive=adaptive,
+            pipeline=pipeline,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -436,6 +455,7 @@ class Client:
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         adaptive: bool = False,
+        pipeline: bool | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -466,6 +486,7 @@ class Client:
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
             adaptive=adaptive,
+            pipeline=pipeline,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -549,6 +570,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         adaptive: bool = False,
+        pipeline: bool | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -569,6 +591,7 @@ class AsyncClient:
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
             adaptive=adaptive,
+            pipeline=pipeline,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -593,6 +616,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         num_speculative_tokens: int | None = None,
         adaptive: bool = False,
+        pipeline: bool | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float | None = None,
@@ -617,6 +641,7 @@ class AsyncClient:
             ignore_eos=ignore_eos,
             num_speculative_tokens=num_speculative_tokens,
             adaptive=adaptive,
+            pipeline=pipeline,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

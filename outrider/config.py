@@ -178,6 +178,8 @@ class CoordinatorConfig:
     num_speculative_tokens: int = 4
     adaptive: bool = False
     """Requests that leave K unset choose it per round (up to the maximum)."""
+    pipeline: bool = False
+    """Requests that leave pipeline unset draft the next round while the target verifies this one."""
     max_num_speculative_tokens: int = 16
     default_max_new_tokens: int = 256
     worker_wait_s: float = 300.0
@@ -188,10 +190,15 @@ class CoordinatorConfig:
     """Bearer tokens clients must present; empty: no authentication."""
     draft_deadline_s: float = 5.0
     """A draft answer later than this drops the round to K = 0 (the stream goes on)."""
+    verify_deadline_floor_s: float = 2.0
+    """A verify with no verdict within max(this, 10 × its measured cost)
+    reopens the session on another target replica."""
 
     def __post_init__(self) -> None:
         if not self.draft_deadline_s > 0:
             raise ValueError(f"draft_deadline_s must be positive, got {self.draft_deadline_s}")
+        if not self.verify_deadline_floor_s > 0:
+            raise ValueError(f"verify_deadline_floor_s must be positive, got {self.verify_deadline_floor_s}")
         if not self.target:
             raise ValueError("the coordinator needs at least one target worker address (--target)")
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:

@@ -52,9 +52,11 @@ class Drafter(Protocol):
     vocab_size: int | None
     """Size of the id space the drafter proposes from; None: any (model-free)."""
 
-    def propose(self, session: Session, k: int) -> Job:
-        """An engine job proposing up to ``k`` tokens to follow
-        ``session.tokens``; the session's cache holds a prefix of them."""
+    def propose(self, session: Session, history: list[int], k: int) -> Job:
+        """An engine job proposing up to ``k`` tokens to follow ``history``:
+        the committed history, or during a speculation (a pipelined round)
+        the committed history followed by the drafts being verified and a
+        guess of the bonus token. The session's cache holds a prefix of it."""
         ...
 
 
@@ -66,12 +68,12 @@ class ModelDrafter:
         self.model_name = model_name
         self.vocab_size = runner.vocab_size
 
-    def propose(self, session: Session, k: int) -> Job:
-        # Sync: feed the committed tokens the cache lacks (at least the last
-        # one: the draft has not seen it yet).
+    def propose(self, session: Session, history: list[int], k: int) -> Job:
+        # Sync: feed the tokens of the history the cache lacks (at least the
+        # last one: the draft has not seen it yet).
         kv, sampling = session.kv, session.sampling
-        out = yield Feed(kv, session.tokens[len(kv) :])
-        position = len(session.tokens)
+        out = yield Feed(kv, history[len(kv) :])
+        position = len(history)
         tokens, probs = [], []
         # Draft: one token per step, each step batched with the other
         # sessions drafting; the last draft is never fed.
@@ -113,8 +115,8 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session: Session, k: int) -> Job:
-        return Proposal(self.lookup(session.tokens, k))
+    def propose(self, session: Session, history: list[int], k: int) -> Job:
+        return Proposal(self.lookup(history, k))
         yield  # a job that needs no forward pass
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:

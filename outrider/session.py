@@ -14,7 +14,10 @@ What a worker has cached between rounds (the rollback invariant). Let
   draft "has not yet seen its own last token" (gpt-fast). The next round crops
   the cache to the longest prefix it shares with the new history (never
   beyond ``x_{n-1}``) and feeds the rest — one token after a rejection, two
-  (``d_K`` and the bonus) after a full accept.
+  (``d_K`` and the bonus) after a full accept. After a speculation (a
+  pipelined round) the cache runs on past ``d_K`` through its guess of the
+  bonus token and the next round's drafts; the same crop keeps all of it
+  when the guess was right and the committed part when it was not.
 
 Rollback is a crop (:meth:`outrider.engine.kv_cache.KVCache.crop`): it sets
 the cache's length and hands the blocks it no longer needs back to the pool;

@@ -70,14 +70,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "verification", "adaptive")
+    __slots__ = ("num_speculative_tokens", "verification", "adaptive", "pipeline")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     verification: Verification
     adaptive: bool
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    pipeline: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., adaptive: _Optional[bool] = ..., pipeline: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "chat", "token_ids", "sampling", "speculation", "request_id")
@@ -96,7 +98,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "rpc_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "rpc_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts", "pipeline", "speculation_hits", "speculation_misses", "critical_path_overhead_s_p50")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +119,10 @@ class GenerationStats(_message.Message):
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_S_P50_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_PATH_OVERHEAD_S_P50_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -137,7 +143,11 @@ class GenerationStats(_message.Message):
     adaptive: bool
     overhead_s_p50: float
     num_drafts: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., rpc_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ...) -> None: ...
+    pipeline: bool
+    speculation_hits: int
+    speculation_misses: int
+    critical_path_overhead_s_p50: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., rpc_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ..., pipeline: _Optional[bool] = ..., speculation_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., critical_path_overhead_s_p50: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
@@ -168,7 +178,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "drafter", "vocab_size", "max_context_length", "default_num_speculative_tokens", "max_num_speculative_tokens", "default_max_new_tokens", "default_adaptive", "target_device", "target_dtype", "draft_device", "draft_dtype")
+    __slots__ = ("target_model", "draft_model", "drafter", "vocab_size", "max_context_length", "default_num_speculative_tokens", "max_num_speculative_tokens", "default_max_new_tokens", "default_adaptive", "target_device", "target_dtype", "draft_device", "draft_dtype", "default_pipeline")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +192,7 @@ class ModelInfo(_message.Message):
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     drafter: str
@@ -195,4 +206,5 @@ class ModelInfo(_message.Message):
     target_dtype: str
     draft_device: str
     draft_dtype: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_num_speculative_tokens: _Optional[int] = ..., max_num_speculative_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., default_adaptive: _Optional[bool] = ..., target_device: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_device: _Optional[str] = ..., draft_dtype: _Optional[str] = ...) -> None: ...
+    default_pipeline: bool
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_num_speculative_tokens: _Optional[int] = ..., max_num_speculative_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., default_adaptive: _Optional[bool] = ..., target_device: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_device: _Optional[str] = ..., draft_dtype: _Optional[str] = ..., default_pipeline: _Optional[bool] = ...) -> None: ...

@@ -80,14 +80,20 @@ class SessionOpened(_message.Message):
     def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class DraftRound(_message.Message):
-    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens")
+    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
-    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    speculate: bool
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    round_id: int
+    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "round")
@@ -98,14 +104,20 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("draft_token_ids", "compute_s", "draft_probs")
+    __slots__ = ("draft_token_ids", "compute_s", "draft_probs", "round_id", "follows_len", "guess_token_id")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_LEN_FIELD_NUMBER: _ClassVar[int]
+    GUESS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_s: float
     draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
+    round_id: int
+    follows_len: int
+    guess_token_id: int
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., round_id: _Optional[int] = ..., follows_len: _Optional[int] = ..., guess_token_id: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "proposal")

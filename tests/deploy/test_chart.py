@@ -433,6 +433,14 @@ def test_worker_flags_reach_the_services_as_outrider_environment(render):
 
 
 
+def test_coordinator_pipeline_reaches_the_coordinator_as_its_pipeline_flag(render, monkeypatch):
+    coordinator = pod_spec(component(render(), "Deployment", "coordinator"))["containers"][0]
+    assert "OUTRIDER_PIPELINE" not in env_of(coordinator)
+    assert parse_serve_args(monkeypatch, coordinator, "coordinator").pipeline is False
+    coordinator = pod_spec(component(render(sets=("coordinator.pipeline=true",)), "Deployment", "coordinator"))
+    assert parse_serve_args(monkeypatch, coordinator["containers"][0], "coordinator").pipeline is True
+
+
 def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(objects):
     """The chart configures the services through OUTRIDER_* variables; each
     must be a flag of `outrider serve ROLE` (OUTRIDER_CACHE_DIR is read by the

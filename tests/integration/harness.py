@@ -4,6 +4,7 @@ test's event loop, on tiny float64 models."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,25 @@ from target_worker.sessions import TargetSessions
 from target_worker.service import TargetWorkerService
 
 ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
+
+
+class PacedRunner:
+    """A model runner whose every forward pass takes ``step_s`` seconds (the
+    rest of it asleep, the GIL released): workers that behave like models of
+    a chosen cost on machines of their own, on a machine of two cores."""
+
+    def __init__(self, runner, step_s: float) -> None:
+        self.runner = runner
+        self.step_s = step_s
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def execute(self, rows):
+        started = time.perf_counter()
+        outputs = self.runner.execute(rows)
+        time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
+        return outputs
 
 
 @dataclass
@@ -74,10 +94,13 @@ async def running_stack(
     publish_targets: Callable[[list[str]], Awaitable[Sequence[str]]] | None = None,
     kube_api=None,
     engine: EngineConfig = EngineConfig(dtype="float64"),
+    step_s: dict[str, float] | None = None,
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
     them (``engine`` says how: by default float64 on the CPU, each model
-    worker batching on its own engine thread). ``publish_targets`` gets the
+    worker batching on its own engine thread). ``step_s`` paces the
+    workers' forward passes (``{"target": s, "draft": s}``, see
+    :class:`PacedRunner`). ``publish_targets`` gets the
     target workers' addresses and returns the ones the coordinator is given
     (e.g. k8s:// ones after publishing EndpointSlices to the API server that
     ``kube_api`` reaches)."""
@@ -108,6 +131,8 @@ async def running_stack(
             steps.extend([target_metrics] if target_metrics else [])
             target_workers.append(worker)
             engines.append(target_engine)
+            if step_s and "target" in step_s:
+                target_engine.runner = PacedRunner(target_engine.runner, step_s["target"])
             await warm_up()
             target_servers.append(
                 await start_server(
@@ -147,6 +172,8 @@ async def running_stack(
             draft_metrics = WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
             steps.extend([draft_metrics] if draft_metrics else [])
             engines.append(draft_engine)
+            if step_s and "draft" in step_s:
+                draft_engine.runner = PacedRunner(draft_engine.runner, step_s["draft"])
             await warm_up()
             servers.append(
                 await start_server(

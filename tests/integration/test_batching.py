@@ -203,9 +203,9 @@ async def test_int4_draft_steps_batched_across_sessions_propose_what_each_sessio
     async def propose(i: int, tag: str) -> list[int]:
         session = f"{tag}-{i}"
         await engine.run(draft.open, session, histories[i], 0, "")
-        tokens, _ = await engine.run(draft.propose, session, len(histories[i]), [], 6)
+        drafts = await engine.run(draft.propose, session, len(histories[i]), [], 6)
         await engine.run(draft.close, session)
-        return tokens
+        return drafts.tokens
 
     try:
         await warm_up()
@@ -216,4 +216,54 @@ async def test_int4_draft_steps_batched_across_sessions_propose_what_each_sessio
         engine.shutdown()
     assert max(rows) > 2  # the sessions' draft steps shared forward passes
     assert together == alone
+    assert len(draft.store) == 0
+
+
+async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(tiny_target_dir, tiny_draft_other_dir):
+    """Pipelined rounds (DESIGN §5): a speculation assumes the drafts under
+    verification, guesses the bonus token, and drafts after the guess —
+    exactly what a fresh round after that history proposes; when the
+    assumption holds, the next round syncs it from the cache the
+    speculation left, and when it fails, rolls back to the committed part."""
+    from outrider.config import DraftWorkerConfig, ServiceAddress
+    from outrider.worker import open_worker
+
+    config = DraftWorkerConfig(
+        address=ServiceAddress(host="127.0.0.1", port=0),
+        drafter="model",
+        model=str(tiny_draft_other_dir),
+        engine=EngineConfig(dtype="float64"),
+    )
+    draft, engine, warm_up = await open_worker("draft_worker.main", config)
+    (history,) = prompts(1, seed=7)
+    try:
+        await warm_up()
+        await engine.run(draft.open, "fresh", history, 0, "")
+        first = await engine.run(draft.propose, "fresh", len(history), [], 4)
+        assumed = first.tokens[:3]
+        whole = await engine.run(draft.propose, "fresh", len(history), [], 8)
+        # Its guess and drafts: what a fresh round drafts after history + assumed.
+        await engine.run(draft.open, "spec", history, 0, "")
+        speculation = await engine.run(draft.propose, "spec", len(history), [], 4, assumed)
+        await engine.run(draft.open, "after", [*history, *assumed], 0, "")
+        after = await engine.run(draft.propose, "after", len(history) + 3, [], 5)
+        assert [speculation.guess, *speculation.tokens] == after.tokens
+        assert speculation.follows_len == len(history) + 4 and after.follows_len == len(history) + 3
+        assert whole.tokens[:8] == [*first.tokens, *whole.tokens[4:8]]  # greedy: the same path
+        # A hit: the next round's new tokens are the assumption and the guess.
+        committed = [*history, *assumed, speculation.guess]
+        hit = await engine.run(draft.propose, "spec", len(committed), [*assumed, speculation.guess], 4)
+        await engine.run(draft.open, "hit", committed, 0, "")
+        assert hit.tokens == (await engine.run(draft.propose, "hit", len(committed), [], 4)).tokens
+        # A miss: the target took 1 of the assumed drafts and corrected the next.
+        await engine.run(draft.open, "miss", history, 0, "")
+        await engine.run(draft.propose, "miss", len(history), [], 4, assumed)
+        correction = (assumed[1] + 1) % 256
+        miss = await engine.run(draft.propose, "miss", len(history) + 2, [assumed[0], correction], 4)
+        await engine.run(draft.open, "fresh-miss", [*history, assumed[0], correction], 0, "")
+        assert miss.tokens == (await engine.run(draft.propose, "fresh-miss", len(history) + 2, [], 4)).tokens
+        for session in ("fresh", "spec", "after", "hit", "miss", "fresh-miss"):
+            await engine.run(draft.close, session)
+    finally:
+        engine.shutdown()
     assert len(draft.store) == 0

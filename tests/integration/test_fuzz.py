@@ -72,6 +72,8 @@ CANARY_NEW_TOKENS = 12
 NO_EOS = -1
 
 counts: dict[str, int] = {}
+pipelined: dict[str, int] = {"requests": 0, "speculated": 0}
+"""Coordinator results that ran pipelined, and those whose rounds were speculated."""
 
 
 # --- the services, on a loop in a background thread -------------------------------
@@ -99,15 +101,18 @@ class Canary:
         self.stub = stub
         self.expected = expected
         self.runs = 0
+        self.attempts = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="canary", daemon=True)
 
     def check_once(self) -> None:
+        # Every other run pipelined: the output is the same either way.
+        self.attempts += 1
         request = cpb.GenerateRequest(
             token_ids=cpb.TokenIds(ids=CANARY_PROMPT),
             sampling=cpb.SamplingParams(max_new_tokens=CANARY_NEW_TOKENS, ignore_eos=True),
-            speculation=cpb.SpeculationParams(num_speculative_tokens=3),
+            speculation=cpb.SpeculationParams(num_speculative_tokens=3, pipeline=self.attempts % 2 == 0),
         )
         try:
             got = list(self.stub.Complete(request, timeout=CALL_TIMEOUT_S).token_ids)
@@ -249,9 +254,14 @@ def request_fields(vocab: int) -> dict[str, tuple[st.SearchStrategy, st.SearchSt
             | st.tuples(st.just("token_ids"), wild_ids(vocab))
             | st.just(("none", None)),
         ),
-        # Wild values are past the context (512) with any prompt, but 0: the
-        # server's default of 64 tokens, a second's work here, so it is rare.
-        "max_new_tokens": (st.integers(1, 2), st.sampled_from([0] + [512, 513, 10**6, 2**32 - 1] * 10)),
+        # Valid: mostly 1 or 2 tokens (quick), now and then 8, which leaves
+        # pipelined rounds room to speculate. Wild values are past the context
+        # (512) with any prompt, but 0: the server's default of 64 tokens, a
+        # second's work here, so it is rare.
+        "max_new_tokens": (
+            st.sampled_from([1, 2] * 4 + [8]),
+            st.sampled_from([0] + [512, 513, 10**6, 2**32 - 1] * 10),
+        ),
         "stop": (
             st.lists(st.text(min_size=1, max_size=4), max_size=2),
             st.lists(ODD_TEXT, max_size=3) | st.integers(0, 40).map(lambda n: ["s"] * n),
@@ -269,6 +279,8 @@ def request_fields(vocab: int) -> dict[str, tuple[st.SearchStrategy, st.SearchSt
         "num_speculative_tokens": (st.none() | st.integers(0, 4) | st.just(16), UINT32),
         "verification": (st.integers(0, 3), INT32),
         "adaptive": (st.booleans(), st.booleans()),
+        # Unset: the server's default (synchronous here).
+        "pipeline": (st.none() | st.booleans(), st.none() | st.booleans()),
         "request_id": (
             st.just("") | PRINTABLE,
             ODD_TEXT | st.integers(100, 300).map(lambda n: "r" * n),
@@ -314,6 +326,8 @@ def generate_requests(draw, vocab: int) -> cpb.GenerateRequest:
         speculation.num_speculative_tokens = k
     speculation.verification = value("verification")
     speculation.adaptive = value("adaptive")
+    if (pipeline := value("pipeline")) is not None:
+        speculation.pipeline = pipeline
     return request
 
 
@@ -408,7 +422,11 @@ def fuzz_session(data, fuzzed: Fuzzed, role: str) -> None:
                 new = draw(valid_ids(fuzzed.vocab, max_size=4) | wild_ids(fuzzed.vocab))
                 length = committed_len(draw, (committed or 0) + len(new))
                 k = draw(st.integers(1, 5) | st.sampled_from([0, 17]) | UINT32)
-                request = Request(round=wpb.DraftRound(committed_len=length, new_token_ids=new, num_draft_tokens=k))
+                round_ = wpb.DraftRound(committed_len=length, new_token_ids=new, num_draft_tokens=k)
+                if draw(st.booleans()):  # a speculation (pipelined rounds), after valid or wild assumed drafts
+                    round_.speculate = True
+                    round_.assumed_token_ids.extend(draw(valid_ids(fuzzed.vocab, max_size=5) | wild_ids(fuzzed.vocab)))
+                request = Request(round=round_)
             else:
                 drafts = draw(valid_ids(fuzzed.vocab, max_size=6) | wild_ids(fuzzed.vocab))
                 request = Request(
@@ -457,13 +475,21 @@ def test_fuzzed_coordinator_requests_get_a_result_or_a_refusal(fuzzed):
             if streaming:
                 responses = list(fuzzed.coordinator.Generate(request, timeout=CALL_TIMEOUT_S))
                 assert responses and responses[-1].finish_reason != cpb.FINISH_REASON_UNSPECIFIED
+                stats = responses[-1].stats
             else:
                 response = fuzzed.coordinator.Complete(request, timeout=CALL_TIMEOUT_S)
                 assert response.finish_reason != cpb.FINISH_REASON_UNSPECIFIED
+                stats = response.stats
         except grpc.RpcError as error:
             check_refusal(error, str(request)[:2000])
+            return
+        if stats.pipeline:
+            pipelined["requests"] += 1
+            pipelined["speculated"] += stats.speculation_hits + stats.speculation_misses > 0
 
     case()
+    # The fuzzing went through the pipelined loop, speculations included.
+    assert pipelined["speculated"] > 0, pipelined
 
 
 @pytest.mark.parametrize("role, cases", [("draft", DRAFT_CASES), ("target", TARGET_CASES)])
@@ -492,6 +518,9 @@ def test_after_the_fuzzing_all_is_well(fuzzed, capsys):
     assert stack.target.store.cached_tokens == 0 and stack.draft.store.cached_tokens == 0
     total = sum(counts.values())
     with capsys.disabled():
-        print(f"\nfuzz cases: {counts}, {total} in total; canary generations: {canary.runs}")
+        print(
+            f"\nfuzz cases: {counts}, {total} in total; pipelined results: {pipelined}; "
+            f"canary generations: {canary.runs}"
+        )
     # hypothesis stops early only when it runs out of distinct cases; it must not here.
     assert total >= COORDINATOR_CASES + DRAFT_CASES + TARGET_CASES >= 10_000, counts

@@ -1,7 +1,7 @@
 """Greedy speculative decoding across three real gRPC services on tiny
 float64 models: the output is target-only greedy decoding, token for token,
-for every drafter and K; stops inside a multi-token accept cut exactly; and
-no session outlives its stream."""
+for every drafter and K, synchronous or pipelined; stops inside a
+multi-token accept cut exactly; and no session outlives its stream."""
 
 from __future__ import annotations
 
@@ -104,6 +104,55 @@ async def test_int4_drafter_output_equals_target_only(tiny_target_dir, prompt_id
     assert result.stats.acceptance_rate >= 0.6
 
 
+# --- pipelined rounds: the draft drafts round i + 1 while the target verifies round i ---
+
+
+@pytest.mark.parametrize("draft", ["identical", "unrelated", "prompt-lookup"])
+async def test_pipelined_output_equals_target_only(
+    tiny_target_dir, tiny_draft_same_dir, tiny_draft_other_dir, prompt_ids, reference, draft
+):
+    workers = {
+        "identical": dict(draft_dir=tiny_draft_same_dir),
+        "unrelated": dict(draft_dir=tiny_draft_other_dir),
+        "prompt-lookup": dict(drafter="prompt-lookup"),
+    }[draft]
+    async with running_stack(tiny_target_dir, eos_token_ids={NO_EOS}, **workers) as stack:
+        async with AsyncClient(stack.address) as client:
+            runs = {
+                k: await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k, pipeline=True)
+                for k in (1, 2, 4, 8)
+            }
+            runs["adaptive"] = await client.generate(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, adaptive=True, pipeline=True
+            )
+        assert await stack.sessions_left() == (0, 0)
+    for k, result in runs.items():
+        assert list(result.token_ids) == reference, f"K={k}"
+        assert result.stats.pipeline
+    stats = [runs[k].stats for k in (1, 2, 4, 8)]
+    hits, misses = sum(s.speculation_hits for s in stats), sum(s.speculation_misses for s in stats)
+    if draft == "identical":
+        # Every drafting round after the first was drafted during the one before.
+        assert all(s.speculation_hits == s.num_drafts - 1 and s.speculation_misses == 0 for s in stats)
+        assert [s.accepted_tokens for s in stats] == [s.draft_tokens for s in stats]
+    elif draft == "unrelated":
+        assert misses > hits
+    else:
+        assert hits > 0 and misses > 0
+
+
+async def test_pipelining_is_per_request_and_off_by_default(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
+    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+        async with AsyncClient(stack.address) as client:
+            default = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW)
+            target_only = await client.generate(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=0, pipeline=True
+            )
+    assert list(default.token_ids) == list(target_only.token_ids) == reference
+    assert not default.stats.pipeline and default.stats.speculation_hits == default.stats.speculation_misses == 0
+    assert not target_only.stats.pipeline  # nothing to pipeline without drafts
+
+
 # --- stops inside a multi-token accept (identical draft, K = 8: every round commits 9) ---
 
 
@@ -115,44 +164,66 @@ def same_stack(tiny_target_dir, tiny_draft_same_dir):
     return make
 
 
-async def test_max_new_tokens_inside_an_accept_is_never_exceeded(same_stack, prompt_ids, reference):
+def first_new_token(reference: list[int], start: int) -> int:
+    """The first token at or after ``start`` that does not occur before it."""
+    return next(t for i, t in enumerate(reference) if i >= start and t not in reference[:i])
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_max_new_tokens_inside_an_accept_is_never_exceeded(same_stack, prompt_ids, reference, pipeline):
     async with same_stack(eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=5)
-    assert list(result.token_ids) == reference[:5]
-    assert result.finish_reason == "length"
-    assert result.stats.rounds == 1
+        first = await generate(stack.address, prompt_ids, max_new_tokens=5, pipeline=pipeline)
+        second = await generate(stack.address, prompt_ids, max_new_tokens=14, pipeline=pipeline)
+        assert await stack.sessions_left() == (0, 0)
+    assert list(first.token_ids) == reference[:5] and first.stats.rounds == 1
+    # Pipelined, the second round (5 of its 9 tokens allowed) is the speculated one.
+    assert list(second.token_ids) == reference[:14] and second.stats.rounds == 2
+    assert first.finish_reason == second.finish_reason == "length"
+    assert second.stats.speculation_hits == pipeline
 
 
-async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference):
-    eos = reference[6]
+# In the second round (the first commits 9): pipelined, inside the speculated round.
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference, pipeline):
+    eos = first_new_token(reference, 12)
     end = reference.index(eos) + 1
     async with same_stack(eos_token_ids={eos}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW)
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, pipeline=pipeline)
+        assert await stack.sessions_left() == (0, 0)
     assert list(result.token_ids) == reference[:end]
     assert result.finish_reason == "stop"
+    assert result.stats.speculation_hits == pipeline
 
 
-async def test_stop_token_id_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference):
-    stop_id = reference[3]
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_stop_token_id_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference, pipeline):
+    stop_id = first_new_token(reference, 11)
     end = reference.index(stop_id) + 1
     async with same_stack(eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, stop_token_ids=[stop_id])
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, stop_token_ids=[stop_id], pipeline=pipeline
+        )
+        assert await stack.sessions_left() == (0, 0)
     assert list(result.token_ids) == reference[:end]
     assert result.finish_reason == "stop"
 
 
-async def test_stop_string_inside_an_accept_cuts_the_text(same_stack, tiny_target_dir, prompt_ids, reference):
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_stop_string_inside_an_accept_cuts_the_text(same_stack, tiny_target_dir, prompt_ids, reference, pipeline):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     full = tokenizer.decode(prompt_ids + reference)[len(tokenizer.decode(prompt_ids)) :]
-    stop = full[10:13]
+    stop = full[40:43]  # past the first round's 9 tokens
     expected = full[: full.index(stop)]
     async with same_stack(eos_token_ids={NO_EOS}) as stack:
         streamed = []
         async with AsyncClient(stack.address) as client:
-            async for chunk in client.stream(token_ids=prompt_ids, max_new_tokens=MAX_NEW, stop=[stop]):
+            async for chunk in client.stream(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, stop=[stop], pipeline=pipeline
+            ):
                 streamed.append(chunk)
+        assert await stack.sessions_left() == (0, 0)  # a speculation was in flight when it stopped
     text = "".join(c.text for c in streamed)
     assert text == expected
     assert streamed[-1].finish_reason == "stop"

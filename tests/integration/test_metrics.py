@@ -96,6 +96,10 @@ async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_
         expected = sum(s.accepted_per_position[position] for s in stats if position < len(s.accepted_per_position))
         per_pos = coordinator.value("outrider_spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
         assert per_pos == expected, position
+    # Pipelining (none of these requests asked for it): the counters exist and add up.
+    for counter, field in [("hits", "speculation_hits"), ("misses", "speculation_misses")]:
+        total = coordinator.value(f"outrider_spec_decode_num_speculation_{counter}_total")
+        assert total == sum(getattr(s, field) for s in stats) == 0
 
     # Requests: six finished at their length, one refused.
     assert coordinator.value("outrider_request_success_total", finished_reason="length") == 6

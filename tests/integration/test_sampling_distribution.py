@@ -22,6 +22,15 @@ token, so it always finds a continuation to propose). With 3 new tokens a
 round drafts at most 2 (the loop never drafts past max_new_tokens), so
 K = 2 is the largest K that matters here.
 
+Pipelined rounds (the draft drafts round i + 1 while the target verifies
+round i, assuming round i is accepted whole plus the draft's guess of the
+bonus token) run with the ``good`` draft: 4 new tokens with K = 1, since a
+round is only speculated when, accepted whole, it leaves room for another
+drafting round (3 tokens never do). Round 1 drafts token 1 and meanwhile the
+draft guesses the bonus (token 2) and drafts token 3; on a hit that draft is
+verified at once, so positions 3 and 4 rest on drafts (and q) drafted ahead.
+All four marginals are checked.
+
 Speed (the machine has two cores): the engines run their models through
 ``TableLM``, the tiny Llamas' logits precomputed (one batched forward) for
 every sequence a 3-token generation can reach, served through the same
@@ -75,6 +84,9 @@ K = 2
 # on a two-core machine: about 3 ms per generation.
 N = 600
 N_GUMBEL_DRAFTED = 300
+# Pipelined runs: see the module docstring.
+PIPELINE_NEW_TOKENS = 4
+PIPELINE_K = 1
 ALPHA = 0.01  # every check asserts p > ALPHA (deterministic: the seeds are fixed)
 CONTROL_ALPHA = 1e-3  # negative controls assert p < CONTROL_ALPHA
 
@@ -91,6 +103,7 @@ DRAFTED = [
     ("gumbel", "good"),
     ("gumbel", "bad"),
 ]
+PIPELINED = [("rejection", "good"), ("gumbel", "good")]
 TARGET_ONLY = "none (K=0)"
 
 
@@ -177,21 +190,25 @@ def draft_client(drafter) -> InProcessDraftClient:
     return InProcessDraftClient(DraftSessions(drafter, store, info), InlineEngine(drafter.runner))
 
 
-def exact_marginals(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:
-    """``[3, V]``: the exact distribution of each of the first three tokens of
-    target-only sampling, by enumerating every prefix (float64)."""
+def exact_marginals(model: torch.nn.Module, params: SamplingParams, positions: int = NEW_TOKENS) -> torch.Tensor:
+    """``[positions, V]``: the exact distribution of each of the first
+    ``positions`` tokens of target-only sampling, by enumerating every prefix
+    (float64)."""
     vocab = model.config.vocab_size
-    seqs = torch.tensor([[*PROMPT, a, b] for a, b in itertools.product(range(vocab), repeat=2)])
+    depth = positions - 1
+    seqs = torch.tensor([[*PROMPT, *s] for s in itertools.product(range(vocab), repeat=depth)])
     with torch.inference_mode():
-        logits = model(input_ids=seqs).logits  # [V*V, P+2, V]
+        logits = model(input_ids=seqs).logits  # [V**depth, P+depth, V], rows in lexicographic order
     n = len(PROMPT)
-    p1 = probabilities(logits[0, n - 1], params)  # after the prompt
-    p2 = probabilities(logits[::vocab, n], params)  # [a, V]: after prompt + a
-    p3 = probabilities(logits[:, n + 1], params).view(vocab, vocab, vocab)  # [a, b, V]
-    m2 = p1 @ p2
-    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
-    marginals = torch.stack([p1, m2, m3])
-    assert torch.allclose(marginals.sum(-1), torch.ones(3, dtype=torch.float64))
+    prefix_probs = torch.ones(1, dtype=torch.float64)  # [V**i]: each i-token prefix's probability
+    marginals = []
+    for i in range(positions):
+        # One row per i-token prefix (the rest all zeros), in the same order.
+        next_probs = probabilities(logits[:: vocab ** (depth - i), n - 1 + i], params)  # [V**i, V]
+        marginals.append(prefix_probs @ next_probs)
+        prefix_probs = (prefix_probs[:, None] * next_probs).reshape(-1)
+    marginals = torch.stack(marginals)
+    assert torch.allclose(marginals.sum(-1), torch.ones(positions, dtype=torch.float64))
     return marginals
 
 
@@ -232,20 +249,38 @@ class World:
     target: InProcessTargetClient
     drafts: dict[str, InProcessDraftClient]
     models: Models
-    references: dict[str, torch.Tensor] = field(default_factory=dict)
-    samples: dict[tuple[str, str, str, int], "Samples"] = field(default_factory=dict)
+    references: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    samples: dict[tuple[str, str, str, int, bool], "Samples"] = field(default_factory=dict)
+    pipelined: tuple[InProcessTargetClient, dict[str, InProcessDraftClient]] | None = None
 
-    def reference(self, setting: str) -> torch.Tensor:
-        if setting not in self.references:
-            self.references[setting] = exact_marginals(self.target_model, SamplingParams(**SETTINGS[setting]))
-        return self.references[setting]
+    def reference(self, setting: str, positions: int = NEW_TOKENS) -> torch.Tensor:
+        key = (setting, positions)
+        if key not in self.references:
+            params = SamplingParams(**SETTINGS[setting])
+            self.references[key] = exact_marginals(self.target_model, params, positions)
+        return self.references[key]
+
+    def clients(self, pipeline: bool) -> tuple[InProcessTargetClient, dict[str, InProcessDraftClient]]:
+        """The worker clients; pipelined runs generate one token more, so
+        their tables are one token deeper (built on first use)."""
+        if not pipeline:
+            return self.target, self.drafts
+        if self.pipelined is None:
+            depth = PIPELINE_NEW_TOKENS - 1
+            target = target_client(runner(TableLM(self.target_model, PROMPT, depth)))
+            good = draft_client(ModelDrafter(runner(TableLM(self.good_model, PROMPT, depth)), model_name="good"))
+            self.pipelined = target, {"good": good}
+        return self.pipelined
 
 
 @dataclass(frozen=True)
 class Samples:
-    tokens: np.ndarray  # [n, 3]: the generated tokens of seeds 0 .. n-1
+    tokens: np.ndarray  # [n, new tokens]: the generated tokens of seeds 0 .. n-1
     draft_tokens: int
     accepted_tokens: int
+    pipelined: bool = False  # every generation's stats say it ran pipelined
+    speculation_hits: int = 0
+    speculation_misses: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -307,44 +342,51 @@ def world(tmp_path_factory) -> World:
     return World(target, good, target_client_, drafts, Models(Letters(), frozenset(), info))
 
 
-def request(setting: str, mode: str, seed: int, k: int) -> GenerationRequest:
+def request(setting: str, mode: str, seed: int, k: int, pipeline: bool = False) -> GenerationRequest:
     return GenerationRequest(
         prompt_ids=PROMPT,
-        max_new_tokens=NEW_TOKENS,
+        max_new_tokens=PIPELINE_NEW_TOKENS if pipeline else NEW_TOKENS,
         num_speculative_tokens=k,
         ignore_eos=True,
         sampling=SamplingParams(**SETTINGS[setting], seed=seed, verification=Verification(mode)),
+        pipeline=pipeline,
     )
 
 
 async def run_once(models, target, draft, req) -> tuple[list[int], object]:
     deltas = [delta async for delta in generate(req, models, target, draft)]
     tokens = [t for d in deltas for t in d.token_ids]
-    assert len(tokens) == NEW_TOKENS and deltas[-1].finish_reason == "length"
+    assert len(tokens) == req.max_new_tokens and deltas[-1].finish_reason == "length"
     return tokens, deltas[-1].stats
 
 
-async def samples(world: World, mode: str, draft: str, setting: str, n: int = N) -> Samples:
+async def samples(world: World, mode: str, draft: str, setting: str, n: int = N, pipeline: bool = False) -> Samples:
     """The generations of seeds 0 .. n-1 (memoised per module)."""
-    key = (mode, draft, setting, n)
+    key = (mode, draft, setting, n, pipeline)
     if key not in world.samples:
-        draft_client_ = world.drafts.get(draft)
-        k = K if draft_client_ is not None else 0
-        out = np.empty((n, NEW_TOKENS), dtype=np.int64)
-        drafted = accepted = 0
+        target, drafts = world.clients(pipeline)
+        draft_client_ = drafts.get(draft)
+        k = (PIPELINE_K if pipeline else K) if draft_client_ is not None else 0
+        out = np.empty((n, PIPELINE_NEW_TOKENS if pipeline else NEW_TOKENS), dtype=np.int64)
+        drafted = accepted = hits = misses = 0
+        pipelined = True
         for seed in range(n):
-            tokens, st = await run_once(world.models, world.target, draft_client_, request(setting, mode, seed, k))
+            tokens, st = await run_once(world.models, target, draft_client_, request(setting, mode, seed, k, pipeline))
             out[seed] = tokens
             drafted += st.draft_tokens
             accepted += st.accepted_tokens
-        world.samples[key] = Samples(out, drafted, accepted)
+            pipelined &= st.pipeline
+            hits += st.speculation_hits
+            misses += st.speculation_misses
+        world.samples[key] = Samples(out, drafted, accepted, pipelined, hits, misses)
     return world.samples[key]
 
 
 def check(world: World, tokens: np.ndarray, mode: str, draft: str, setting: str, note: str = "") -> list[float]:
-    reference = world.reference(setting)
+    positions = tokens.shape[1]
+    reference = world.reference(setting, positions)
     p_values = []
-    for position in range(NEW_TOKENS):
+    for position in range(positions):
         p = chi_square_p(tokens[:, position], reference[position])
         report(mode, draft, setting, position + 1, len(tokens), p, note)
         p_values.append(p)
@@ -365,11 +407,20 @@ async def test_target_only_matches_the_exact_distribution(world, mode, setting):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize(("mode", "draft"), DRAFTED)
-async def test_speculative_sampling_matches_the_target_distribution(world, mode, draft, setting):
-    result = await samples(world, mode, draft, setting, N if mode == "rejection" else N_GUMBEL_DRAFTED)
+@pytest.mark.parametrize(
+    ("mode", "draft", "pipeline"),
+    [pytest.param(mode, draft, False, id=f"{mode}-{draft}") for mode, draft in DRAFTED]
+    + [pytest.param(mode, draft, True, id=f"{mode}-{draft}-pipelined") for mode, draft in PIPELINED],
+)
+async def test_speculative_sampling_matches_the_target_distribution(world, mode, draft, pipeline, setting):
+    n = N if mode == "rejection" else N_GUMBEL_DRAFTED
+    result = await samples(world, mode, draft, setting, n, pipeline)
     acceptance = result.acceptance_rate
-    p_values = check(world, result.tokens, mode, draft, setting, note=f"(acceptance rate {acceptance:.3f})")
+    note = f"(acceptance rate {acceptance:.3f})"
+    if pipeline:
+        hits, misses = result.speculation_hits, result.speculation_misses
+        note = f"(acceptance rate {acceptance:.3f}; speculations: {hits} hits, {misses} misses)"
+    p_values = check(world, result.tokens, mode, f"{draft}+pipeline" if pipeline else draft, setting, note=note)
     assert min(p_values) > ALPHA, p_values
     # The drafts do what their names say, so the accept paths (accepted
     # drafts, bonus tokens) and the reject paths (recovered tokens) all ran.
@@ -381,8 +432,16 @@ async def test_speculative_sampling_matches_the_target_distribution(world, mode,
         assert acceptance < 0.5
     if mode == "gumbel":
         # Gumbel coupling: for a seed the output does not depend on the draft.
+        # Pipelined runs generate one token more: their first three must match.
         target_only = await samples(world, mode, TARGET_ONLY, setting)
-        assert np.array_equal(result.tokens, target_only.tokens[: len(result.tokens)])
+        assert np.array_equal(result.tokens[:, :NEW_TOKENS], target_only.tokens[: len(result.tokens)])
+    if pipeline:
+        # It really pipelined: round 1 was speculated in every generation, and
+        # both outcomes happened (on a hit, tokens 3 and 4 rest on drafts
+        # drafted while round 1 was verified).
+        assert result.pipelined
+        assert result.speculation_hits + result.speculation_misses == n
+        assert result.speculation_hits > 0 and result.speculation_misses > 0
 
 
 async def test_negative_control_a_wrong_temperature_is_detected(world):

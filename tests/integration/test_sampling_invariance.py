@@ -1,9 +1,10 @@
 """Sampling across three real gRPC services on the tiny 512-token models:
-Gumbel coupling makes the output independent of the drafter and K; seeded
+Gumbel coupling makes the output independent of the drafter, K and
+pipelining; seeded
 requests reproduce across restarts (and unseeded ones report a seed that
 replays them); rejection mode relays q only when a model drafted; stops,
 EOS and max_new_tokens cut exactly inside multi-token accepts while
-sampling; bad sampling parameters are refused with INVALID_ARGUMENT."""
+sampling, synchronous or pipelined; bad sampling parameters are refused with INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -65,12 +66,17 @@ def reference_gumbel(model_dir, prompt_ids, n: int, seed: int, temperature: floa
     return ids[len(prompt_ids) :]
 
 
-# --- Gumbel: the drafter and K do not change the output --------------------------------
+# --- Gumbel: the drafter, K and pipelining do not change the output ------------------------
 
 
 @pytest.fixture(scope="module")
 def gumbel_reference(tiny_target_dir, prompt_ids):
     return {seed: reference_gumbel(tiny_target_dir, prompt_ids, NEW_TOKENS, seed) for seed in SEEDS}
+
+
+# Pipelined: the draft drafts round i + 1 while the target verifies round i;
+# whether its speculation hits or misses, the tokens are the same.
+GUMBEL_RUNS = [(0, False), (1, False), (3, False), (6, False), (1, True), (6, True)]
 
 
 @pytest.mark.parametrize("drafter", ["same", "other", "prompt-lookup"])
@@ -84,7 +90,7 @@ async def test_gumbel_output_depends_neither_on_drafter_nor_on_k(
     async with running_stack(tiny_target_dir, eos_token_ids={NO_EOS}, **stack_args) as stack:
         for seed in SEEDS:
             reference = gumbel_reference[seed]
-            for k in (0, 1, 3, 6):
+            for k, pipeline in GUMBEL_RUNS:
                 result = await complete(
                     stack.address,
                     prompt_ids,
@@ -93,11 +99,18 @@ async def test_gumbel_output_depends_neither_on_drafter_nor_on_k(
                     temperature=1.0,
                     seed=seed,
                     verification="gumbel",
+                    pipeline=pipeline,
                 )
-                assert list(result.token_ids) == reference, (drafter, seed, k)
+                assert list(result.token_ids) == reference, (drafter, seed, k, pipeline)
                 stats = result.stats
                 assert (stats.seed, stats.verification, stats.num_speculative_tokens) == (seed, "gumbel", k)
                 assert stats.draft_probs_bytes == 0  # only token ids cross the wire
+                assert stats.pipeline == pipeline
+                if pipeline:
+                    assert stats.speculation_hits + stats.speculation_misses > 0, (drafter, seed, k)
+                if pipeline and drafter == "same":
+                    # The same noise again: the draft's guess of the bonus is the bonus.
+                    assert stats.speculation_hits > 0 and stats.speculation_misses == 0, (seed, k)
                 if k > 0:
                     assert stats.draft_tokens > 0
                 if k > 0 and drafter == "same":
@@ -206,11 +219,12 @@ STOP_SEED = 11
 STOP_MAX_NEW = 40
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("mode", ["gumbel", "rejection"])
 async def test_stops_inside_multi_token_accepts_while_sampling(
-    tiny_target_dir, tiny_draft_same_dir, tokenizer, prompt_ids, mode
+    tiny_target_dir, tiny_draft_same_dir, tokenizer, prompt_ids, mode, pipeline
 ):
-    common = dict(num_speculative_tokens=8, temperature=1.0, seed=STOP_SEED, verification=mode)
+    common = dict(num_speculative_tokens=8, temperature=1.0, seed=STOP_SEED, verification=mode, pipeline=pipeline)
     async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
         full = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, **common)
         reference = list(full.token_ids)
@@ -220,6 +234,14 @@ async def test_stops_inside_multi_token_accepts_while_sampling(
             assert full.stats.rounds == math.ceil(STOP_MAX_NEW / 9)
         else:
             assert full.stats.acceptance_rate > 0.9
+        assert full.stats.pipeline == pipeline
+        if pipeline:
+            speculated = full.stats.speculation_hits + full.stats.speculation_misses
+            assert 0 < speculated <= full.stats.rounds - 1
+            if mode == "gumbel":
+                # Every round after the first was speculated and, the draft
+                # guessing the bonus with the target's own noise, was a hit.
+                assert full.stats.speculation_hits == full.stats.rounds - 1
 
         # max_new_tokens = 5 < K + 1: the round is cut, never overrun.
         short = await complete(stack.address, prompt_ids, max_new_tokens=5, **common)

@@ -1,17 +1,23 @@
 """Worker loss mid-stream: the coordinator's history is the truth, so the
-stream survives a dead draft (K = 0, then reopened) and a dead target replica
-(reopened on another), with output identical to target-only decoding."""
+stream survives a dead draft (K = 0, then reopened) — pipelined, with a
+speculation in flight, too — and a dead or frozen target replica (reopened on
+another, a frozen one within the verify deadline), with output identical to
+target-only decoding; a stream cancelled mid-speculation frees every session."""
 
 import asyncio
+import contextlib
+import threading
+import time
 
 import grpc
 import pytest
 
 from coordinator.loop import Recovery
+from coordinator.recovery import DraftLink
+from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient
 from outrider.rpc import start_server
 from outrider.v1 import worker_pb2_grpc
-from draft_worker.service import DraftWorkerService
 from tests.integration.harness import reference_greedy, running_stack
 
 NO_EOS = -1
@@ -31,15 +37,22 @@ def reference(tiny_target_dir, prompt_ids):
     return reference_greedy(tiny_target_dir, prompt_ids, MAX_NEW, eos=None)
 
 
-async def stream_and_then(address, prompt_ids, action, **kwargs):
-    """Streams a generation, running ``action`` after the first chunk."""
+async def stream_and_then(address, prompt_ids, action, *, at: int = 1, times: list[float] | None = None, **kwargs):
+    """Streams a generation, running ``action`` once chunk number ``at``
+    (from 1) has arrived; ``times`` gets each chunk's arrival (monotonic)."""
     async with AsyncClient(address, timeout=60) as client:
         chunks = []
         async for chunk in client.stream(token_ids=prompt_ids, max_new_tokens=MAX_NEW, **kwargs):
-            if not chunks:
+            if times is not None:
+                times.append(time.monotonic())
+            if len(chunks) + 1 == at:
                 await action()
             chunks.append(chunk)
     return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+
+async def nothing() -> None:
+    pass
 
 
 async def test_draft_killed_mid_stream_the_stream_finishes_at_k0(
@@ -55,6 +68,68 @@ async def test_draft_killed_mid_stream_the_stream_finishes_at_k0(
         # The draft died early: most rounds were target-only.
         assert stats.draft_tokens < stats.rounds * 4 / 2
         assert await stack.sessions_left() == (0, 0)
+
+
+async def test_draft_killed_mid_speculation_the_pipelined_stream_finishes_at_k0_identical(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    # A draft step of 20 ms: a speculation (K + 1 steps) outlasts the
+    # verify it overlaps, so one is in flight whenever a chunk arrives.
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST, step_s={"draft": 0.02}
+    ) as stack:
+        ids, stats = await stream_and_then(
+            stack.address, prompt_ids, lambda: stack.draft_server.stop(None), at=4, num_speculative_tokens=4,
+            pipeline=True,
+        )
+        assert ids == reference
+        assert stats.pipeline
+        # Rounds 2-4 were drafted while the round before was verified (the
+        # draft died for good at the 4th chunk: no hit came after it).
+        assert stats.speculation_hits >= 3
+        # The speculation in flight at the kill failed: a miss, then K = 0.
+        assert stats.speculation_misses >= 1
+        assert stats.draft_tokens < stats.rounds * 4 / 2
+        assert await stack.sessions_left() == (0, 0)
+
+
+async def test_streams_cancelled_mid_speculation_leave_no_session(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, monkeypatch
+):
+    speculations: list[asyncio.Future] = []
+    speculate = DraftLink.speculate
+
+    def recording_speculate(self, history, drafts, k):
+        speculate(self, history, drafts, k)
+        if self.speculation is not None and self.speculation.task not in speculations:
+            speculations.append(self.speculation.task)
+
+    monkeypatch.setattr(DraftLink, "speculate", recording_speculate)
+    cancel_after = (1, 2, 3, 5, 8)
+    # A draft step of 30 ms: a speculation (K + 1 steps) outlasts the
+    # verify it overlaps, so one is in flight whenever a chunk arrives.
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST, step_s={"draft": 0.03}
+    ) as stack:
+        async with AsyncClient(stack.address, timeout=60) as client:
+
+            async def cancelled_after(n: int) -> int:
+                stream = client.stream(
+                    token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4, pipeline=True
+                )
+                async with contextlib.aclosing(stream):  # closing it cancels the call
+                    chunks = 0
+                    async for chunk in stream:
+                        assert chunk.finish_reason is None
+                        chunks += 1
+                        if chunks == n:
+                            break
+                return chunks
+
+            assert await asyncio.gather(*(cancelled_after(n) for n in cancel_after)) == list(cancel_after)
+        assert await stack.sessions_left() == (0, 0)
+    # Each stream's last speculation was cut short by the cancellation.
+    assert sum(task.cancelled() for task in speculations) == len(cancel_after)
 
 
 async def test_a_restarted_draft_is_used_again(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
@@ -104,7 +179,7 @@ async def test_target_replica_killed_mid_stream_the_stream_finishes_on_the_other
             await stack.target_servers[busy].stop(None)
             kill_the_busy_target.index = busy
 
-        ids, stats = await stream_and_then(stack.address, prompt_ids, kill_the_busy_target, num_speculative_tokens=3)
+        ids, _ = await stream_and_then(stack.address, prompt_ids, kill_the_busy_target, num_speculative_tokens=3)
         assert ids == reference
         survivor = stack.targets[1 - kill_the_busy_target.index]
         assert await stack.sessions_left() == (0, 0)
@@ -122,3 +197,67 @@ async def test_no_target_left_ends_the_stream_unavailable(tiny_target_dir, promp
             )
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "target" in info.value.details()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
+async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other_within_the_verify_deadline(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, pipeline
+):
+    recovery = Recovery(draft_deadline_s=2.0, draft_backoff_s=0.05, target_attempts=3, verify_deadline_floor_s=0.5)
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, target_replicas=2, recovery=recovery
+    ) as stack:
+        # Unfrozen first: how long the rest of the stream takes, and what a verify costs.
+        at, unfrozen_times = 5, []
+        ids, stats = await stream_and_then(
+            stack.address, prompt_ids, nothing, at=at, times=unfrozen_times,
+            num_speculative_tokens=4, pipeline=pipeline,
+        )
+        assert ids == reference
+        rest_s = unfrozen_times[-1] - unfrozen_times[at - 1]
+        deadline_s = recovery.verify_deadline_s(stats.verify_time_s / stats.rounds)
+        assert await stack.sessions_left() == (0, 0)
+
+        # The busy replica's engine stalls (a frozen worker whose gRPC server
+        # still answers): its next verify never gives a verdict until thawed.
+        thaw, frozen = threading.Event(), []
+
+        async def freeze_the_busy_target():
+            (busy,) = [i for i, sessions in enumerate(stack.targets) if len(sessions.store)]
+            sessions = stack.targets[busy]
+            verify = sessions.verify
+
+            def stalled_verify(*args):
+                thaw.wait()  # on the engine thread
+                return verify(*args)
+
+            sessions.verify = stalled_verify
+            frozen.append((busy, time.monotonic()))
+
+        times = []
+        try:
+            ids, stats = await asyncio.wait_for(
+                stream_and_then(
+                    stack.address, prompt_ids, freeze_the_busy_target, at=at, times=times,
+                    num_speculative_tokens=4, pipeline=pipeline,
+                ),
+                30,
+            )
+        finally:
+            thaw.set()
+        ((busy, frozen_at),) = frozen
+        del stack.targets[busy].verify
+        assert ids == reference
+        assert stats.pipeline == pipeline
+        stall_s = max(b - a for a, b in zip([frozen_at, *times[at:]], times[at:]))
+        frozen_to_done_s = times[-1] - frozen_at
+        assert stall_s <= deadline_s + 1.0
+        # The rest of the stream may run up to twice as slow on a shared machine.
+        assert frozen_to_done_s <= deadline_s + 1.0 + 2 * rest_s, (frozen_to_done_s, deadline_s, rest_s)
+        # The frozen replica frees its session once thawed (its stream was cancelled).
+        assert await stack.sessions_left() == (0, 0)
+    print(
+        f"\ntarget frozen mid-stream ({'pipelined' if pipeline else 'synchronous'}, verify deadline "
+        f"{deadline_s:.2f} s): longest stall {stall_s:.2f} s, done {frozen_to_done_s:.2f} s after the freeze "
+        f"(the rest of an unfrozen stream: {rest_s:.2f} s)"
+    )

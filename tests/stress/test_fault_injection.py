@@ -1,7 +1,8 @@
 """Worker loss mid-stream with real processes (DESIGN §2, invariant 1: the
 coordinator's history is the truth): a draft worker SIGKILLed mid-stream in
-20 trials, a draft frozen with SIGSTOP, one of two target workers SIGKILLed,
-and the last target gone. Every stream that can finish does, with output
+20 trials (and mid-speculation, pipelined, in 5), a draft frozen with
+SIGSTOP, one of two target workers SIGKILLed or frozen (the stream moves
+within the verify deadline), and the last target gone. Every stream that can finish does, with output
 identical to target-only greedy decoding; the one that cannot ends
 UNAVAILABLE within a bound, never hangs."""
 
@@ -22,17 +23,23 @@ from tests.stress.conftest import MAX_NEW
 pytestmark = pytest.mark.stress
 K = 4
 DRAFT_TRIALS = 20
+PIPELINED_DRAFT_TRIALS = 5
 TARGET_TRIALS = 5
 
 
-async def stream(client: AsyncClient, prompt_ids, *, after_chunk=None, at: int = 0, **kwargs):
+async def stream(
+    client: AsyncClient, prompt_ids, *, after_chunk=None, at: int = 0, times: list[float] | None = None, **kwargs
+):
     """Streams a generation, awaiting ``after_chunk()`` once chunk number
-    ``at`` (from 1) has arrived. Returns the token ids, the token count of
-    each chunk, the chunk index the action ran after, and the final stats."""
+    ``at`` (from 1) has arrived; ``times`` gets each chunk's arrival
+    (monotonic). Returns the token ids, the token count of each chunk and
+    the final stats."""
     ids, sizes, stats = [], [], None
     async for chunk in client.stream(
         token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=K, **kwargs
     ):
+        if times is not None:
+            times.append(time.monotonic())
         ids.extend(chunk.token_ids)
         sizes.append(len(chunk.token_ids))
         stats = chunk.stats or stats
@@ -56,15 +63,14 @@ async def speculation_resumes(client: AsyncClient, prompt_ids, timeout_s: float 
         await asyncio.sleep(0.05)
 
 
-async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finishes_identical(
-    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
-):
-    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+async def draft_sigkill_trials(cluster, stack, prompt_ids, reference, trials: int, *, pipeline: bool) -> list[dict]:
+    """SIGKILLs the draft worker mid-stream, at a random chunk, and restarts
+    it, ``trials`` times; what each trial's stream did."""
     (draft,) = stack.drafts
     rng = random.Random(20)
     outcomes = []
     async with AsyncClient(stack.coordinator.address, timeout=120) as client:
-        for trial in range(DRAFT_TRIALS):
+        for trial in range(trials):
             restarted = []
 
             async def kill_and_restart():
@@ -72,7 +78,9 @@ async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finis
                 restarted.append(await cluster.restart(draft, wait=False))
 
             kill_at = rng.randint(1, 40)  # of ~80 chunks at full speculation
-            ids, sizes, stats = await stream(client, prompt_ids, after_chunk=kill_and_restart, at=kill_at)
+            ids, sizes, stats = await stream(
+                client, prompt_ids, after_chunk=kill_and_restart, at=kill_at, pipeline=pipeline
+            )
             draft = restarted[0]
             await cluster.wait_ready(draft)
             resumed_after_s = await speculation_resumes(client, prompt_ids)  # the next trial starts with it
@@ -83,23 +91,59 @@ async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finis
                     drafted_before_kill=all(n == K + 1 for n in before),
                     k0_after_kill=1 in after,
                     resumed_in_stream=any(n > 1 for n in after[after.index(1) :]) if 1 in after else False,
+                    # Pipelined: every round before the kill but the first
+                    # was drafted while the one before it was verified, and
+                    # the speculation the kill cut short was a miss.
+                    speculated_before_kill=stats.pipeline and stats.speculation_hits >= kill_at - 1,
+                    missed_at_kill=stats.pipeline and stats.speculation_misses >= 1,
                     resumed_after_s=resumed_after_s,
                 )
             )
+    stack.drafts[:] = [draft]
+    return outcomes
+
+
+def summarize_draft_sigkill_trials(outcomes: list[dict], what: str) -> dict[str, int]:
     summary = {key: sum(bool(o[key]) for o in outcomes) for key in outcomes[0] if key != "resumed_after_s"}
     resumed_after_s = sorted(o["resumed_after_s"] for o in outcomes)
     print(
-        f"\ndraft SIGKILL mid-stream, {DRAFT_TRIALS} trials: {summary['identical']} finished identical to "
+        f"\ndraft SIGKILL mid-stream{what}, {len(outcomes)} trials: {summary['identical']} finished identical to "
         f"target-only; {summary['drafted_before_kill']} speculated (all {K} accepted) before the kill, the "
         f"restarted draft of the trial before included; {summary['k0_after_kill']} went on at K=0 after it; "
         f"{summary['resumed_in_stream']} resumed speculation within the same stream on the restarted draft; "
         f"a new request speculated again {resumed_after_s[len(resumed_after_s) // 2]:.2f} s (median, max "
         f"{resumed_after_s[-1]:.2f} s) after the restarted draft was SERVING"
+        + (
+            f"; pipelined: {summary['speculated_before_kill']} hit every speculation before the kill, "
+            f"{summary['missed_at_kill']} missed the one the kill cut short"
+            if summary["speculated_before_kill"] or summary["missed_at_kill"]
+            else ""
+        )
     )
+    return summary
+
+
+async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finishes_identical(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    outcomes = await draft_sigkill_trials(cluster, stack, prompt_ids, reference, DRAFT_TRIALS, pipeline=False)
+    summary = summarize_draft_sigkill_trials(outcomes, "")
     for key in ("identical", "drafted_before_kill", "k0_after_kill"):
         assert summary[key] == DRAFT_TRIALS, (key, outcomes)
     assert summary["resumed_in_stream"] > 0
-    assert await sessions_left([*stack.targets, draft]) == {w.name: (0, 0) for w in stack.workers}
+    assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
+
+
+async def test_draft_worker_sigkilled_mid_speculation_in_5_trials_every_pipelined_stream_finishes_identical(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    outcomes = await draft_sigkill_trials(cluster, stack, prompt_ids, reference, PIPELINED_DRAFT_TRIALS, pipeline=True)
+    summary = summarize_draft_sigkill_trials(outcomes, ", pipelined")
+    for key in ("identical", "drafted_before_kill", "k0_after_kill", "speculated_before_kill", "missed_at_kill"):
+        assert summary[key] == PIPELINED_DRAFT_TRIALS, (key, outcomes)
+    assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
 
 
 async def test_restarted_draft_worker_is_used_again(
@@ -193,6 +237,65 @@ async def test_one_of_two_target_workers_sigkilled_mid_stream_the_stream_finishe
         "other replica, identical to target-only"
     )
     assert identical == TARGET_TRIALS
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
+async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_on_the_other_within_the_verify_deadline(
+    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, pipeline
+):
+    floor_s = 1.0
+    stack = await start_stack(
+        cluster,
+        tiny_target_dir,
+        tiny_draft_same_dir,
+        targets=2,
+        coordinator_args=["--verify-deadline-floor-s", str(floor_s)],
+    )
+    targets = list(stack.targets)
+    at = 5
+    async with AsyncClient(stack.coordinator.address, timeout=60) as client:
+        # Unfrozen first: how long the rest of a stream takes, and what a verify costs.
+        unfrozen_times = []
+        ids, _, stats = await stream(client, prompt_ids, times=unfrozen_times, pipeline=pipeline)
+        assert ids == reference
+        rest_s = unfrozen_times[-1] - unfrozen_times[at - 1]
+        # The coordinator's deadline: max(floor, 10 x the measured verify cost).
+        deadline_s = max(floor_s, 10 * stats.verify_time_s / stats.rounds)
+
+        frozen = []
+
+        async def freeze_the_busy_target():
+            infos = [await worker_info(t) for t in targets]
+            (busy,) = [i for i, info in enumerate(infos) if info.active_sessions]
+            targets[busy].signal(signal.SIGSTOP)
+            frozen.append((busy, time.monotonic()))
+
+        times = []
+        try:
+            ids, sizes, stats = await asyncio.wait_for(
+                stream(client, prompt_ids, after_chunk=freeze_the_busy_target, at=at, times=times, pipeline=pipeline),
+                30,
+            )
+        finally:
+            for busy, _ in frozen:
+                targets[busy].signal(signal.SIGCONT)
+    ((busy, frozen_at),) = frozen
+    assert len(sizes) > at, "the stream had ended before the freeze"
+    assert ids == reference
+    assert stats.pipeline == pipeline
+    stall_s = max(b - a for a, b in zip([frozen_at, *times[at:]], times[at:]))
+    frozen_to_done_s = times[-1] - frozen_at
+    assert stall_s <= deadline_s + 1.0, f"a {stall_s:.2f} s stall after the freeze (verify deadline {deadline_s:.2f} s)"
+    # The rest of the stream may run up to twice as slow on a shared machine.
+    assert frozen_to_done_s <= deadline_s + 1.0 + 2 * rest_s, (frozen_to_done_s, deadline_s, rest_s)
+    # Thawed, the frozen worker finds its session's stream cancelled and frees it.
+    assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
+    print(
+        f"\none of two targets SIGSTOPped mid-stream ({'pipelined' if pipeline else 'synchronous'}, verify "
+        f"deadline {deadline_s:.2f} s): the longest stall was {stall_s:.2f} s; the stream finished on the other "
+        f"replica {frozen_to_done_s:.2f} s after the freeze, identical (the rest of an unfrozen stream: "
+        f"{rest_s:.2f} s)"
+    )
 
 
 async def test_no_target_worker_left_the_stream_ends_unavailable_within_a_bound(

@@ -1,5 +1,6 @@
 """The command line: every command has --help; flags fall back to OUTRIDER_* variables."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -97,3 +98,72 @@ def test_serve_refuses_an_int4_group_size_the_kernels_lack(capsys):
 
     assert main(["serve", "draft", "--drafter", "int4", "--int4-group-size", "48"]) == 2
     assert "--int4-group-size 48: use one of 32, 64, 128, 256" in capsys.readouterr().err
+
+
+def test_pipeline_is_a_coordinator_default_flag_and_variable(monkeypatch):
+    parse = build_parser().parse_args
+    assert parse(["serve", "coordinator", "--target", "a:1"]).pipeline is False
+    assert parse(["serve", "coordinator", "--target", "a:1", "--pipeline"]).pipeline is True
+    monkeypatch.setenv("OUTRIDER_PIPELINE", "true")
+    assert build_parser().parse_args(["serve", "coordinator", "--target", "a:1"]).pipeline is True
+
+
+def test_serve_coordinator_puts_pipeline_into_its_config(monkeypatch):
+    from outrider.cli import main
+
+    configs = []
+    monkeypatch.setattr("coordinator.main.main", configs.append)
+    monkeypatch.setattr("outrider.logging.configure_logging", lambda level: None)
+    assert main(["serve", "coordinator", "--target", "a:1", "--pipeline", "--num-speculative-tokens", "auto"]) == 0
+    assert configs[0].pipeline and configs[0].adaptive
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_demo_pass_pipeline_to_the_coordinator(command):
+    from outrider.cli import _stack_args
+
+    args = build_parser().parse_args([command, "--drafter", "prompt-lookup", "--pipeline"])
+    assert "--pipeline" in _stack_args(args)["coordinator_args"]
+    args = build_parser().parse_args([command, "--drafter", "prompt-lookup"])
+    assert "--pipeline" not in _stack_args(args)["coordinator_args"]
+
+
+@pytest.mark.parametrize("flags, pipeline", [([], None), (["--pipeline"], True), (["--no-pipeline"], False)])
+def test_generate_sends_pipeline_only_when_given(monkeypatch, flags, pipeline):
+    from outrider.cli import main
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, address, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def stream(self, **options):
+            calls.append(options)
+            return iter(())
+
+    monkeypatch.setattr("outrider.client.Client", FakeClient)
+    assert main(["generate", "hello", *flags]) == 0
+    assert calls[0]["pipeline"] is pipeline
+
+
+def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
+    from outrider.cli import _print_stats
+    from outrider.client import GenerationStats
+
+    stats = GenerationStats(
+        prompt_tokens=5, generated_tokens=12, rounds=4, draft_tokens=16, accepted_tokens=8,
+        accepted_per_position=(3, 2, 2, 1), mean_acceptance_length=3.0, acceptance_rate=0.5,
+        draft_time_s=0.1, verify_time_s=0.2, rpc_time_s=0.01, time_to_first_token_s=0.05, total_time_s=0.4,
+        num_speculative_tokens=4,
+    )  # fmt: skip
+    _print_stats(stats)
+    assert "speculation hits" not in capsys.readouterr().out
+    _print_stats(dataclasses.replace(stats, pipeline=True, speculation_hits=2, speculation_misses=1))
+    assert "speculation hits / misses  2 / 1" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -41,11 +42,12 @@ MODEL_INFO = pb.ModelInfo(
     default_num_speculative_tokens=DEFAULT_K,
     max_num_speculative_tokens=8,
     default_max_new_tokens=128,
+    default_pipeline=True,
 )
 
 
-def _stats(n_tokens: int, k: int) -> pb.GenerationStats:
-    return pb.GenerationStats(
+def _stats(n_tokens: int, k: int, pipeline: bool = False) -> pb.GenerationStats:
+    stats = pb.GenerationStats(
         prompt_tokens=n_tokens,
         generated_tokens=n_tokens,
         rounds=2,
@@ -62,6 +64,11 @@ def _stats(n_tokens: int, k: int) -> pb.GenerationStats:
         total_time_s=1.0,
         num_speculative_tokens=k,
     )
+    if pipeline:
+        stats.pipeline = True
+        stats.speculation_hits, stats.speculation_misses = 1, 1
+        stats.critical_path_overhead_s_p50 = 0.03125
+    return stats
 
 
 def _expected_stats(n_tokens: int, k: int = DEFAULT_K) -> GenerationStats:
@@ -108,7 +115,9 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             if self.stall and i == 1:
                 await self._hang()
             yield pb.GenerateResponse(text=char, token_ids=[ord(char)])
-        yield pb.GenerateResponse(finish_reason=reason, stats=_stats(len(text), self._k(request)))
+        yield pb.GenerateResponse(
+            finish_reason=reason, stats=_stats(len(text), self._k(request), self._pipeline(request))
+        )
 
     async def Complete(self, request, context):
         text, reason = await self._accept(request, context)
@@ -118,7 +127,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             text=text,
             token_ids=[ord(c) for c in text],
             finish_reason=reason,
-            stats=_stats(len(text), self._k(request)),
+            stats=_stats(len(text), self._k(request), self._pipeline(request)),
         )
 
     async def GetModelInfo(self, request, context):
@@ -155,6 +164,10 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             "num_speculative_tokens"
         )
         return request.speculation.num_speculative_tokens if has_k else DEFAULT_K
+
+    @staticmethod
+    def _pipeline(request: pb.GenerateRequest) -> bool:
+        return request.speculation.HasField("pipeline") and request.speculation.pipeline
 
 
 async def _start_server(fake: FakeCoordinator) -> tuple[grpc.aio.Server, str]:
@@ -373,6 +386,38 @@ async def test_async_stream_sends_speculative_tokens(
     assert chunks[-1].stats is not None and chunks[-1].stats.num_speculative_tokens == 0
 
 
+def test_pipeline_is_sent_only_when_given(client: Client, fake: FakeCoordinator) -> None:
+    result = client.generate("hello")
+    assert not fake.last_request.speculation.HasField("pipeline")  # the server's default
+    assert not result.stats.pipeline
+    client.generate("hello", pipeline=False)
+    assert fake.last_request.speculation.HasField("pipeline")
+    assert not fake.last_request.speculation.pipeline
+
+
+def test_a_pipelined_request_reports_its_speculation_hits_and_misses(
+    client: Client, fake: FakeCoordinator
+) -> None:
+    result = client.generate("hello", pipeline=True)
+    assert fake.last_request.speculation.pipeline
+    assert result.stats == dataclasses.replace(
+        _expected_stats(5),
+        pipeline=True,
+        speculation_hits=1,
+        speculation_misses=1,
+        critical_path_overhead_s_p50=0.03125,
+    )
+
+
+async def test_async_stream_sends_pipeline(aclient: AsyncClient, fake: FakeCoordinator) -> None:
+    chunks = [chunk async for chunk in aclient.stream("hi", pipeline=True)]
+    assert fake.last_request.speculation.HasField("pipeline") and fake.last_request.speculation.pipeline
+    assert chunks[-1].stats is not None and chunks[-1].stats.speculation_hits == 1
+    await aclient.generate("hi", pipeline=False)
+    assert fake.last_request.speculation.HasField("pipeline")
+    assert not fake.last_request.speculation.pipeline
+
+
 # --- stream ---------------------------------------------------------------------
 
 
@@ -474,6 +519,7 @@ EXPECTED_MODEL_INFO = ModelInfo(
     default_num_speculative_tokens=DEFAULT_K,
     max_num_speculative_tokens=8,
     default_max_new_tokens=128,
+    default_pipeline=True,
 )
 
 
@@ -512,6 +558,10 @@ def test_to_dict_is_json_serialisable() -> None:
             "adaptive": False,
             "overhead_s_p50": 0.0,
             "num_drafts": 2,
+            "pipeline": False,
+            "speculation_hits": 0,
+            "speculation_misses": 0,
+            "critical_path_overhead_s_p50": 0.0,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

@@ -67,3 +67,19 @@ def test_ports_are_found_by_name_or_given_by_number_and_ipv6_is_bracketed():
     assert endpoints_of(endpoint_slice) == {"[fd00::1]:50052": True}
     assert endpoints_of(endpoint_slice, port=7000) == {"[fd00::1]:7000": True}
     assert endpoints_of(endpoint_slice, port="http") == {}
+
+
+def test_a_replica_that_keeps_failing_is_passed_over_longer_each_time():
+    import time
+
+    from coordinator.replicas import Replica
+
+    replica = Replica("127.0.0.1:1", channel=None, stub=None)
+    downs = []
+    for _ in range(6):
+        replica.failed()
+        downs.append(round(replica.down_until - time.monotonic()))
+    assert downs == [5, 10, 20, 40, 60, 60]  # a frozen worker is not tried every 5 s
+    replica.opened()
+    replica.failed()
+    assert round(replica.down_until - time.monotonic()) == 5

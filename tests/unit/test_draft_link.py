@@ -1,13 +1,20 @@
 """DraftLink: a draft session open slower than the round deadline never
-stalls the stream; it finishes in the background while rounds run at K = 0."""
+stalls the stream; it finishes in the background while rounds run at K = 0.
+A speculation (the next round drafted while this one is verified) is a hit
+only if the verdict committed what it assumed; one whose draft fails, is
+late or answers another round is a miss, and the draft is lost for a while."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+
+import pytest
 
 from coordinator.recovery import DraftLink
 from coordinator.workers import Proposal, WorkerInfo
+from outrider.errors import Unavailable
 from outrider.sampling import SamplingParams
 
 TARGET = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=512)
@@ -18,9 +25,9 @@ class RecordingSession:
         self.rounds: list[tuple[int, list[int]]] = []
         self.closed = False
 
-    async def propose(self, committed_len, new_tokens, k) -> Proposal:
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
         self.rounds.append((committed_len, list(new_tokens)))
-        return Proposal([7] * k, 0.001)
+        return Proposal([7] * k, 0.001, round_id=round_id, follows_len=committed_len)
 
     async def close(self) -> None:
         self.closed = True
@@ -79,3 +86,184 @@ async def test_closing_while_an_open_runs_in_the_background_cancels_it():
     await draft.close()
     assert time.monotonic() - started < 1.0
     assert draft.opening is None and client.sessions == []
+
+
+# --- speculation (pipelined rounds, DESIGN §5) ------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    committed_len: int
+    new_tokens: list[int]
+    k: int
+    assumed: list[int] | None
+    round_id: int
+
+
+class SpeculatingSession:
+    """A draft session that drafts 7s; asked to speculate, it guesses
+    ``guess`` as the bonus token and drafts 8s after it. ``fail`` makes a
+    speculation raise, ``stall`` holds it until set, and ``bad_answer``
+    (``"round_id"`` or ``"follows_len"``) makes it answer something other
+    than what was asked."""
+
+    def __init__(
+        self,
+        *,
+        guess: int = 9,
+        fail: Exception | None = None,
+        stall: asyncio.Event | None = None,
+        bad_answer: str | None = None,
+    ) -> None:
+        self.guess = guess
+        self.fail = fail
+        self.stall = stall
+        self.bad_answer = bad_answer
+        self.calls: list[Call] = []
+        self.cancelled = False
+        self.closed = False
+
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
+        self.calls.append(Call(committed_len, list(new_tokens), k, None if assumed is None else list(assumed), round_id))
+        if assumed is None:
+            return Proposal([7] * k, 0.001, round_id=round_id, follows_len=committed_len)
+        try:
+            if self.stall is not None:
+                await self.stall.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        if self.fail is not None:
+            raise self.fail
+        follows_len = committed_len + len(assumed) + 1
+        if self.bad_answer == "round_id":
+            round_id -= 1  # a stale answer, to the round before
+        elif self.bad_answer == "follows_len":
+            follows_len -= 1
+        return Proposal([8] * k, 0.001, round_id=round_id, follows_len=follows_len, guess=self.guess)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class OneSessionDraft:
+    """A draft client whose opens return ``session`` at once."""
+
+    def __init__(self, session: SpeculatingSession) -> None:
+        self.session = session
+        self.opened_with: list[list[int]] = []
+
+    async def open(self, tokens, *, request_id, target, sampling):
+        self.opened_with.append(list(tokens))
+        return self.session, 0.0
+
+
+async def speculating(session: SpeculatingSession, history: list[int], **kwargs) -> tuple[DraftLink, OneSessionDraft]:
+    """A link that proposed [7, 7] after ``history`` and speculates 3 drafts after them."""
+    client = OneSessionDraft(session)
+    draft = DraftLink(
+        client, request_id="r", target=TARGET, sampling=SamplingParams(), **{"deadline_s": 1.0, **kwargs}
+    )
+    proposal, _ = await draft.propose(history, 2)
+    assert proposal.draft_tokens == [7, 7]
+    draft.speculate(history, proposal.draft_tokens, 3)
+    assert draft.speculation is not None
+    return draft, client
+
+
+async def test_a_speculation_hit_returns_its_proposal_and_the_next_round_syncs_the_assumed_drafts_and_guess():
+    session = SpeculatingSession(guess=9)
+    history = [1, 2, 3]
+    draft, _ = await speculating(session, history)
+    history += [7, 7, 9]  # both drafts accepted, and the target's bonus token is the draft's guess
+
+    proposal, hit = await draft.speculated(history)
+    assert hit is True
+    assert proposal.draft_tokens == [8, 8, 8] and proposal.guess == 9 and proposal.follows_len == 6
+    # The speculation synced nothing: it drafted after the history it knew plus the assumed drafts.
+    assert session.calls == [Call(3, [], 2, None, 1), Call(3, [], 3, [7, 7], 2)]
+
+    # The round after the hit: its new tokens are what the speculation only
+    # assumed (the drafts and the guess), then what that round committed.
+    history += [8, 8, 8, 4]
+    proposal, _ = await draft.propose(history, 2)
+    assert proposal.draft_tokens == [7, 7]
+    assert session.calls[-1] == Call(10, [7, 7, 9, 8, 8, 8, 4], 2, None, 3)
+    assert draft.failures == 0
+    await draft.close()
+    assert session.closed
+
+
+@pytest.mark.parametrize(
+    "committed",
+    [pytest.param([7, 5], id="a-draft-rejected"), pytest.param([7, 7, 4], id="another-bonus-token")],
+)
+async def test_a_speculation_miss_returns_nothing_and_the_next_propose_syncs_the_real_committed_tokens(committed):
+    session = SpeculatingSession(guess=9)
+    history = [1, 2, 3]
+    draft, _ = await speculating(session, history)
+    history += committed
+
+    assert await draft.speculated(history) == (None, False)
+    assert draft.speculation is None and draft.session is session  # a miss is not a loss
+    proposal, _ = await draft.propose(history, 2)
+    assert proposal.draft_tokens == [7, 7] and proposal.follows_len == len(history)
+    assert session.calls[-1] == Call(len(history), committed, 2, None, 3)
+    assert draft.failures == 0
+    await draft.close()
+
+
+async def test_without_a_speculation_speculated_says_so():
+    draft, _ = await speculating(SpeculatingSession(), [1, 2, 3])
+    await draft.speculated([1, 2, 3, 7, 7, 9])
+    assert await draft.speculated([1, 2, 3, 7, 7, 9]) == (None, None)
+    await draft.close()
+
+
+@pytest.mark.parametrize(
+    "session",
+    [
+        pytest.param(lambda: SpeculatingSession(fail=Unavailable("draft worker gone")), id="unavailable"),
+        pytest.param(lambda: SpeculatingSession(stall=asyncio.Event()), id="past-the-deadline"),
+        pytest.param(lambda: SpeculatingSession(bad_answer="round_id"), id="wrong-round-id"),
+        pytest.param(lambda: SpeculatingSession(bad_answer="follows_len"), id="wrong-follows-len"),
+    ],
+)
+async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_back_off_ends(session):
+    session = session()
+    history = [1, 2, 3]
+    draft, client = await speculating(session, history, deadline_s=0.1, backoff_s=0.2)
+    history += [7, 7, 9]  # what the speculation assumed: a hit, had it answered
+
+    assert await draft.speculated(history) == (None, False)
+    assert draft.session is None and session.closed and draft.failures == 1
+    # Lost: no speculation, and K = 0 without a reopen until the back-off ends.
+    draft.speculate(history, [], 3)
+    assert draft.speculation is None
+    assert await draft.propose(history, 2) == (None, 0.0)
+    assert client.opened_with == [[1, 2, 3]]
+
+    await asyncio.sleep(0.25)
+    history.append(5)
+    session.fail = session.stall = session.bad_answer = None
+    proposal, _ = await draft.propose(history, 2)
+    assert proposal is not None and proposal.draft_tokens == [7, 7]
+    assert client.opened_with == [[1, 2, 3], history]  # reopened on the whole history
+    assert session.calls[-1] == Call(len(history), [], 2, None, 3)
+    assert draft.failures == 0
+    await draft.close()
+
+
+async def test_closing_while_a_speculation_is_in_flight_cancels_it():
+    session = SpeculatingSession(stall=asyncio.Event())
+    draft, _ = await speculating(session, [1, 2, 3], deadline_s=30.0)
+    task = draft.speculation.task
+    await asyncio.sleep(0.01)  # the speculation is waiting on the worker
+    assert session.calls[-1].assumed == [7, 7]
+
+    started = time.monotonic()
+    await draft.close()
+    assert time.monotonic() - started < 0.5
+    assert task.cancelled() and session.cancelled and session.closed
+    assert draft.speculation is None and draft.session is None
+    assert await draft.speculated([1, 2, 3, 7, 7, 9]) == (None, None)

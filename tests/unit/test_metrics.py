@@ -1,6 +1,7 @@
 """The metrics endpoint: --metrics-port and OUTRIDER_METRICS_PORT on every
 service, its validation, and the HTTP endpoint itself (port 0, the port file
-next to the ready file, the process collectors, stopping)."""
+next to the ready file, the process collectors, stopping), and the
+coordinator's pipelining counters fed from a request's stats."""
 
 from __future__ import annotations
 
@@ -84,3 +85,27 @@ def test_serving_metrics_writes_the_bound_port_next_to_the_ready_file(tmp_path):
         assert "process_cpu_seconds_total" in scrape(endpoint.port)
     with serving_metrics(ServiceAddress(ready_file=ready_file)) as endpoint:
         assert endpoint is None
+
+
+async def test_a_finished_request_adds_its_speculation_hits_and_misses():
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.loop import Delta, Stats
+    from coordinator.metrics import CoordinatorMetrics
+
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry, model_name="m", max_num_speculative_tokens=4)
+
+    async def deltas(stats: Stats):
+        yield Delta("a", [1])
+        yield Delta("b", [2], finish_reason="length", stats=stats)
+
+    for hits, misses in [(5, 2), (3, 0)]:
+        stats = Stats(rounds=hits + misses + 1, pipeline=True, speculation_hits=hits, speculation_misses=misses)
+        async for _ in metrics.track(deltas(stats), received=time.perf_counter()):
+            pass
+    value = registry.get_sample_value
+    assert value("outrider_spec_decode_num_speculation_hits_total", {"model_name": "m"}) == 8
+    assert value("outrider_spec_decode_num_speculation_misses_total", {"model_name": "m"}) == 2

@@ -76,3 +76,68 @@ def test_verify_cost_extrapolates_linearly_and_never_decreases():
     assert model.verify_cost(8) == pytest.approx(1.8)
     falling = costs(draft=0.0, verify={0: 1.0, 4: 0.9})
     assert falling.verify_cost(8) >= falling.verify_cost(4)
+
+
+# --- pipelined rounds ---
+
+
+def test_pipelined_round_cost_overlaps_the_draft_with_the_verify():
+    model = costs(draft=0.1, verify={0: 1.0, 4: 1.4}, overhead=0.01)
+    # Synchronous: 4 drafts, then the verify: 0.4 + 1.4 + 0.01.
+    assert model.round_cost(4) == pytest.approx(1.81)
+    # Every speculation holds: the verify hides the 5 draft steps (4 and the bonus guess).
+    assert model.round_cost(4, hit_rate=1.0) == pytest.approx(1.41)
+    # Half miss: a miss drafts its 4 tokens afresh first.
+    assert model.round_cost(4, hit_rate=0.5) == pytest.approx(1.41 + 0.5 * 0.4)
+    # A draft slower than the verify is the round's pace.
+    slow = costs(draft=0.5, verify={0: 1.0, 4: 1.4}, overhead=0.01)
+    assert slow.round_cost(4, hit_rate=1.0) == pytest.approx(2.5)
+
+
+def test_pipelined_adaptive_k_follows_the_pipelined_costs():
+    # α = 0.9, drafts 0.1 of a step, a verify 1 + 0.1·K steps. Synchronous
+    # rounds pay every draft; pipelined ones hide them behind the verify but
+    # a miss (1 − α^(K+1)) pays K of them afresh, which longer rounds risk more.
+    model = costs(draft=0.1, verify={k: 1.0 + 0.1 * k for k in range(9)})
+    synchronous, pipelined = AdaptiveK(8, model), AdaptiveK(8, model, pipeline=True)
+    for policy in (synchronous, pipelined):
+        policy.accepted, policy.rejected = 9.0, 1.0
+
+    def best(hit_rate) -> int:
+        return max(range(9), key=lambda k: expected_tokens(0.9, k) / model.round_cost(k, hit_rate=hit_rate(k)))
+
+    assert synchronous.choose(limit=100) == best(lambda k: None) == 7
+    assert pipelined.choose(limit=100) == best(lambda k: 0.9 ** (k + 1)) == 6
+
+
+def test_the_target_only_cost_is_measured_again_when_stale():
+    # Every session drafts: nobody measures a target-only round, so now and
+    # then one session runs one, and only one.
+    model = costs(draft=0.0, verify={0: 1.0, 4: 1.0})
+    model.refresh_rounds = 10
+    sessions = [AdaptiveK(8, model) for _ in range(3)]
+    for policy in sessions:
+        policy.accepted, policy.rejected = 9.0, 1.0
+    choices = []
+    for _ in range(12):
+        for policy in sessions:
+            k = policy.choose(limit=100)
+            choices.append(k)
+            model.observe(num_drafts=k, draft_s=0.0, verify_s=1.0, overhead_s=0.0, drafted=k > 0)
+            policy.observe(k, k)
+    assert choices.count(0) == 3  # one probe in each 10 rounds after the first 10
+    assert model.rounds - model.target_seen <= 10
+
+
+def test_a_probe_chosen_for_a_speculation_runs_in_the_next_round():
+    # Pipelined, the next round's K is chosen while this one is verified; a
+    # probe chosen then holds until a target-only round has run.
+    model = costs(draft=0.0, verify={0: 1.0, 4: 1.0})
+    model.refresh_rounds = 0
+    model.rounds += 1
+    policy = AdaptiveK(8, model, pipeline=True)
+    policy.accepted, policy.rejected = 9.0, 1.0
+    assert policy.choose(limit=100) == 0  # chosen for the speculation: none is made
+    assert policy.choose(limit=100) == 0  # the round itself
+    policy.observe(0, 0)
+    assert policy.choose(limit=100) == 8
