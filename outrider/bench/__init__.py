@@ -11,7 +11,12 @@ mismatch loudly (it does not abort). The configurations:
 * ``outrider-<drafter>-k<K>`` and ``outrider-<drafter>-adaptive`` — Outrider
   with each drafter, each fixed K and adaptive K, against real services
   started as processes: one target worker shared by all, one draft worker and
-  one coordinator per drafter.
+  one coordinator per drafter. They send ``pipeline=False``.
+* ``outrider-<drafter>-k<K>-pipelined`` and ``outrider-<drafter>-adaptive-pipelined``
+  — the same with pipelined rounds (``pipeline=True``: the draft drafts round
+  i+1 while the target verifies round i); ``--no-pipelined`` skips them. A
+  configuration whose warm-up says the coordinator ignored ``pipeline`` (or
+  ``adaptive``) is left out with a warning.
 * ``hf-assisted-...`` — the peer: Hugging Face assisted generation in this
   process on the same models and prompts: ``assistant_model=`` the target in
   bfloat16 (``bf16``) or with the int4 drafter's weights (``int4``,

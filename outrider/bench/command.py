@@ -28,7 +28,7 @@ from outrider.bench.plot import plot, pyplot
 from outrider.bench.prompts import default_prompt_files, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import build_report
-from outrider.bench.runner import run_interleaved, warm_up, without_ignored_adaptive
+from outrider.bench.runner import run_interleaved, warm_up, without_ignored_options
 
 DEFAULT_DRAFTERS = ("prompt-lookup", "int4")
 
@@ -42,6 +42,8 @@ class BenchOptions:
     drafters: tuple[str, ...] = DEFAULT_DRAFTERS
     hf: bool = True
     adaptive: bool = True
+    pipelined: bool = True
+    """Each Outrider drafter configuration also runs with pipelined rounds (``-pipelined``)."""
     target_model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
@@ -131,12 +133,12 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         endpoint = OutriderEndpoint(services[0].address, ignore_eos=options.ignore_eos)
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
-    configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive)
+    configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive, pipelined=options.pipelined)
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.ks)
         configs = [generate, *configs, *assisted]
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
-    configs = without_ignored_adaptive(configs, {name: m.adaptive for name, m in warm.items()})
+    configs = without_ignored_options(configs, warm)
     results = run_interleaved(configs, prompts, options.max_new_tokens, progress=options.progress)
     return build_report(configs, prompts, results, meta)
 
@@ -147,7 +149,7 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         label: Replicas([s.address for s in services], ignore_eos=options.ignore_eos)
         for label, services in stack.coordinators.items()
     }
-    configs = outrider_load_configs(replicas, options.ks, adaptive=options.adaptive)
+    configs = outrider_load_configs(replicas, options.ks, adaptive=options.adaptive, pipelined=options.pipelined)
     if hf is not None:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
@@ -225,6 +227,7 @@ def options_from_args(args: Any) -> BenchOptions:
         drafters=drafters,
         hf=not args.no_hf,
         adaptive=not args.no_adaptive,
+        pipelined=not args.no_pipelined,
         target_model=args.target_model,
         dtype=args.dtype,
         device=args.device,

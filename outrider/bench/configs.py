@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
 
 BASELINE = "hf-generate"
 TARGET_ONLY = "outrider-k0"
+PIPELINED = "-pipelined"
+"""The suffix of a pipelined configuration's name; without it, the name of its synchronous twin."""
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Config:
     k: int | None = None
     """Fixed K; ``None`` with ``adaptive`` or for HF's default schedule."""
     adaptive: bool = False
+    pipeline: bool = False
+    """Pipelined rounds: the draft drafts round i+1 while the target verifies round i."""
 
 
 @dataclass(frozen=True)
@@ -50,17 +54,26 @@ class OutriderVariant:
     k: int | None
     """0: target only; ``None`` with ``adaptive``."""
     adaptive: bool = False
+    pipeline: bool = False
+    """Sent as ``pipeline=``: True for the ``-pipelined`` configurations, False (explicitly) for the others."""
 
 
-def outrider_variants(labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool) -> list[OutriderVariant]:
-    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
+def outrider_variants(
+    labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool, pipelined: bool
+) -> list[OutriderVariant]:
+    """``outrider-k0`` on the first coordinator, then for each drafter its fixed K and adaptive K,
+    each followed by its ``-pipelined`` twin when ``pipelined``."""
     variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
     for label in labels:
         if label is None:
             continue
-        variants += [OutriderVariant(f"outrider-{label}-k{k}", label, label, k) for k in ks]
+        synchronous = [OutriderVariant(f"outrider-{label}-k{k}", label, label, k) for k in ks]
         if adaptive:
-            variants.append(OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True))
+            synchronous.append(OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True))
+        for v in synchronous:
+            variants.append(v)
+            if pipelined:
+                variants.append(replace(v, name=v.name + PIPELINED, pipeline=True))
     return variants
 
 

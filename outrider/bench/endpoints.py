@@ -19,8 +19,11 @@ class OutriderEndpoint:
         self.client = Client(address)
         self.ignore_eos = ignore_eos
 
-    def generate(self, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool = False) -> Measurement:
-        """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``)."""
+    def generate(
+        self, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool = False, pipeline: bool = False
+    ) -> Measurement:
+        """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``);
+        pipelined rounds or not (sent either way, never left to the server's default)."""
         started = time.perf_counter()
         result = self.client.generate(
             messages=[{"role": "user", "content": prompt.text}],
@@ -28,6 +31,7 @@ class OutriderEndpoint:
             temperature=0.0,
             num_speculative_tokens=k,
             adaptive=adaptive,
+            pipeline=pipeline,
             ignore_eos=self.ignore_eos,
         )
         wall_s = time.perf_counter() - started
@@ -38,14 +42,17 @@ class OutriderEndpoint:
 
 
 def outrider_configs(
-    endpoints: Mapping[str | None, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool
+    endpoints: Mapping[str | None, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool, pipelined: bool
 ) -> list[Config]:
-    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K."""
+    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K, each
+    synchronous and (with ``pipelined``) pipelined."""
     return [
         Config(
             v.name, "outrider",
-            lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive: e.generate(p, n, k=k, adaptive=a),
-            v.drafter, v.k, v.adaptive,
+            lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.generate(
+                p, n, k=k, adaptive=a, pipeline=pl
+            ),
+            v.drafter, v.k, v.adaptive, v.pipeline,
         )  # fmt: skip
-        for v in outrider_variants(list(endpoints), ks, adaptive=adaptive)
+        for v in outrider_variants(list(endpoints), ks, adaptive=adaptive, pipelined=pipelined)
     ]

@@ -26,6 +26,17 @@ class Measurement:
     overhead_s: float | None = None
     """Coordinator overhead per round: the server's median (``overhead_s_p50``) or, from a server that does not report it, the mean."""
     adaptive: bool = False
+    num_drafts: int = 0
+    """Rounds that verified at least one draft token (the others were target-only)."""
+    pipeline: bool = False
+    """Whether the rounds were pipelined (the server's statistics say so)."""
+    speculation_hits: int = 0
+    """Pipelined rounds whose verdict matched the draft's assumption: the next drafts were ready at once."""
+    speculation_misses: int = 0
+    """Pipelined rounds whose verdict did not: the draft drafted afresh from the committed history."""
+    critical_path_overhead_s: float | None = None
+    """The server's median per round of the wall time beyond the target's verify compute (waiting for
+    drafts, RPCs, the coordinator's work); None where the server does not report it."""
 
     @property
     def generated_tokens(self) -> int:
@@ -51,7 +62,18 @@ def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) 
         rpc_time_s=float(stats.rpc_time_s),
         overhead_s=overhead if rounds else None,
         adaptive=bool(getattr(stats, "adaptive", False)),
+        num_drafts=int(getattr(stats, "num_drafts", 0)),
+        pipeline=bool(getattr(stats, "pipeline", False)),
+        speculation_hits=int(getattr(stats, "speculation_hits", 0)),
+        speculation_misses=int(getattr(stats, "speculation_misses", 0)),
+        critical_path_overhead_s=_critical_path(stats, rounds),
     )
+
+
+def _critical_path(stats: Any, rounds: int) -> float | None:
+    """``critical_path_overhead_s_p50``; None without rounds or from a server that does not report it (0)."""
+    value = float(getattr(stats, "critical_path_overhead_s_p50", 0.0) or 0.0)
+    return value if rounds and value > 0.0 else None
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,12 @@ class Totals:
     rpc_time_s: float | None
     overhead_s_p50: float | None
     """Median over the requests of their per-round overhead."""
+    num_drafts: int = 0
+    speculation_hits: int = 0
+    speculation_misses: int = 0
+    critical_path_overhead_s_p50: float | None = None
+    """Median over the requests of their median per-round critical-path overhead
+    (the servers report a median per request, not each round's value)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +111,12 @@ class Totals:
     def mean_acceptance_length(self) -> float | None:
         """Tokens committed per round, the recovered or bonus token included."""
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else None
+
+    @property
+    def speculation_hit_rate(self) -> float | None:
+        """hits / (hits + misses); None where no round was pipelined."""
+        speculated = self.speculation_hits + self.speculation_misses
+        return self.speculation_hits / speculated if speculated else None
 
     def per_round_ms(self, seconds: float | None) -> float | None:
         return 1000.0 * seconds / self.rounds if seconds is not None and self.rounds else None
@@ -101,6 +135,7 @@ def aggregate(measurements: Sequence[Measurement]) -> Totals:
         for i, n in enumerate(m.accepted_per_position):
             per_position[i] += n
     overheads = [m.overhead_s for m in measurements if m.overhead_s is not None]
+    critical_paths = [m.critical_path_overhead_s for m in measurements if m.critical_path_overhead_s is not None]
     return Totals(
         prompts=len(measurements),
         generated_tokens=sum(m.generated_tokens for m in measurements),
@@ -113,4 +148,8 @@ def aggregate(measurements: Sequence[Measurement]) -> Totals:
         verify_time_s=_sum_optional(m.verify_time_s for m in measurements),
         rpc_time_s=_sum_optional(m.rpc_time_s for m in measurements),
         overhead_s_p50=statistics.median(overheads) if overheads else None,
+        num_drafts=sum(m.num_drafts for m in measurements),
+        speculation_hits=sum(m.speculation_hits for m in measurements),
+        speculation_misses=sum(m.speculation_misses for m in measurements),
+        critical_path_overhead_s_p50=statistics.median(critical_paths) if critical_paths else None,
     )

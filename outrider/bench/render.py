@@ -25,10 +25,19 @@ def _histogram(row: Mapping[str, Any], width: int = 8) -> str:
     return " ".join(shares) + more
 
 
+def _hits(row: Mapping[str, Any]) -> str:
+    """A pipelined configuration's hit rate and its hits/misses: ``.62 (31/19)``; ``-`` when synchronous."""
+    if not row.get("pipeline"):
+        return "-"
+    rate = "-" if row["speculation_hit_rate"] is None else f"{row['speculation_hit_rate']:.2f}".lstrip("0")
+    return f"{rate} ({row['speculation_hits']}/{row['speculation_misses']})"
+
+
 def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = [
         "config", "tok/s", "speedup", "accept", "MAL", "E", "draft ms", "verify ms",
-        "overhead ms p50", "bound", "achieved/bound", "mismatch", "accepted per position (share of rounds)",
+        "overhead ms p50", "critical path ms p50", "hit rate (hits/misses)", "bound", "achieved/bound", "mismatch",
+        "accepted per position (share of rounds)",
     ]  # fmt: skip
     rows = []
     for r in report["configs"]:
@@ -43,6 +52,8 @@ def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
                 fmt(r["draft_ms_per_round"], ".1f"),
                 fmt(r["verify_ms_per_round"], ".1f"),
                 fmt(r["overhead_ms_per_round"], ".2f"),
+                fmt(r["critical_path_ms_p50"], ".2f"),
+                _hits(r),
                 fmt(r["bound_speedup"], ".2f", "×"),
                 fmt(r["achieved_over_bound"]),
                 str(r["mismatches"]),
@@ -83,6 +94,13 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"achieved/bound (vs outrider-k0): {parts}")
     if h["max_overhead_ms_per_round_p50"] is not None:
         lines.append(f"overhead per round (RPC + coordinator), p50, worst config: {h['max_overhead_ms_per_round_p50']:.2f} ms")
+    if h.get("pipelined_over_synchronous"):
+        parts = ", ".join(
+            f"{n} {fmt(v['tokens_per_s'])} (critical path p50 {fmt(v['critical_path_ms_p50'][0])} → "
+            f"{fmt(v['critical_path_ms_p50'][1])} ms)"
+            for n, v in h["pipelined_over_synchronous"].items()
+        )
+        lines.append(f"pipelined ÷ synchronous tokens/s: {parts}")
     if report["mismatches"]:
         lines.append(
             f"MISMATCH: {len(report['mismatches'])} (config, prompt) outputs differ from {report['mismatch_reference']}: "

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from outrider.bench.bound import analytic_bound
-from outrider.bench.configs import BASELINE, TARGET_ONLY, Config
+from outrider.bench.configs import BASELINE, PIPELINED, TARGET_ONLY, Config
 from outrider.bench.measurements import Measurement, Totals, aggregate
 from outrider.bench.prompts import Prompt
 
@@ -18,6 +18,9 @@ REQUIRED_CONFIG_KEYS = (
     "mean_acceptance_length",
     "bound_speedup",
     "overhead_ms_per_round",
+    "critical_path_ms_p50",
+    "pipeline",
+    "speculation_hit_rate",
 )
 
 
@@ -59,16 +62,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def milliseconds(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000.0 * seconds
+
+
 def summarize_config(config: Config, totals: Totals, baseline: Totals, target_only: Totals | None) -> dict[str, Any]:
     """One entry of the report's ``configs``."""
-    bound = analytic_bound(totals, target_only) if config.family == "outrider" and target_only else None
-    achieved = ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and config.family == "outrider" else None
+    outrider = config.family == "outrider"
+    bound = analytic_bound(totals, target_only, pipelined=config.pipeline) if outrider and target_only else None
+    achieved = ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and outrider else None
     row = {
         "name": config.name,
         "family": config.family,
         "drafter": config.drafter,
         "k": config.k,
         "adaptive": config.adaptive,
+        "pipeline": config.pipeline,
         "prompts": totals.prompts,
         "generated_tokens": totals.generated_tokens,
         "wall_s": round_or_none(totals.wall_s),
@@ -79,13 +88,19 @@ def summarize_config(config: Config, totals: Totals, baseline: Totals, target_on
         "rounds": totals.rounds,
         "draft_tokens": totals.draft_tokens,
         "accepted_tokens": totals.accepted_tokens,
+        "num_drafts": totals.num_drafts,
         "accepted_per_position": list(totals.accepted_per_position),
+        "speculation_hits": totals.speculation_hits if config.pipeline else None,
+        "speculation_misses": totals.speculation_misses if config.pipeline else None,
+        "speculation_hit_rate": round_or_none(totals.speculation_hit_rate) if config.pipeline else None,
         "draft_ms_per_round": round_or_none(totals.per_round_ms(totals.draft_time_s), 3),
         "verify_ms_per_round": round_or_none(totals.per_round_ms(totals.verify_time_s), 3),
         "rpc_ms_per_round": round_or_none(totals.per_round_ms(totals.rpc_time_s), 3),
-        "overhead_ms_per_round": round_or_none(None if totals.overhead_s_p50 is None else 1000 * totals.overhead_s_p50, 3),
+        "overhead_ms_per_round": round_or_none(milliseconds(totals.overhead_s_p50), 3),
+        "critical_path_ms_p50": round_or_none(milliseconds(totals.critical_path_overhead_s_p50), 3),
         "expected_tokens_per_round": round_or_none(bound.expected_tokens_per_round if bound else None),
         "mean_draft_tokens_per_round": round_or_none(bound.mean_draft_tokens if bound else None),
+        "bound_round_ms": round_or_none(milliseconds(bound.round_time_s) if bound else None, 3),
         "bound_speedup": round_or_none(bound.speedup if bound else None),
         "achieved_speedup_vs_k0": round_or_none(achieved),
         "achieved_over_bound": round_or_none(ratio(achieved, bound.speedup if bound else None)),
@@ -104,7 +119,8 @@ def summarize_category(totals: Totals, baseline: Totals) -> dict[str, Any]:
 
 
 def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]:
-    """Best Outrider vs best HF assisted; outrider-k0 vs hf-generate; achieved/bound; overhead."""
+    """Best Outrider vs best HF assisted; outrider-k0 vs hf-generate; achieved/bound; overhead;
+    each pipelined configuration vs its synchronous twin (tokens/s, critical path)."""
     by_name = {r["name"]: r for r in rows}
     speculative = [r for r in rows if r["family"] == "outrider" and r["name"] != TARGET_ONLY]
     assisted = [r for r in rows if r["name"].startswith("hf-assisted")]
@@ -113,6 +129,7 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
     k0, hf = by_name.get(TARGET_ONLY), by_name.get(BASELINE)
     bounds = {r["name"]: r["achieved_over_bound"] for r in rows if r.get("achieved_over_bound") is not None}
     overheads = [r["overhead_ms_per_round"] for r in rows if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None]
+    twins = {r["name"]: by_name.get(r["name"].removesuffix(PIPELINED)) for r in rows if r.get("pipeline")}
     k0_vs_hf = ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
     return {
         "baseline": baseline,
@@ -126,6 +143,15 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
         "achieved_over_bound": bounds,
         "min_achieved_over_bound": min(bounds.values(), default=None),
         "max_overhead_ms_per_round_p50": max(overheads, default=None),
+        "pipelined_over_synchronous": {
+            name: {
+                "synchronous": twin["name"],
+                "tokens_per_s": round_or_none(ratio(by_name[name]["tokens_per_s"], twin["tokens_per_s"])),
+                "critical_path_ms_p50": [twin["critical_path_ms_p50"], by_name[name]["critical_path_ms_p50"]],
+            }
+            for name, twin in twins.items()
+            if twin is not None
+        },
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from outrider.bench.configs import Config
 from outrider.bench.measurements import Measurement
@@ -65,12 +65,20 @@ def failure_detail(exc: BaseException) -> str:
     return f"{code().name}: {exc.details()}" if callable(code) and hasattr(exc, "details") else str(exc)
 
 
-def without_ignored_adaptive(configs: Sequence[C], adaptive_used: Mapping[str, bool]) -> list[C]:
-    """The configurations, less the adaptive ones whose warm-up says K stayed fixed (with a warning)."""
-    ignored = [c.name for c in configs if c.adaptive and not adaptive_used[c.name]]
-    if ignored:
-        print(
-            f"WARNING: the coordinator ignored `adaptive` (its stats say K was fixed); left out: {', '.join(ignored)}",
-            file=sys.stderr,
-        )
-    return [c for c in configs if c.name not in ignored]
+IGNORED_BECAUSE = {"adaptive": "K was fixed", "pipeline": "the rounds were not pipelined"}
+"""The options a configuration may ask for and a coordinator may ignore, and what its statistics then say."""
+
+
+def without_ignored_options(configs: Sequence[C], warm: Mapping[str, Any]) -> list[C]:
+    """The configurations, less those that asked for adaptive K or pipelined rounds and whose warm-up
+    (``warm[name]``: a Measurement or a Stream) says the coordinator ignored it (with a warning)."""
+    kept = list(configs)
+    for option, because in IGNORED_BECAUSE.items():
+        ignored = [c.name for c in kept if getattr(c, option) and not getattr(warm[c.name], option)]
+        if ignored:
+            print(
+                f"WARNING: the coordinator ignored `{option}` (its stats say {because}); left out: {', '.join(ignored)}",
+                file=sys.stderr,
+            )
+        kept = [c for c in kept if c.name not in ignored]
+    return kept

@@ -11,10 +11,10 @@ one *batch*:
   stream s sends requests s, s + N, s + 2N, …, each as soon as its previous
   one has ended.
 * **Outrider** (``outrider-k0``, ``outrider-<drafter>-k<K>``,
-  ``outrider-<drafter>-adaptive``): N streaming clients (the asyncio SDK, one
-  task a stream) in the bench process, spread round-robin over the
-  ``--coordinators`` replicas in front of the drafter's workers; every
-  replica shares the same target and draft workers.
+  ``outrider-<drafter>-adaptive``, and those two ``-pipelined``): N streaming
+  clients (the asyncio SDK, one task a stream) in the bench process, spread
+  round-robin over the ``--coordinators`` replicas in front of the drafter's
+  workers; every replica shares the same target and draft workers.
 * **hf-generate**: Hugging Face ``generate`` on left-padded batches of N
   requests (attention mask, greedy, the same max_new_tokens), one batch after
   the other. A row is sent when its batch's ``generate()`` call starts; a

@@ -134,7 +134,7 @@ def build_report(
             run["mismatches_vs_concurrency_1"] = sum(1 for m in mine if m["reference"] == f"{config.name}@1")
         rows.append(
             {"name": config.name, "family": config.family, "drafter": config.drafter, "k": config.k,
-             "adaptive": config.adaptive, "runs": runs}
+             "adaptive": config.adaptive, "pipeline": config.pipeline, "runs": runs}
         )  # fmt: skip
     levels = sorted({n for by_concurrency in batches.values() for n in by_concurrency})
     return {

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests
 from outrider.bench.prompts import Prompt
-from outrider.bench.runner import failure_detail, interleaved_order, without_ignored_adaptive
+from outrider.bench.runner import failure_detail, interleaved_order, without_ignored_options
 
 
 def run_concurrency(
@@ -29,7 +29,7 @@ def run_concurrency(
     for config in tqdm(configs, desc="warm-up", unit="config", disable=not progress, leave=False):
         warm[config.name] = _run_batch(config, prompts[:1], 1, min(max_new_tokens, 16), not_run)
     configs = [c for c in configs if c.name not in not_run]
-    configs = without_ignored_adaptive(configs, {c.name: warm[c.name].streams[0].adaptive for c in configs})
+    configs = without_ignored_options(configs, {c.name: warm[c.name].streams[0] for c in configs})
 
     batches: dict[str, dict[int, Batch]] = {c.name: {} for c in configs}
     total = len(configs) * sum(len(batch_requests(prompts, n)) for n in levels)

@@ -28,11 +28,14 @@ class Replicas:
         *,
         k: int | None,
         adaptive: bool = False,
+        pipeline: bool = False,
     ) -> Batch:
         """N streams at once; stream s sends requests s, s + N, … and uses replica s mod replicas."""
-        return asyncio.run(self._run(requests, concurrency, max_new_tokens, done, k=k, adaptive=adaptive))
+        return asyncio.run(
+            self._run(requests, concurrency, max_new_tokens, done, k=k, adaptive=adaptive, pipeline=pipeline)
+        )
 
-    async def _run(self, requests, concurrency, max_new_tokens, done, *, k, adaptive) -> Batch:
+    async def _run(self, requests, concurrency, max_new_tokens, done, *, k, adaptive, pipeline) -> Batch:
         from outrider.client import AsyncClient
 
         clients = [AsyncClient(address) for address in self.addresses]
@@ -44,7 +47,9 @@ class Replicas:
             async def stream(s: int) -> None:
                 client = clients[s % len(clients)]
                 for j in range(s, len(requests), concurrency):
-                    streams[j] = await self._request(client, requests[j], max_new_tokens, k=k, adaptive=adaptive)
+                    streams[j] = await self._request(
+                        client, requests[j], max_new_tokens, k=k, adaptive=adaptive, pipeline=pipeline
+                    )
                     done(1)
 
             started = time.perf_counter()
@@ -54,7 +59,9 @@ class Replicas:
             await asyncio.gather(*(client.close() for client in clients))
         return Batch(concurrency, tuple(streams), wall_s)  # type: ignore[arg-type]
 
-    async def _request(self, client, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool) -> Stream:
+    async def _request(
+        self, client, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool, pipeline: bool
+    ) -> Stream:
         """One streamed request; a failure names the prompt."""
         token_ids: list[int] = []
         arrivals: list[tuple[float, int]] = []
@@ -67,6 +74,7 @@ class Replicas:
                 temperature=0.0,
                 num_speculative_tokens=k,
                 adaptive=adaptive,
+                pipeline=pipeline,
                 ignore_eos=self.ignore_eos,
             ):
                 arrivals.append((time.perf_counter(), len(chunk.token_ids)))
@@ -77,19 +85,22 @@ class Replicas:
         return stream_from_arrivals(
             token_ids, sent_s, arrivals,
             rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-            adaptive=stats.adaptive,
+            adaptive=stats.adaptive, pipeline=stats.pipeline,
         )  # fmt: skip
 
 
 def outrider_load_configs(
-    replicas: Mapping[str | None, Replicas], ks: Sequence[int], *, adaptive: bool
+    replicas: Mapping[str | None, Replicas], ks: Sequence[int], *, adaptive: bool, pipelined: bool
 ) -> list[LoadConfig]:
-    """The configurations of the sequential bench (``outrider-k0``, each drafter's K and adaptive K), N streams at once."""
+    """The configurations of the sequential bench (``outrider-k0``, each drafter's K and adaptive K,
+    synchronous and pipelined), N streams at once."""
     return [
         LoadConfig(
             v.name, "outrider",
-            lambda r, n, t, d, e=replicas[v.coordinator], k=v.k, a=v.adaptive: e.run(r, n, t, d, k=k, adaptive=a),
-            v.drafter, v.k, v.adaptive,
+            lambda r, n, t, d, e=replicas[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.run(
+                r, n, t, d, k=k, adaptive=a, pipeline=pl
+            ),
+            v.drafter, v.k, v.adaptive, v.pipeline,
         )  # fmt: skip
-        for v in outrider_variants(list(replicas), ks, adaptive=adaptive)
+        for v in outrider_variants(list(replicas), ks, adaptive=adaptive, pipelined=pipelined)
     ]

@@ -40,6 +40,8 @@ class Stream:
     accepted_tokens: int = 0
     adaptive: bool = False
     """Whether the coordinator chose K per round (its statistics say so)."""
+    pipeline: bool = False
+    """Whether the rounds were pipelined (its statistics say so)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -85,5 +87,6 @@ class LoadConfig:
     drafter: str | None = None
     k: int | None = None
     adaptive: bool = False
+    pipeline: bool = False
     may_fail: bool = False
     """A failure leaves it out of the run, named in the report with its error, instead of stopping the run."""
