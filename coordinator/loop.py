@@ -285,6 +285,7 @@ async def generate(
                 num_drafts=len(draft_tokens),
                 draft_s=draft_s,
                 draft_steps=len(draft_tokens) + bool(proposal and proposal.guess is not None),
+                num_accepted=verdict.num_accepted,
                 verify_s=verdict.compute_s,
                 overhead_s=overhead_s,
                 drafted=proposal is not None and not hit,

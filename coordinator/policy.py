@@ -69,6 +69,9 @@ class CostModel:
     verify: dict[int, _Ema] = field(init=False)
     overhead: dict[bool, _Ema] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one)."""
+    accepted: _Ema = field(init=False)
+    judged: _Ema = field(init=False)
+    """Per drafting round: accepted drafts, and those plus the rejected one."""
     rounds: int = field(init=False, default=0)
     target_seen: int = field(init=False, default=0)
     """The round that last measured (or was chosen to measure) t_verify(0)."""
@@ -76,6 +79,7 @@ class CostModel:
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.prefill_per_token = _Ema(self.decay)
+        self.accepted, self.judged = _Ema(self.decay), _Ema(self.decay)
         self.verify = {}
         self.overhead = {False: _Ema(self.decay), True: _Ema(self.decay)}
 
@@ -88,10 +92,15 @@ class CostModel:
         overhead_s: float,
         drafted: bool,
         draft_steps: int | None = None,
+        num_accepted: int | None = None,
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps took
-        ``draft_s``; verifying ``num_drafts`` took ``verify_s``."""
+        ``draft_s``; verifying ``num_drafts`` took ``verify_s`` and accepted
+        ``num_accepted`` of them."""
         self.rounds += 1
+        if num_drafts and num_accepted is not None:
+            self.accepted.update(num_accepted)
+            self.judged.update(num_accepted + (num_accepted < num_drafts))
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
@@ -99,6 +108,13 @@ class CostModel:
         if num_drafts == 0:
             self.target_seen = self.rounds
         self.overhead[drafted].update(overhead_s)
+
+    @property
+    def alpha(self) -> float | None:
+        """Per-token acceptance over every session's recent drafting rounds."""
+        if not self.judged.value:
+            return None
+        return self.accepted.value / self.judged.value
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A target session opened on ``tokens`` tokens in ``seconds``."""
@@ -164,12 +180,18 @@ class AdaptiveK:
     probe_every: int = 8
     decay: float = 0.8
     """Weight of older rounds in the acceptance estimate."""
-    # A weak prior: α ≈ 0.5 until rounds say otherwise.
+    # A weak prior worth two rounds: the acceptance every session of this
+    # deployment has seen (its drafter's typical α), else α = 0.5, until the
+    # session's own rounds say otherwise.
     accepted: float = 1.0
     rejected: float = 1.0
     rounds_at_zero: int = 0
     target_probe: bool = False
     """This session runs the next target-only round that refreshes t_verify(0)."""
+
+    def __post_init__(self) -> None:
+        if (alpha := self.costs.alpha) is not None:
+            self.accepted, self.rejected = 2.0 * alpha, 2.0 * (1.0 - alpha)
 
     @property
     def alpha(self) -> float:

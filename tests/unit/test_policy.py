@@ -141,3 +141,22 @@ def test_a_probe_chosen_for_a_speculation_runs_in_the_next_round():
     assert policy.choose(limit=100) == 0  # the round itself
     policy.observe(0, 0)
     assert policy.choose(limit=100) == 8
+
+
+def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
+    # A drafter whose drafts are all accepted: a new session drafts the most
+    # it pays from its first round, instead of starting at α = 0.5 (which
+    # holds it at small K, or at K = 0 between probes, while its own rounds
+    # teach it).
+    model = costs(draft=0.3, verify={0: 1.0, 4: 1.4}, overhead=0.01)
+    fresh = AdaptiveK(4, model)
+    assert fresh.alpha == 0.5 and fresh.choose(limit=100) < 4
+    model.observe(num_drafts=4, draft_s=1.2, verify_s=1.4, overhead_s=0.01, drafted=True, num_accepted=4)
+    assert model.alpha == 1.0
+    informed = AdaptiveK(4, model)
+    assert informed.alpha == 1.0 and informed.choose(limit=100) == 4
+    # One rejected draft in four (the default smoothing keeps every round's share).
+    shared = CostModel()
+    for accepted in (4, 3, 4, 3):
+        shared.observe(num_drafts=4, draft_s=0.0, verify_s=1.0, overhead_s=0.0, drafted=True, num_accepted=accepted)
+    assert 0.8 < shared.alpha < 1.0
