@@ -34,8 +34,10 @@ log = get_logger(__name__)
 class Speculation:
     """The next round's proposal, drafted while this round is verified."""
 
-    expected: list[int]
-    """The history it assumes, but for the draft's guess of the bonus token."""
+    committed_len: int
+    """The history's length when it started."""
+    assumed: list[int]
+    """The drafts it assumes follow; then the draft's guess of the bonus token."""
     task: asyncio.Future[Proposal]
 
 
@@ -113,7 +115,7 @@ class DraftLink:
                 log.info("draft session reopened", committed_len=self.synced)
         try:
             async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
-                proposal = await self._ask(history, k, None)
+                proposal = await self._ask(*self._round(history), k, None)
         except (OutriderError, TimeoutError) as exc:
             await self.close()
             self._lost(exc)
@@ -128,14 +130,14 @@ class DraftLink:
         token. A lost draft speculates nothing."""
         if self.session is None or self.speculation is not None:
             return
-        history = list(history)  # the loop's grows while this runs
-        expected = [*history, *drafts]  # and the guess, which the answer brings
+        drafts = list(drafts)
+        round_ = self._round(history)  # now: the loop's history grows while this runs
 
         async def ask() -> Proposal:
             async with asyncio.timeout(self.deadline_s):
-                return await self._ask(history, k, drafts)
+                return await self._ask(*round_, k, drafts)
 
-        self.speculation = Speculation(expected, asyncio.ensure_future(ask()))
+        self.speculation = Speculation(len(history), drafts, asyncio.ensure_future(ask()))
 
     async def speculated(self, history: list[int]) -> tuple[Proposal | None, bool | None]:
         """The proposal of the speculation in flight, if the history is what
@@ -151,19 +153,28 @@ class DraftLink:
             await self.close()
             self._lost(exc)
             return None, False
-        hit = proposal.guess is not None and history == [*speculation.expected, proposal.guess]
+        committed = history[speculation.committed_len :]  # since the speculation started
+        hit = proposal.guess is not None and committed == [*speculation.assumed, proposal.guess]
         return (proposal, True) if hit else (None, False)
 
-    async def _ask(self, history: list[int], k: int, assumed: list[int] | None) -> Proposal:
-        """One round on the session: sync, propose (after ``assumed``, when given)."""
+    def _round(self, history: list[int]) -> tuple[int, list[int], int]:
+        """The next round's committed length, the tokens committed since the
+        last one (the draft's session syncs them), and its id."""
         self.rounds += 1
         new_tokens, self.synced = history[self.synced :], len(history)
-        proposal = await self.session.propose(len(history), new_tokens, k, assumed, self.rounds)
-        follows = len(history) if assumed is None else len(history) + len(assumed) + 1
-        if proposal.round_id != self.rounds or (proposal.draft_tokens and proposal.follows_len != follows):
+        return len(history), new_tokens, self.rounds
+
+    async def _ask(
+        self, committed_len: int, new_tokens: list[int], round_id: int, k: int, assumed: list[int] | None
+    ) -> Proposal:
+        """One round on the session: propose after the committed history (or
+        after ``assumed``, when given), and check the answer is that round's."""
+        proposal = await self.session.propose(committed_len, new_tokens, k, assumed, round_id)
+        follows = committed_len if assumed is None else committed_len + len(assumed) + 1
+        if proposal.round_id != round_id or (proposal.draft_tokens and proposal.follows_len != follows):
             raise FailedPrecondition(
                 f"the draft answered round {proposal.round_id} after {proposal.follows_len} tokens "
-                f"where round {self.rounds} after {follows} was asked for"
+                f"where round {round_id} after {follows} was asked for"
             )
         return proposal
 
