@@ -75,11 +75,17 @@ class ServiceRef:
     port: str | int
 
     @classmethod
-    def parse(cls, address: str, *, default_namespace: Callable[[], str] = pod_namespace) -> ServiceRef:
+    def parse(
+        cls, address: str, *, default_namespace: Callable[[], str] = pod_namespace
+    ) -> ServiceRef:
         form = f"use {SCHEME}SERVICE[.NAMESPACE]:PORT, PORT a port name or number (e.g. {SCHEME}target.llm:grpc)"
         host, _, port = address.removeprefix(SCHEME).rpartition(":")
         service, _, namespace = host.partition(".")
-        if not port or not _DNS_LABEL.fullmatch(service) or (namespace and not _DNS_LABEL.fullmatch(namespace)):
+        if (
+            not port
+            or not _DNS_LABEL.fullmatch(service)
+            or (namespace and not _DNS_LABEL.fullmatch(namespace))
+        ):
             raise ValueError(f"worker address {address!r}: {form}")
         if port.isdigit():
             if not 0 < int(port) < 65536:
@@ -160,7 +166,9 @@ class EndpointSliceWatch:
                 failures += 1
                 delay = min(self._max_backoff_s, self._backoff_s * 2 ** (failures - 1))
                 self._log.warning(
-                    "kubernetes API error: keeping the last known endpoints", error=_describe(exc), retry_in_s=delay
+                    "kubernetes API error: keeping the last known endpoints",
+                    error=_describe(exc),
+                    retry_in_s=delay,
                 )
                 version = None
                 self._stopping.wait(delay)
@@ -186,7 +194,9 @@ class EndpointSliceWatch:
             body = json.loads(response.data)
         finally:
             response.release_conn()
-        self._slices = {item["metadata"]["name"]: self._endpoints_of(item) for item in body.get("items") or []}
+        self._slices = {
+            item["metadata"]["name"]: self._endpoints_of(item) for item in body.get("items") or []
+        }
         self._report()
         return body["metadata"]["resourceVersion"]
 
@@ -221,7 +231,9 @@ class EndpointSliceWatch:
                 if kind == "ERROR":
                     if obj.get("code") == 410:
                         raise _WatchExpired()
-                    raise k8s.ApiException(status=obj.get("code"), reason=f"{obj.get('reason')}: {obj.get('message')}")
+                    raise k8s.ApiException(
+                        status=obj.get("code"), reason=f"{obj.get('reason')}: {obj.get('message')}"
+                    )
                 version = obj.get("metadata", {}).get("resourceVersion") or version
                 if kind == "BOOKMARK":
                     continue
@@ -254,7 +266,9 @@ class EndpointSliceWatch:
                 continue
             host = endpoint["addresses"][0]
             conditions = endpoint.get("conditions") or {}
-            takes_sessions = conditions.get("ready") is not False and not conditions.get("terminating")
+            takes_sessions = conditions.get("ready") is not False and not conditions.get(
+                "terminating"
+            )
             endpoints[f"[{host}]:{port}" if ipv6 else f"{host}:{port}"] = takes_sessions
         return endpoints
 

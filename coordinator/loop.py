@@ -113,7 +113,11 @@ class Stats:
 
     @property
     def critical_path_overhead_s_p50(self) -> float:
-        return statistics.median(self.critical_path_overheads_s) if self.critical_path_overheads_s else 0.0
+        return (
+            statistics.median(self.critical_path_overheads_s)
+            if self.critical_path_overheads_s
+            else 0.0
+        )
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -159,7 +163,11 @@ class Recovery:
         return max(self.verify_deadline_floor_s, self.verify_deadline_factor * expected_s)
 
     def open_deadline_s(self, expected_s: float | None) -> float:
-        return self.open_deadline_unmeasured_s if expected_s is None else self.verify_deadline_s(expected_s)
+        return (
+            self.open_deadline_unmeasured_s
+            if expected_s is None
+            else self.verify_deadline_s(expected_s)
+        )
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,9 @@ async def generate(
         pipeline=request.pipeline and k_max > 0,
     )
     policy = AdaptiveK(k_max, costs, pipeline=stats.pipeline) if stats.adaptive else None
-    stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else models.eos_token_ids)
+    stop_ids = request.stop_token_ids | (
+        frozenset() if request.ignore_eos else models.eos_token_ids
+    )
     text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
 
     # 1. Open the target session: it prefills the prompt. The draft session
@@ -278,8 +288,12 @@ async def generate(
             overhead_s = max(0.0, round_s - open_s - waited_s - verdict.compute_s - reopen_s)
             stats.critical_path_overheads_s.append(round_s - verdict.compute_s)
             stats.record_round(
-                draft_tokens, draft_probs, verdict.num_accepted,
-                draft_s=open_s + draft_s, verify_s=verdict.compute_s, overhead_s=overhead_s,
+                draft_tokens,
+                draft_probs,
+                verdict.num_accepted,
+                draft_s=open_s + draft_s,
+                verify_s=verdict.compute_s,
+                overhead_s=overhead_s,
             )
             costs.observe(
                 num_drafts=len(draft_tokens),

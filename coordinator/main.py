@@ -56,7 +56,8 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             policy,
             draft_info=draft_info,
             recovery=Recovery(
-                draft_deadline_s=config.draft_deadline_s, verify_deadline_floor_s=config.verify_deadline_floor_s
+                draft_deadline_s=config.draft_deadline_s,
+                verify_deadline_floor_s=config.verify_deadline_floor_s,
             ),
             metrics=CoordinatorMetrics(
                 metrics.registry,

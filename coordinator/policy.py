@@ -54,7 +54,9 @@ class _Ema:
         self.value: float | None = None
 
     def update(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+        self.value = (
+            sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+        )
 
 
 @dataclass

@@ -94,7 +94,9 @@ class DraftLink:
                 if time.monotonic() < self.retry_at:
                     return None, 0.0
                 # A copy: the history grows while an open runs in the background.
-                self.opening = asyncio.ensure_future(asyncio.wait_for(self._open(list(history)), self.open_deadline_s))
+                self.opening = asyncio.ensure_future(
+                    asyncio.wait_for(self._open(list(history)), self.open_deadline_s)
+                )
                 started = time.perf_counter()
                 await asyncio.wait({self.opening}, timeout=self.deadline_s)
                 open_s = time.perf_counter() - started
@@ -165,13 +167,20 @@ class DraftLink:
         return len(history), new_tokens, self.rounds
 
     async def _ask(
-        self, committed_len: int, new_tokens: list[int], round_id: int, k: int, assumed: list[int] | None
+        self,
+        committed_len: int,
+        new_tokens: list[int],
+        round_id: int,
+        k: int,
+        assumed: list[int] | None,
     ) -> Proposal:
         """One round on the session: propose after the committed history (or
         after ``assumed``, when given), and check the answer is that round's."""
         proposal = await self.session.propose(committed_len, new_tokens, k, assumed, round_id)
         follows = committed_len if assumed is None else committed_len + len(assumed) + 1
-        if proposal.round_id != round_id or (proposal.draft_tokens and proposal.follows_len != follows):
+        if proposal.round_id != round_id or (
+            proposal.draft_tokens and proposal.follows_len != follows
+        ):
             raise FailedPrecondition(
                 f"the draft answered round {proposal.round_id} after {proposal.follows_len} tokens "
                 f"where round {round_id} after {follows} was asked for"
@@ -261,12 +270,19 @@ class TargetLink:
                 log.info("target session reopened", committed_len=len(history))
             try:
                 async with asyncio.timeout(deadline_s):
-                    return await self.session.verify(len(history), draft_tokens, draft_probs), reopen_s
+                    return await self.session.verify(
+                        len(history), draft_tokens, draft_probs
+                    ), reopen_s
             except Unavailable as exc:
-                log.warning("target lost: reopening on the history", error=str(exc), attempt=attempt)
+                log.warning(
+                    "target lost: reopening on the history", error=str(exc), attempt=attempt
+                )
                 last = exc
             except TimeoutError:
-                log.warning("target gave no verdict in time: reopening on the history", deadline_s=deadline_s)
+                log.warning(
+                    "target gave no verdict in time: reopening on the history",
+                    deadline_s=deadline_s,
+                )
                 last = Unavailable(f"the target gave no verdict within {deadline_s:.3g} s")
                 self.session.failing()
             await self.close()

@@ -90,7 +90,9 @@ class Replica:
 class Replicas:
     """One role's routing table: worker address → channel, load, health."""
 
-    def __init__(self, role: str, addresses: Sequence[str], stub_class, *, credentials=None, kube_api=None) -> None:
+    def __init__(
+        self, role: str, addresses: Sequence[str], stub_class, *, credentials=None, kube_api=None
+    ) -> None:
         if not addresses:
             raise ValueError(f"at least one {role} worker address is needed")
         self.role = role
@@ -130,14 +132,20 @@ class Replicas:
             watch = EndpointSliceWatch(
                 ref,
                 self._kube_api,
-                lambda endpoints, source=source: loop.call_soon_threadsafe(self.update, source, endpoints),
+                lambda endpoints, source=source: loop.call_soon_threadsafe(
+                    self.update, source, endpoints
+                ),
             )
             # Its own thread: the blocking watch would hold a slot of the
             # loop's default executor for the process's whole life.
             thread = threading.Thread(target=watch.run, name=f"watch {source}", daemon=True)
             thread.start()
             self._watches.append((watch, thread))
-        log.info("watching worker endpointslices", role=self.role, services=[str(ref) for ref in self._services])
+        log.info(
+            "watching worker endpointslices",
+            role=self.role,
+            services=[str(ref) for ref in self._services],
+        )
 
     def update(self, source: str, endpoints: dict[str, bool]) -> None:
         """Applies the endpoint set of one source: address → takes new sessions."""
@@ -151,27 +159,44 @@ class Replicas:
         for address in self._members.keys() - wanted.keys():
             replica = self._members.pop(address)
             replica.removed = True
-            log.warning("worker gone: its sessions fail over", role=self.role, address=address, sessions=replica.load)
-            closing = asyncio.ensure_future(replica.channel.close())  # ends the streams on it at once
+            log.warning(
+                "worker gone: its sessions fail over",
+                role=self.role,
+                address=address,
+                sessions=replica.load,
+            )
+            closing = asyncio.ensure_future(
+                replica.channel.close()
+            )  # ends the streams on it at once
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
         for address, ready in wanted.items():
             replica = self._members.get(address)
             if replica is None:
-                self._members[address] = self._replica(address, ready, self._tls_names.get(origin[address]))
+                self._members[address] = self._replica(
+                    address, ready, self._tls_names.get(origin[address])
+                )
                 log.info("worker joined", role=self.role, address=address, ready=ready)
             elif replica.ready != ready:
                 replica.ready = ready
                 if ready:
                     log.info("worker ready: takes new sessions", role=self.role, address=address)
                 else:
-                    log.info("worker not ready: draining", role=self.role, address=address, sessions=replica.load)
+                    log.info(
+                        "worker not ready: draining",
+                        role=self.role,
+                        address=address,
+                        sessions=replica.load,
+                    )
         self._changed.set()
 
     def _replica(self, address: str, ready: bool, tls_name: str | None) -> Replica:
         if self._credentials:
             # A pod is dialled by its IP, but its certificate names the Service.
-            options = [*WORKER_CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", tls_name)] if tls_name else [])]
+            options = [
+                *WORKER_CHANNEL_OPTIONS,
+                *([("grpc.ssl_target_name_override", tls_name)] if tls_name else []),
+            ]
             channel = grpc.aio.secure_channel(address, self._credentials, options=options)
         else:
             channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
@@ -187,7 +212,8 @@ class Replicas:
         now = time.monotonic()
         n = len(candidates)
         return min(
-            enumerate(candidates), key=lambda ir: (ir[1].down_until > now, ir[1].load, (ir[0] - turn) % n)
+            enumerate(candidates),
+            key=lambda ir: (ir[1].down_until > now, ir[1].load, (ir[0] - turn) % n),
         )[1]
 
     async def choose(self) -> Replica:
@@ -196,10 +222,14 @@ class Replicas:
             replica = self.pick()
             if not replica.checked:
                 try:
-                    info = await replica.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=DESCRIBE_TIMEOUT_S)
+                    info = await replica.stub.GetWorkerInfo(
+                        pb.GetWorkerInfoRequest(), timeout=DESCRIBE_TIMEOUT_S
+                    )
                 except grpc.aio.AioRpcError as exc:
                     replica.failed()
-                    raise Unavailable(f"{self.role} worker {replica.address}: {exc.details()}") from exc
+                    raise Unavailable(
+                        f"{self.role} worker {replica.address}: {exc.details()}"
+                    ) from exc
                 self._check(replica, info)
             if not replica.refused:
                 return replica
@@ -214,19 +244,29 @@ class Replicas:
             self._changed.clear()
             candidates = [r for r in self._members.values() if r.ready and not r.refused]
             if candidates:
-                info, error = await self._first_answer(candidates, max(0.05, min(deadline - loop.time(), 2.0)))
+                info, error = await self._first_answer(
+                    candidates, max(0.05, min(deadline - loop.time(), 2.0))
+                )
                 if info is not None:
                     return info
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise Unavailable(f"no {self.role} worker answered within {timeout_s:g} s: {error or self._why_none()}")
+                raise Unavailable(
+                    f"no {self.role} worker answered within {timeout_s:g} s: {error or self._why_none()}"
+                )
             # Until the endpoints change, or a short pause before asking again.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5) if candidates else remaining)
+                await asyncio.wait_for(
+                    self._changed.wait(), min(remaining, 0.5) if candidates else remaining
+                )
 
-    async def _first_answer(self, candidates: list[Replica], timeout_s: float) -> tuple[pb.WorkerInfo | None, str]:
+    async def _first_answer(
+        self, candidates: list[Replica], timeout_s: float
+    ) -> tuple[pb.WorkerInfo | None, str]:
         async def ask(replica: Replica) -> pb.WorkerInfo:
-            return await replica.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s)
+            return await replica.stub.GetWorkerInfo(
+                pb.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout_s
+            )
 
         asking = {asyncio.create_task(ask(r)): r for r in candidates}
         pending, error = set(asking), ""
@@ -272,7 +312,9 @@ class Replicas:
         for ref in self._services:
             endpoints = self._sources.get(str(ref))
             if endpoints is None:
-                reasons.append(f"the EndpointSlices of {ref} are not read yet (see the Kubernetes API errors logged)")
+                reasons.append(
+                    f"the EndpointSlices of {ref} are not read yet (see the Kubernetes API errors logged)"
+                )
             elif endpoints:
                 reasons.append(f"{ref} lists {len(endpoints)} endpoint(s), none ready")
             else:

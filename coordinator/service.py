@@ -16,10 +16,10 @@ from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.sampling import SamplingParams, Verification
-from outrider.validation import check_request_id
-from outrider.wire import VERIFICATION_TO_PB, verification_from_pb
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
+from outrider.validation import check_request_id
+from outrider.wire import VERIFICATION_TO_PB, verification_from_pb
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
@@ -65,7 +65,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Runs the round loop on a request (recorded in the metrics, if any)."""
         received = time.perf_counter()
         deltas = generate(
-            self.request_from_pb(request), self.models, self.target, self.draft, self.costs, self.recovery
+            self.request_from_pb(request),
+            self.models,
+            self.target,
+            self.draft,
+            self.costs,
+            self.recovery,
         )
         return self.metrics.track(deltas, received) if self.metrics else deltas
 
@@ -130,7 +135,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"tokens and the context holds {target.max_context}, so at most {room} can be generated"
             )
         if len(sampling.stop) > MAX_STOP_STRINGS:
-            raise InvalidArgument(f"{len(sampling.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
+            raise InvalidArgument(
+                f"{len(sampling.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed"
+            )
         for i, stop in enumerate(sampling.stop):
             if not stop or len(stop) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument(
@@ -160,7 +167,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             k = 0
         # Pipelining overlaps drafting with verifying: without drafts
         # (K = 0, no draft worker) there is nothing to overlap.
-        pipeline = speculation.pipeline if speculation.HasField("pipeline") else self.policy.default_pipeline
+        pipeline = (
+            speculation.pipeline
+            if speculation.HasField("pipeline")
+            else self.policy.default_pipeline
+        )
         pipeline = pipeline and k > 0
 
         try:
@@ -208,7 +219,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         f"chat.messages[{i}].role = {m.role!r}; use one of {', '.join(sorted(CHAT_ROLES))}"
                     )
             if getattr(tokenizer, "chat_template", None) is None:
-                raise InvalidArgument("the target's tokenizer has no chat template: send a text prompt instead")
+                raise InvalidArgument(
+                    "the target's tokenizer has no chat template: send a text prompt instead"
+                )
             ids = tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=True,
@@ -230,7 +243,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         vocab = self.models.target.vocab_size
         for i, token in enumerate(ids):
             if not 0 <= token < vocab:
-                raise InvalidArgument(f"{what}[{i}] = {token} is outside the vocabulary [0, {vocab})")
+                raise InvalidArgument(
+                    f"{what}[{i}] = {token} is outside the vocabulary [0, {vocab})"
+                )
 
 
 # --- to_pb -------------------------------------------------------------------

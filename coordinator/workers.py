@@ -71,30 +71,45 @@ class DraftSession(Protocol):
         the history; given ``assumed`` drafts (even none), a speculation:
         a guess of the bonus token after them, then the drafts after that."""
         ...
+
     async def close(self) -> None: ...
 
 
 class TargetSession(Protocol):
     async def verify(
-        self, committed_len: int, draft_tokens: Sequence[int], draft_probs: Sequence[CompactProbs] = ()
+        self,
+        committed_len: int,
+        draft_tokens: Sequence[int],
+        draft_probs: Sequence[CompactProbs] = (),
     ) -> VerifyResult: ...
     def failing(self) -> None:
         """Says the session's worker stopped answering: new sessions go to
         other replicas for a while."""
+
     async def close(self) -> None: ...
 
 
 class DraftClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(
-        self, tokens: Sequence[int], *, request_id: str, target: WorkerInfo, sampling: SamplingParams
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str,
+        target: WorkerInfo,
+        sampling: SamplingParams,
     ) -> tuple[DraftSession, float]: ...
 
 
 class TargetClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
     async def open(
-        self, tokens: Sequence[int], *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str,
+        sampling: SamplingParams,
+        deadline_s: float | None = None,
     ) -> tuple[TargetSession, float]: ...
 
 
@@ -206,7 +221,9 @@ class GrpcTargetSession(_GrpcSession):
         return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
 
 
-async def _open(replicas: Replicas, session_class, request, *, request_id: str, deadline_s: float | None = None):
+async def _open(
+    replicas: Replicas, session_class, request, *, request_id: str, deadline_s: float | None = None
+):
     """Opens a session on a replica; one that does not answer within
     ``deadline_s`` (frozen) counts as failed: Unavailable."""
     replica = await replicas.choose()
@@ -236,7 +253,11 @@ async def _open(replicas: Replicas, session_class, request, *, request_id: str, 
 class GrpcDraftClient:
     def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
         self.replicas = Replicas(
-            "draft", addresses, worker_pb2_grpc.DraftWorkerStub, credentials=credentials, kube_api=kube_api
+            "draft",
+            addresses,
+            worker_pb2_grpc.DraftWorkerStub,
+            credentials=credentials,
+            kube_api=kube_api,
         )
 
     async def start(self) -> None:
@@ -266,7 +287,11 @@ class GrpcDraftClient:
 class GrpcTargetClient:
     def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
         self.replicas = Replicas(
-            "target", addresses, worker_pb2_grpc.TargetWorkerStub, credentials=credentials, kube_api=kube_api
+            "target",
+            addresses,
+            worker_pb2_grpc.TargetWorkerStub,
+            credentials=credentials,
+            kube_api=kube_api,
         )
 
     async def start(self) -> None:
@@ -277,11 +302,17 @@ class GrpcTargetClient:
         """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
         return _info_from_pb(await self.replicas.wait_ready(timeout_s))
 
-    async def open(self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None):
+    async def open(
+        self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
+    ):
         request = pb.VerifyRequest(
-            open=pb.SessionOpen(token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling))
+            open=pb.SessionOpen(
+                token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling)
+            )
         )
-        return await _open(self.replicas, GrpcTargetSession, request, request_id=request_id, deadline_s=deadline_s)
+        return await _open(
+            self.replicas, GrpcTargetSession, request, request_id=request_id, deadline_s=deadline_s
+        )
 
     async def close(self) -> None:
         await self.replicas.close()
@@ -299,11 +330,17 @@ class InProcessTargetClient:
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         i = self.sessions.info
-        return WorkerInfo(i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype)
+        return WorkerInfo(
+            i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype
+        )
 
-    async def open(self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None):
+    async def open(
+        self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
+    ):
         session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.engine.timed(self.sessions.open, session_id, list(tokens), sampling)
+        _, compute_s = await self.engine.timed(
+            self.sessions.open, session_id, list(tokens), sampling
+        )
         return _InProcessTargetSession(self, session_id), compute_s
 
 
@@ -314,7 +351,11 @@ class _InProcessTargetSession:
 
     async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
         v, compute_s = await self.client.engine.timed(
-            self.client.sessions.verify, self.session_id, committed_len, list(draft_tokens), list(draft_probs)
+            self.client.sessions.verify,
+            self.session_id,
+            committed_len,
+            list(draft_tokens),
+            list(draft_probs),
         )
         return VerifyResult(v.num_accepted, v.next_token, compute_s)
 
@@ -334,12 +375,25 @@ class InProcessDraftClient:
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         d, i = self.sessions.drafter, self.sessions.info
-        return WorkerInfo(d.model_name, d.kind, d.vocab_size or 0, i.vocab_fingerprint, i.max_context, i.device, i.dtype)
+        return WorkerInfo(
+            d.model_name,
+            d.kind,
+            d.vocab_size or 0,
+            i.vocab_fingerprint,
+            i.max_context,
+            i.device,
+            i.dtype,
+        )
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         session_id = uuid.uuid4().hex[:16]
         _, compute_s = await self.engine.timed(
-            self.sessions.open, session_id, list(tokens), target.vocab_size, target.vocab_fingerprint, sampling
+            self.sessions.open,
+            session_id,
+            list(tokens),
+            target.vocab_size,
+            target.vocab_fingerprint,
+            sampling,
         )
         return _InProcessDraftSession(self, session_id), compute_s
 
@@ -351,9 +405,16 @@ class _InProcessDraftSession:
 
     async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
         drafts, compute_s = await self.client.engine.timed(
-            self.client.sessions.propose, self.session_id, committed_len, list(new_tokens), k, assumed
+            self.client.sessions.propose,
+            self.session_id,
+            committed_len,
+            list(new_tokens),
+            k,
+            assumed,
         )
-        return Proposal(drafts.tokens, compute_s, drafts.probs, round_id, drafts.follows_len, drafts.guess)
+        return Proposal(
+            drafts.tokens, compute_s, drafts.probs, round_id, drafts.follows_len, drafts.guess
+        )
 
     async def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import functools
 
-from draft_worker.sessions import DraftSessions, DraftInfo
 from draft_worker.service import DraftWorkerService
+from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider import models
 from outrider.config import DraftWorkerConfig
-from outrider.drafters import Drafter, EarlyExitDrafter, Int4Drafter, ModelDrafter, PromptLookupDrafter
+from outrider.drafters import (
+    Drafter,
+    EarlyExitDrafter,
+    Int4Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+)
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
 from outrider.logging import get_logger
@@ -32,11 +38,17 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     limits = config.limits
     if config.drafter == "prompt-lookup":
         drafter = PromptLookupDrafter(max_ngram=config.max_ngram)
-        info = DraftInfo(vocab_fingerprint="", max_context=UNBOUNDED_CONTEXT, max_draft_tokens=config.max_draft_tokens)
+        info = DraftInfo(
+            vocab_fingerprint="",
+            max_context=UNBOUNDED_CONTEXT,
+            max_draft_tokens=config.max_draft_tokens,
+        )
         return DraftSessions(drafter, SessionStore(max_sessions=limits.max_sessions), info)
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
     info = DraftInfo(
-        vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
+        vocab_fingerprint=models.vocab_fingerprint_of(
+            config.model, trust_remote_code=config.trust_remote_code
+        ),
         max_context=models.context_length(model),
         max_draft_tokens=config.max_draft_tokens,
         device=device,
@@ -57,14 +69,20 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         drafter = Int4Drafter(runner, model_name=f"{name}[int4-g{config.int4_group_size}]")
     else:
         drafter = ModelDrafter(runner, model_name=name)
-    return DraftSessions(drafter, SessionStore(max_sessions=limits.max_sessions, pool=runner.pool), info)
+    return DraftSessions(
+        drafter, SessionStore(max_sessions=limits.max_sessions, pool=runner.pool), info
+    )
 
 
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
     """Captures the CUDA graphs (on CUDA), then runs one short session end to end."""
     if draft.runner is not None:
         await engine.run(
-            functools.partial(draft.runner.warm_up, max_rows=draft.store.max_sessions, max_tokens_per_row=GRAPH_TOKENS_PER_ROW)
+            functools.partial(
+                draft.runner.warm_up,
+                max_rows=draft.store.max_sessions,
+                max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
+            )
         )
     await engine.run(draft.open, "warmup", [0, 1, 2, 3], 0, "")
     await engine.run(draft.propose, "warmup", 5, [0], min(3, draft.info.max_draft_tokens))
@@ -72,12 +90,26 @@ async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
 
 
 async def serve(config: DraftWorkerConfig) -> None:
-    log.info("loading drafter", drafter=config.drafter, model=config.model, device=config.engine.device, dtype=config.engine.dtype)
+    log.info(
+        "loading drafter",
+        drafter=config.drafter,
+        model=config.model,
+        device=config.engine.device,
+        dtype=config.engine.dtype,
+    )
     await serve_worker(
         config,
         module=__name__,
-        add_servicer=lambda draft, engine, server, metrics: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-            DraftWorkerService(draft, engine, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
+        add_servicer=lambda draft, engine, server, metrics: (
+            worker_pb2_grpc.add_DraftWorkerServicer_to_server(
+                DraftWorkerService(
+                    draft,
+                    engine,
+                    idle_timeout_s=config.limits.session_idle_timeout_s,
+                    metrics=metrics,
+                ),
+                server,
+            )
         ),
         service_name=SERVICE_NAME,
         role="draft",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
-from outrider.wire import probs_to_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
+from outrider.wire import probs_to_pb, sampling_from_pb
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):

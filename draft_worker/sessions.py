@@ -87,7 +87,9 @@ class DraftSessions:
         self.check_pairing(target_vocab_size, target_fingerprint)
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
-        check_token_ids(tokens, self.drafter.vocab_size or target_vocab_size or None, what="token_ids")
+        check_token_ids(
+            tokens, self.drafter.vocab_size or target_vocab_size or None, what="token_ids"
+        )
         check_context(len(tokens), self.info.max_context, what="the history")
         runner = self.drafter.runner
         session = self.store.create(

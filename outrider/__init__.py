@@ -9,7 +9,23 @@ The client SDK::
         print(result.text, result.stats.mean_acceptance_length)
 """
 
-from outrider.client import AsyncClient, ChatMessage, Chunk, Client, Generation, GenerationStats, ModelInfo
+from outrider.client import (
+    AsyncClient,
+    ChatMessage,
+    Chunk,
+    Client,
+    Generation,
+    GenerationStats,
+    ModelInfo,
+)
 
-__all__ = ["AsyncClient", "ChatMessage", "Chunk", "Client", "Generation", "GenerationStats", "ModelInfo"]
+__all__ = [
+    "AsyncClient",
+    "ChatMessage",
+    "Chunk",
+    "Client",
+    "Generation",
+    "GenerationStats",
+    "ModelInfo",
+]
 __version__ = "0.1.0"

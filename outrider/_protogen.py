@@ -21,8 +21,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> None:
     """Writes ``outrider/v1/*_pb2*.py`` (and ``.pyi``) under ``out_dir``."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     args = [

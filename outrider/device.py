@@ -39,10 +39,16 @@ def resolve_device(spec: str):
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu")
+            raise ValueError(
+                f"device {spec!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ..)")
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            raise ValueError(
+                f"device {spec!r}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ..)"
+            )
+        device = torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        )
     return device
 
 

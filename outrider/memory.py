@@ -70,7 +70,12 @@ class CacheBudget:
 
 
 def cache_budget(
-    *, kv_bytes_per_token: int, available_bytes: int, on_gpu: bool, max_sessions: int, max_context: int
+    *,
+    kv_bytes_per_token: int,
+    available_bytes: int,
+    on_gpu: bool,
+    max_sessions: int,
+    max_context: int,
 ) -> CacheBudget:
     """The rule of this module's docstring. Raises ValueError when the free
     memory cannot hold even one token."""

@@ -41,8 +41,8 @@ import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    GCCollector,
     Gauge,
+    GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -69,7 +69,24 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 """Those of the CUDA graphs (``outrider.engine.cuda_graphs``, which a test holds
 them equal to), so a step's bucket shows which graph it replayed; repeated
 here so that the coordinator's metrics import no torch."""
-RPC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RPC_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 # --- the HTTP endpoint --------------------------------------------------------------
@@ -175,7 +192,9 @@ class WorkerMetrics:
             PREFIX + "worker_sessions_active", "Sessions open on this worker.", registry=registry
         ).set_function(lambda: len(store))
         Gauge(
-            PREFIX + "worker_cached_tokens", "Tokens held in the KV caches of this worker's sessions.", registry=registry
+            PREFIX + "worker_cached_tokens",
+            "Tokens held in the KV caches of this worker's sessions.",
+            registry=registry,
         ).set_function(lambda: store.cached_tokens)
         Gauge(
             PREFIX + "kv_cache_usage_perc",
@@ -183,7 +202,9 @@ class WorkerMetrics:
             "(0 for a model-free drafter, which caches nothing).",
             registry=registry,
         ).set_function(lambda: store.usage)
-        self.opened = Counter(PREFIX + "worker_sessions_opened", "Sessions opened (prefilled).", registry=registry)
+        self.opened = Counter(
+            PREFIX + "worker_sessions_opened", "Sessions opened (prefilled).", registry=registry
+        )
         self.rejected = Counter(
             PREFIX + "worker_sessions_rejected",
             "Session opens refused, by gRPC status (RESOURCE_EXHAUSTED: the worker is full).",
@@ -197,7 +218,9 @@ class WorkerMetrics:
             registry=registry,
         )
         self.prefill_tokens = Counter(
-            PREFIX + "worker_prefill_tokens", "Tokens of the histories sessions were opened on.", registry=registry
+            PREFIX + "worker_prefill_tokens",
+            "Tokens of the histories sessions were opened on.",
+            registry=registry,
         )
         steps = Histogram(
             PREFIX + "worker_step_seconds",

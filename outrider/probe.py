@@ -27,21 +27,33 @@ def check(address: str, *, tls: ClientTls, server_name: str | None, timeout_s: f
     """The overall health status of the service at ``address``, by name (``SERVING``, ...)."""
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     with grpc.secure_channel(address, tls.credentials(), options=options) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m outrider.probe", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1", help="address of the service (default: this pod)")
+    parser = argparse.ArgumentParser(
+        prog="python -m outrider.probe", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address of the service (default: this pod)"
+    )
     parser.add_argument("--port", type=int, required=True, help="the service's gRPC port")
-    parser.add_argument("--tls-ca", type=Path, required=True, help="CA that signed the service's certificate (PEM)")
-    parser.add_argument("--tls-cert", type=Path, help="client certificate, for a service that requires one (PEM)")
+    parser.add_argument(
+        "--tls-ca", type=Path, required=True, help="CA that signed the service's certificate (PEM)"
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, help="client certificate, for a service that requires one (PEM)"
+    )
     parser.add_argument("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
     parser.add_argument(
         "--server-name", help="name to verify the service's certificate against (default: --host)"
     )
-    parser.add_argument("--timeout", type=float, default=3.0, help="deadline of the check in seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="deadline of the check in seconds"
+    )
     args = parser.parse_args(argv)
     address = f"{args.host}:{args.port}"
     try:

@@ -47,12 +47,18 @@ class Int4Weight:
     in_features: int
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> Int4Weight:
+    def quantize(
+        cls, weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE
+    ) -> Int4Weight:
         """The 4-bit form of ``weight``, on its device: each group's levels span its min to its max."""
         if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"group size {group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+            raise ValueError(
+                f"group size {group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}"
+            )
         out_features, in_features = weight.shape
-        w = F.pad(weight.detach().float(), (0, -in_features % group_size, 0, -out_features % ROW_MULTIPLE))
+        w = F.pad(
+            weight.detach().float(), (0, -in_features % group_size, 0, -out_features % ROW_MULTIPLE)
+        )
         groups = w.reshape(-1, group_size)
         low, high = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
         # Scales and zeros are rounded to what the kernel reads first, and
@@ -63,7 +69,9 @@ class Int4Weight:
         levels = levels.round().clamp(0, LEVELS - 1).to(torch.int32).reshape(w.shape)
         rows, num_groups = w.shape[0], w.shape[1] // group_size
         scales_and_zeros = (
-            torch.cat([scales.reshape(rows, num_groups, 1), zeros.reshape(rows, num_groups, 1)], dim=2)
+            torch.cat(
+                [scales.reshape(rows, num_groups, 1), zeros.reshape(rows, num_groups, 1)], dim=2
+            )
             .transpose(0, 1)
             .contiguous()
             .to(KERNEL_DTYPE)
@@ -85,9 +93,13 @@ class Int4Weight:
         if padded_in != self.in_features:
             rows = F.pad(rows, (0, padded_in - self.in_features))
         if x.device.type == "cpu":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed, self.group_size, self.scales_and_zeros
+            )
         else:
-            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm(
+                rows, self.packed, self.group_size, self.scales_and_zeros
+            )
         out = out[:, : self.out_features].to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if bias is None else out + bias
 
@@ -151,7 +163,9 @@ def _pack(levels: torch.Tensor) -> torch.Tensor:
 QuantizedWeight = Int4Weight | Int8Weight
 
 
-def quantize_weight(weight: torch.Tensor, group_size: int, *, lm_head: bool = False) -> QuantizedWeight:
+def quantize_weight(
+    weight: torch.Tensor, group_size: int, *, lm_head: bool = False
+) -> QuantizedWeight:
     """The int4 drafter's form of a weight: 4 bits in groups, the LM head 8 bits a row."""
     return Int8Weight.quantize(weight) if lm_head else Int4Weight.quantize(weight, group_size)
 
@@ -177,11 +191,17 @@ def quantize_linears(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE
     ``nn.Linear`` in 4 bits, the LM head (``get_output_embeddings``, untied
     from the input embedding) in 8; returns how many it replaced."""
     head = model.get_output_embeddings()
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    targets = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantize")
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         weight = quantize_weight(module.weight, group_size, lm_head=module is head)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, QuantizedLinear(weight, module.bias))
+        setattr(
+            model.get_submodule(parent_name) if parent_name else model,
+            child,
+            QuantizedLinear(weight, module.bias),
+        )
     return len(targets)

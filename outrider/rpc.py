@@ -76,7 +76,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     through ``drain`` (refused once the server shuts down)."""
 
     def __init__(
-        self, tokens: frozenset[str] = frozenset(), metrics: RpcMetrics | None = None, drain: Drain | None = None
+        self,
+        tokens: frozenset[str] = frozenset(),
+        metrics: RpcMetrics | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._tokens = tuple(token.encode() for token in tokens)
         self._metrics = metrics
@@ -105,10 +108,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def guard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, errors.OutriderError):
-                log.info("request refused", method=method, status=status_of(exc).name, error=str(exc))
+                log.info(
+                    "request refused", method=method, status=status_of(exc).name, error=str(exc)
+                )
                 await context.abort(status_of(exc), str(exc))
             log.exception("internal error", method=method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+            )
 
         def wrap_unary(behavior):
             async def wrapped(request, context):
@@ -225,7 +232,9 @@ class Drain:
             return
         if self.draining:
             service = method.strip("/").split("/")[0]
-            raise errors.Unavailable(f"{service} is shutting down and takes no new calls: retry on another replica")
+            raise errors.Unavailable(
+                f"{service} is shutting down and takes no new calls: retry on another replica"
+            )
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -282,7 +291,10 @@ class RunningServer:
         await self.set_serving(False)
         log.info("draining", grace_s=grace_s, in_flight=self.drain.in_flight)
         if not await self.drain.drain(grace_s):
-            log.warning("grace period over: cancelling the calls still in flight", in_flight=self.drain.in_flight)
+            log.warning(
+                "grace period over: cancelling the calls still in flight",
+                in_flight=self.drain.in_flight,
+            )
         await self.server.stop(None)
 
 
@@ -300,16 +312,26 @@ async def start_server(
     TLS when ``credentials`` is given, bearer tokens required when ``tokens`` is,
     every call counted in ``metrics`` when given."""
     drain = Drain()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(tokens, metrics, drain)], options=list(CHANNEL_OPTIONS))
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(tokens, metrics, drain)], options=list(CHANNEL_OPTIONS)
+    )
     add_servicers(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *service_names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    bound = (
+        server.add_secure_port(address, credentials)
+        if credentials
+        else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()

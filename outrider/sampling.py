@@ -100,9 +100,17 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "verification", Verification(self.verification))
             except ValueError:
-                raise ValueError(f"verification must be one of {allowed}, got {self.verification!r}") from None
-        if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+                raise ValueError(
+                    f"verification must be one of {allowed}, got {self.verification!r}"
+                ) from None
+        if not (
+            _is_number(self.temperature)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
         if not (_is_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
@@ -132,7 +140,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Temperature 0 gives a point mass on the argmax (the first, on ties).
     """
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have shape [..., vocab] with vocab > 0, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must have shape [..., vocab] with vocab > 0, got {tuple(logits.shape)}"
+        )
     x = logits.detach().to(torch.float64)
     if params.temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).to(torch.float64)
@@ -325,7 +335,9 @@ def compact(probs_row: torch.Tensor) -> CompactProbs:
     scaled = (row / largest).astype(_F16)
     support = np.flatnonzero(scaled)
     if len(support) <= len(row) // 4:
-        return CompactProbs(token_ids=support.astype(_I32).tobytes(), probs=scaled[support].tobytes())
+        return CompactProbs(
+            token_ids=support.astype(_I32).tobytes(), probs=scaled[support].tobytes()
+        )
     return CompactProbs(token_ids=None, probs=scaled.tobytes())
 
 
@@ -350,7 +362,9 @@ def expand(c: CompactProbs, vocab_size: int) -> torch.Tensor:
             )
         ids = np.frombuffer(c.token_ids, dtype=_I32)
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"token_ids must be in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+            raise ValueError(
+                f"token_ids must be in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]"
+            )
         if (np.diff(ids) <= 0).any():
             raise ValueError("token_ids must be strictly ascending (no repeats)")
         row = np.zeros(vocab_size, dtype=np.float64)

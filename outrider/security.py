@@ -73,7 +73,9 @@ def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> S
 def load_tokens(path: Path) -> frozenset[str]:
     """Bearer tokens, one per line; blank lines and ``#`` comments ignored."""
     tokens = frozenset(
-        line.strip() for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
     )
     if not tokens:
         raise ValueError(f"{path} holds no token")

@@ -49,7 +49,9 @@ async def session_stream(
             kind = request.WhichOneof("kind")
             if kind == "open":
                 if opened:
-                    raise InvalidArgument("the session is already open: later messages must be rounds")
+                    raise InvalidArgument(
+                        "the session is already open: later messages must be rounds"
+                    )
                 if request.open.request_id:
                     check_request_id(request.open.request_id, what="open.request_id")
                     bind_contextvars(request_id=request.open.request_id)
@@ -62,7 +64,9 @@ async def session_stream(
                     raise
                 opened = True
                 if metrics:
-                    metrics.session_opened(len(request.open.token_ids), time.perf_counter() - started)
+                    metrics.session_opened(
+                        len(request.open.token_ids), time.perf_counter() - started
+                    )
                 log.debug("session opened", committed_len=len(request.open.token_ids))
                 yield response
             elif kind == "round":
@@ -112,7 +116,12 @@ class SessionServicer:
     ``_round``, whose jobs run on ``engine``."""
 
     def __init__(
-        self, sessions, engine: Engine | InlineEngine, *, idle_timeout_s: float, metrics: WorkerMetrics | None = None
+        self,
+        sessions,
+        engine: Engine | InlineEngine,
+        *,
+        idle_timeout_s: float,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.sessions = sessions
         self.engine = engine

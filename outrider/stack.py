@@ -43,7 +43,11 @@ class Service:
 
     @property
     def metrics_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port is not None else None
+        return (
+            f"http://127.0.0.1:{self.metrics_port}/metrics"
+            if self.metrics_port is not None
+            else None
+        )
 
 
 @dataclass
@@ -89,8 +93,16 @@ class Stack:
         label = label or name
         ready_file = self.workdir / f"{label}.port"
         command = [
-            sys.executable, "-m", "outrider", "serve", name,
-            "--port", str(port), "--ready-file", str(ready_file), *args,
+            sys.executable,
+            "-m",
+            "outrider",
+            "serve",
+            name,
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready_file),
+            *args,
         ]
         if metrics_port is not None:
             command += ["--metrics-port", str(metrics_port)]
@@ -104,15 +116,21 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while not service.ready_file.exists():
             if service.process.poll() is not None:
-                raise StackError(f"the {service.name} exited with code {service.process.returncode} while starting")
+                raise StackError(
+                    f"the {service.name} exited with code {service.process.returncode} while starting"
+                )
             if time.monotonic() > deadline:
-                raise StackError(f"the {service.name} did not become ready within {timeout_s:.0f} s")
+                raise StackError(
+                    f"the {service.name} did not become ready within {timeout_s:.0f} s"
+                )
             time.sleep(0.1)
         service.port = int(service.ready_file.read_text())
         if metrics_port_file(service.ready_file).exists():
             service.metrics_port = int(metrics_port_file(service.ready_file).read_text())
         with grpc.insecure_channel(service.address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             raise StackError(f"the {service.name} reports {status.status} instead of SERVING")
 
@@ -153,10 +171,14 @@ def start_stack(
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-up-")))
     worker_metrics_port = None if metrics_port is None else 0
     try:
-        target = stack.start("target", target_args, timeout_s=timeout_s, metrics_port=worker_metrics_port)
+        target = stack.start(
+            "target", target_args, timeout_s=timeout_s, metrics_port=worker_metrics_port
+        )
         coordinator = ["--target", target.address]
         if with_draft:
-            draft = stack.start("draft", draft_args, timeout_s=timeout_s, metrics_port=worker_metrics_port)
+            draft = stack.start(
+                "draft", draft_args, timeout_s=timeout_s, metrics_port=worker_metrics_port
+            )
             coordinator += ["--draft", draft.address]
         stack.start(
             "coordinator",
@@ -190,10 +212,15 @@ def start_shared_target_stack(
     try:
         # The workers start side by side, then the coordinators (which need the workers' ports).
         target = stack.launch("target", target_args)
-        draft_workers = {label: stack.launch("draft", args, label=f"draft-{label}") for label, args in drafts.items()}
+        draft_workers = {
+            label: stack.launch("draft", args, label=f"draft-{label}")
+            for label, args in drafts.items()
+        }
         for service in [target, *draft_workers.values()]:
             stack.wait_ready(service, timeout_s)
-        draft_flags = {label: ["--draft", draft.address] for label, draft in draft_workers.items()} or {None: []}
+        draft_flags = {
+            label: ["--draft", draft.address] for label, draft in draft_workers.items()
+        } or {None: []}
         for label, flags in draft_flags.items():
             stack.coordinators[label] = [
                 stack.launch(

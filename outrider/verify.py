@@ -24,8 +24,8 @@ so the same seed gives the same tokens whatever the round boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -158,7 +158,9 @@ def verify_rejection(
         residual = (p - q).clamp(min=0)
         if not residual.sum() > 0:
             residual = p
-        return Verdict(num_accepted=t, next_token=sample(residual, uniform(seed, Stream.TARGET, position)))
+        return Verdict(
+            num_accepted=t, next_token=sample(residual, uniform(seed, Stream.TARGET, position))
+        )
 
     # All K accepted: the bonus token comes from p_{K+1}.
     bonus = sample(target_probs[k], uniform(seed, Stream.TARGET, start_position + k))
@@ -187,7 +189,9 @@ def verify_gumbel(
             return Verdict(num_accepted=t, next_token=target_token)
 
     # All K accepted: the bonus token is the target's draw at the next position.
-    return Verdict(num_accepted=k, next_token=gumbel_draw(target_logits[k], params, start_position + k))
+    return Verdict(
+        num_accepted=k, next_token=gumbel_draw(target_logits[k], params, start_position + k)
+    )
 
 
 def point_mass(token: int, like: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,9 @@ def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
             top_p=message.top_p or 1.0,
             min_p=message.min_p,
             seed=message.seed,
-            verification=verification_from_pb(message.verification, temperature=message.temperature),
+            verification=verification_from_pb(
+                message.verification, temperature=message.temperature
+            ),
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None

@@ -29,12 +29,18 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
     device = resolve_device(config.engine.device)
     dtype = resolve_dtype(config.engine.dtype, device)
     model = models.load_causal_lm(
-        config.model, dtype=dtype, device=device, num_layers=num_layers, trust_remote_code=config.trust_remote_code
+        config.model,
+        dtype=dtype,
+        device=device,
+        num_layers=num_layers,
+        trust_remote_code=config.trust_remote_code,
     )
     return model, str(device), str(dtype).removeprefix("torch.")
 
 
-def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine | InlineEngine:
+def start_engine(
+    sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None
+) -> Engine | InlineEngine:
     """The engine that runs ``sessions``' jobs in this process: a batching
     :class:`Engine` on its own thread, or, for a worker without a model, an
     :class:`InlineEngine`."""
@@ -64,7 +70,9 @@ async def open_worker(
     time they took from the gRPC threads (docs/benchmark.md)."""
     role = importlib.import_module(module)
     sessions = await asyncio.to_thread(role.build_sessions, config)
-    engine = start_engine(sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step)
+    engine = start_engine(
+        sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step
+    )
     return sessions, engine, lambda: role.warm_up(sessions, engine)
 
 
@@ -89,9 +97,17 @@ async def serve_worker(
     with serving_metrics(address) as endpoint:
         sessions, engine, warm_up = await open_worker(module, config, on_step=on_step)
         info = sessions.info
-        log.info("worker loaded", role=role, device=info.device, dtype=info.dtype, engine=type(engine).__name__)
+        log.info(
+            "worker loaded",
+            role=role,
+            device=info.device,
+            dtype=info.dtype,
+            engine=type(engine).__name__,
+        )
         try:
-            metrics = WorkerMetrics(endpoint.registry, sessions.store, role=role) if endpoint else None
+            metrics = (
+                WorkerMetrics(endpoint.registry, sessions.store, role=role) if endpoint else None
+            )
             running = await start_server(
                 lambda server: add_servicer(sessions, engine, server, metrics),
                 [service_name],
@@ -104,7 +120,11 @@ async def serve_worker(
             # status 1) for its supervisor to restart, as vLLM's server does.
             exited = asyncio.wrap_future(engine.exited) if isinstance(engine, Engine) else None
             await serve_until_signalled(
-                running, warmup=warm_up, ready_file=address.ready_file, grace_s=address.shutdown_grace_s, until=exited
+                running,
+                warmup=warm_up,
+                ready_file=address.ready_file,
+                grace_s=address.shutdown_grace_s,
+                until=exited,
             )
             if exited is not None and exited.done() and (failure := exited.result()) is not None:
                 raise RuntimeError("the worker's engine loop failed") from failure

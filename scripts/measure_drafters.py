@@ -35,7 +35,9 @@ def prompts(n: int) -> list[str]:
     return [row["turns"][0] for row in rows[:n]]
 
 
-def measure(name: str, draft_args: list[str], questions: list[str], k: int, max_new_tokens: int) -> dict:
+def measure(
+    name: str, draft_args: list[str], questions: list[str], k: int, max_new_tokens: int
+) -> dict:
     totals = {0: [0, 0.0], k: [0, 0.0]}
     rounds = accepted = 0
     with start_stack(draft_args=draft_args, coordinator_args=["--log-level", "warning"]) as stack:
@@ -68,7 +70,9 @@ def measure(name: str, draft_args: list[str], questions: list[str], k: int, max_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
@@ -82,7 +86,9 @@ def main() -> None:
         for name, draft_args in CANDIDATES.items()
         if not args.only or name in args.only
     ]
-    print(f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} new tokens, greedy, K={args.k}\n")
+    print(
+        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} new tokens, greedy, K={args.k}\n"
+    )
     print("| drafter | tokens/s | K=0 tokens/s | mean acceptance length | speedup vs K=0 |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

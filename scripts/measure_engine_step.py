@@ -78,7 +78,11 @@ def hf_step(model, tokens: int, context: int, device: torch.device):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(torch.zeros(1, context, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    model(
+        torch.zeros(1, context, dtype=torch.long, device=device),
+        past_key_values=cache,
+        use_cache=True,
+    )
     ids = torch.ones(1, tokens, dtype=torch.long, device=device)
 
     def step():
@@ -106,22 +110,49 @@ def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int):
         for kv in caches:
             kv.crop(context)
 
-    if runner.graphs is not None and runner.graphs.bucket([Row(kv, [1] * tokens, tokens) for kv in caches]) is None:
+    if (
+        runner.graphs is not None
+        and runner.graphs.bucket([Row(kv, [1] * tokens, tokens) for kv in caches]) is None
+    ):
         raise RuntimeError(f"no CUDA graph covers {rows}×{tokens} at context {context}")
     return step
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SHAPE_DIR), help="config directory (random weights) or model (default: %(default)s)")
-    parser.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE", help="override a config value of a random-weight model, e.g. hidden_size=2048 (repeatable)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        default=str(SHAPE_DIR),
+        help="config directory (random weights) or model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value of a random-weight model, e.g. hidden_size=2048 (repeatable)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU) or a dtype")
-    parser.add_argument("--shapes", default="1x1,1x5,8x1,8x5", help="ROWSxTOKENS, comma-separated (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=512, help="cached tokens per session (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU) or a dtype"
+    )
+    parser.add_argument(
+        "--shapes",
+        default="1x1,1x5,8x1,8x5",
+        help="ROWSxTOKENS, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=512, help="cached tokens per session (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed calls per measurement (default: %(default)s)"
+    )
     parser.add_argument("--threads", type=int, help="torch threads (CPU)")
-    parser.add_argument("--no-hf", action="store_true", help="skip transformers' steps but the 1×1 unit")
+    parser.add_argument(
+        "--no-hf", action="store_true", help="skip transformers' steps but the 1×1 unit"
+    )
     parser.add_argument("--json", type=Path, help="also write the table as JSON")
     args = parser.parse_args()
     if args.threads:
@@ -136,28 +167,65 @@ def main() -> int:
         eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(rows_needed + 16, 16))
         graphed = None
         if device.type == "cuda":
-            graphed = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(rows_needed + 16, 16), cuda_graphs=True)
+            graphed = PagedRunner(
+                LlamaForward(copy.deepcopy(model)),
+                BlockPool(rows_needed + 16, 16),
+                cuda_graphs=True,
+            )
             started = time.perf_counter()
-            graphed.warm_up(max_rows=max(r for r, _ in shapes), max_tokens_per_row=max(t for _, t in shapes), progress=True)
-            print(f"captured {len(graphed.graphs.graphs)} CUDA graphs in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            graphed.warm_up(
+                max_rows=max(r for r, _ in shapes),
+                max_tokens_per_row=max(t for _, t in shapes),
+                progress=True,
+            )
+            print(
+                f"captured {len(graphed.graphs.graphs)} CUDA graphs in {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+            )
         unit = timed(hf_step(model, 1, args.context, device), args.repeats, device)
         results = []
         for rows, tokens in tqdm(shapes, desc="shapes", unit="shape"):
             row = {"shape": f"{rows}x{tokens}", "hf_ms": None, "engine_ms": None, "graph_ms": None}
             if not args.no_hf or (rows, tokens) == (1, 1):
-                row["hf_ms"] = rows * (unit if tokens == 1 else timed(hf_step(model, tokens, args.context, device), args.repeats, device))
-            row["engine_ms"] = timed(engine_step(eager, rows, tokens, args.context), args.repeats, device)
+                row["hf_ms"] = rows * (
+                    unit
+                    if tokens == 1
+                    else timed(hf_step(model, tokens, args.context, device), args.repeats, device)
+                )
+            row["engine_ms"] = timed(
+                engine_step(eager, rows, tokens, args.context), args.repeats, device
+            )
             if graphed is not None:
-                row["graph_ms"] = timed(engine_step(graphed, rows, tokens, args.context), args.repeats, device)
+                row["graph_ms"] = timed(
+                    engine_step(graphed, rows, tokens, args.context), args.repeats, device
+                )
             results.append(row)
-    print(f"\n{args.model} on {device} in {str(dtype).removeprefix('torch.')}, context {args.context}; "
-          f"transformers' 1-token step = {unit:.2f} ms\n")
+    print(
+        f"\n{args.model} on {device} in {str(dtype).removeprefix('torch.')}, context {args.context}; "
+        f"transformers' 1-token step = {unit:.2f} ms\n"
+    )
     print(f"{'rows×tokens':>12} {'hf (rows calls)':>16} {'engine':>16} {'engine graph':>16}")
     for row in results:
-        cells = [f"{row[k]:8.2f} ms {row[k] / unit:4.2f}×" if row[k] is not None else f"{'-':>16}" for k in ("hf_ms", "engine_ms", "graph_ms")]
+        cells = [
+            f"{row[k]:8.2f} ms {row[k] / unit:4.2f}×" if row[k] is not None else f"{'-':>16}"
+            for k in ("hf_ms", "engine_ms", "graph_ms")
+        ]
         print(f"{row['shape']:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "overrides": overrides, "device": str(device), "dtype": str(dtype), "context": args.context, "hf_unit_ms": unit, "rows": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "overrides": overrides,
+                    "device": str(device),
+                    "dtype": str(dtype),
+                    "context": args.context,
+                    "hf_unit_ms": unit,
+                    "rows": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -10,9 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
+from measure_drafters import prompts
 from tqdm import tqdm
 
-from measure_drafters import prompts
 from outrider import Client
 from outrider.stack import start_stack
 
@@ -20,7 +20,9 @@ DRAFT_ARGS = ["--drafter", "model", "--dtype", "bfloat16"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
@@ -30,7 +32,10 @@ def main() -> None:
 
     questions = prompts(args.prompts)
     configs = [(t, mode) for t in args.temperatures for mode in ("rejection", "gumbel")]
-    totals = {c: {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "bytes": 0, "tokens": 0} for c in configs}
+    totals = {
+        c: {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "bytes": 0, "tokens": 0}
+        for c in configs
+    }
     with start_stack(draft_args=DRAFT_ARGS) as stack, Client(stack.coordinator.address) as client:
         work = [(c, i, q) for i, q in enumerate(questions) for c in configs]  # interleaved
         for (temperature, mode), seed, question in tqdm(work, desc="sampling", unit="run"):
@@ -61,8 +66,12 @@ def main() -> None:
                 "generated_tokens": t["tokens"],
             }
         )
-    print(f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} tokens, draft: the target in bfloat16, K={args.k}\n")
-    print("| temperature | verification | acceptance rate | mean acceptance length | q bytes / round |")
+    print(
+        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} tokens, draft: the target in bfloat16, K={args.k}\n"
+    )
+    print(
+        "| temperature | verification | acceptance rate | mean acceptance length | q bytes / round |"
+    )
     print("|---:|---|---:|---:|---:|")
     for r in rows:
         print(

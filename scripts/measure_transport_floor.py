@@ -41,9 +41,13 @@ from outrider.engine import Engine
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
-DRAFT_REQUEST = pb.DraftRequest(round=pb.DraftRound(committed_len=100, new_token_ids=[7], num_draft_tokens=4))
+DRAFT_REQUEST = pb.DraftRequest(
+    round=pb.DraftRound(committed_len=100, new_token_ids=[7], num_draft_tokens=4)
+)
 PROPOSAL = pb.DraftResponse(proposal=pb.DraftProposal(draft_token_ids=[1, 2, 3, 4], compute_s=0.0))
-VERIFY_REQUEST = pb.VerifyRequest(round=pb.VerifyRound(committed_len=100, draft_token_ids=[1, 2, 3, 4]))
+VERIFY_REQUEST = pb.VerifyRequest(
+    round=pb.VerifyRound(committed_len=100, draft_token_ids=[1, 2, 3, 4])
+)
 VERDICT = pb.VerifyResponse(verdict=pb.Verdict(num_accepted=1, next_token_id=5, compute_s=0.0))
 
 
@@ -115,7 +119,9 @@ def serve_tcp(role: str, work_s: float, ports: mp.Queue) -> None:
     uvloop.run(main())
 
 
-async def rounds_grpc(target_port: int, draft_port: int, n: int, work_s: float, two_rpcs: bool, bar) -> list[float]:
+async def rounds_grpc(
+    target_port: int, draft_port: int, n: int, work_s: float, two_rpcs: bool, bar
+) -> list[float]:
     async with (
         grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as target_channel,
         grpc.aio.insecure_channel(f"127.0.0.1:{draft_port}") as draft_channel,
@@ -129,7 +135,9 @@ async def rounds_grpc(target_port: int, draft_port: int, n: int, work_s: float, 
             if two_rpcs:
                 await draft.write(DRAFT_REQUEST)
                 drafts = (await draft.read()).proposal.draft_token_ids
-            await target.write(pb.VerifyRequest(round=pb.VerifyRound(committed_len=100, draft_token_ids=drafts)))
+            await target.write(
+                pb.VerifyRequest(round=pb.VerifyRound(committed_len=100, draft_token_ids=drafts))
+            )
             await target.read()
             overheads.append(time.perf_counter() - started - work_s)
             bar.update()
@@ -168,7 +176,9 @@ def measure(shape: str, work_s: float, n: int, bar) -> float:
         if shape.startswith("tcp"):
             process = context.Process(target=serve_tcp, args=(role, work_s, queue), daemon=True)
         else:
-            process = context.Process(target=serve_grpc, args=(role, work_s, "loop" in shape, queue), daemon=True)
+            process = context.Process(
+                target=serve_grpc, args=(role, work_s, "loop" in shape, queue), daemon=True
+            )
         process.start()
         processes.append(process)
         ports.append(queue.get(timeout=60))
@@ -189,9 +199,15 @@ SHAPES = ("grpc K=0", "grpc K>0", "grpc K>0, work on the loop", "tcp K>0")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-ms", default="0,4", help="target work per round, ms, comma-separated (default: 0,4)")
-    parser.add_argument("--rounds", type=int, default=500, help="rounds per measurement (default: 500)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--work-ms", default="0,4", help="target work per round, ms, comma-separated (default: 0,4)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=500, help="rounds per measurement (default: 500)"
+    )
     args = parser.parse_args()
     works = [float(w) for w in args.work_ms.split(",")]
     results = {}

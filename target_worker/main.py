@@ -13,8 +13,8 @@ from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
 from outrider.worker import load_model, serve_worker
-from target_worker.sessions import TargetSessions, TargetInfo
 from target_worker.service import TargetWorkerService
+from target_worker.sessions import TargetInfo, TargetSessions
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
@@ -28,7 +28,9 @@ def build_sessions(config: TargetWorkerConfig) -> TargetSessions:
     info = TargetInfo(
         model_name=config.model or models.DEFAULT_MODEL,
         vocab_size=model.config.vocab_size,
-        vocab_fingerprint=models.vocab_fingerprint_of(config.model, trust_remote_code=config.trust_remote_code),
+        vocab_fingerprint=models.vocab_fingerprint_of(
+            config.model, trust_remote_code=config.trust_remote_code
+        ),
         max_context=models.context_length(model),
         device=device,
         dtype=dtype,
@@ -43,7 +45,11 @@ async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None
     """Captures the CUDA graphs (on CUDA), then runs one short session end
     to end, so the first request pays no start-up cost."""
     await engine.run(
-        functools.partial(target.runner.warm_up, max_rows=target.store.max_sessions, max_tokens_per_row=GRAPH_TOKENS_PER_ROW)
+        functools.partial(
+            target.runner.warm_up,
+            max_rows=target.store.max_sessions,
+            max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
+        )
     )
     await engine.run(target.open, "warmup", [0, 1, 2, 3])
     await engine.run(target.verify, "warmup", 4, [4, 5, 6])
@@ -51,12 +57,25 @@ async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None
 
 
 async def serve(config: TargetWorkerConfig) -> None:
-    log.info("loading target model", model=config.model or models.DEFAULT_MODEL, device=config.engine.device, dtype=config.engine.dtype)
+    log.info(
+        "loading target model",
+        model=config.model or models.DEFAULT_MODEL,
+        device=config.engine.device,
+        dtype=config.engine.dtype,
+    )
     await serve_worker(
         config,
         module=__name__,
-        add_servicer=lambda target, engine, server, metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-            TargetWorkerService(target, engine, idle_timeout_s=config.limits.session_idle_timeout_s, metrics=metrics), server
+        add_servicer=lambda target, engine, server, metrics: (
+            worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                TargetWorkerService(
+                    target,
+                    engine,
+                    idle_timeout_s=config.limits.session_idle_timeout_s,
+                    metrics=metrics,
+                ),
+                server,
+            )
         ),
         service_name=SERVICE_NAME,
         role="target",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from outrider.session_stream import SessionServicer
-from outrider.wire import probs_from_pb, sampling_from_pb
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
+from outrider.wire import probs_from_pb, sampling_from_pb
 from target_worker.sessions import TargetSessions
 
 
@@ -14,7 +14,10 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
         committed_len, compute_s = await self.engine.timed(
-            self.sessions.open, session_id, list(request.token_ids), sampling_from_pb(request.sampling)
+            self.sessions.open,
+            session_id,
+            list(request.token_ids),
+            sampling_from_pb(request.sampling),
         )
         return pb.VerifyResponse(
             opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)

@@ -37,7 +37,9 @@ class TargetSessions:
         self.store = store
         self.info = info
 
-    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Job:
+    def open(
+        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
+    ) -> Job:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. Returns the committed length."""
         if not tokens:
@@ -76,7 +78,9 @@ class TargetSessions:
             if session.sampling.is_greedy:
                 verdict = verify_greedy(draft_tokens, out.argmax)
             else:
-                verdict = verify(draft_tokens, q, out.rows, session.sampling, start_position=committed_len)
+                verdict = verify(
+                    draft_tokens, q, out.rows, session.sampling, start_position=committed_len
+                )
         except ValueError as exc:  # e.g. a draft token its own q gives no mass
             kv.crop(len(session.tokens) - 1)  # the round never happened
             raise InvalidArgument(str(exc)) from None
@@ -93,7 +97,9 @@ class TargetSessions:
         if not rows:
             return None
         if len(rows) != k:
-            raise InvalidArgument(f"{len(rows)} draft_probs rows for {k} draft tokens: send one per token or none")
+            raise InvalidArgument(
+                f"{len(rows)} draft_probs rows for {k} draft tokens: send one per token or none"
+            )
         try:
             return torch.stack([expand(row, self.info.vocab_size) for row in rows])
         except ValueError as exc:

@@ -30,7 +30,9 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-target"), tiny_tokenizer_dir, seed=TARGET_SEED)
+    return build_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny-target"), tiny_tokenizer_dir, seed=TARGET_SEED
+    )
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +43,9 @@ def tiny_draft_same_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_other_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+def tiny_draft_other_dir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path
+) -> Path:
     return build_tiny_model_dir(
         tmp_path_factory.mktemp("tiny-draft-other"), tiny_tokenizer_dir, seed=OTHER_DRAFT_SEED
     )

@@ -107,14 +107,18 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokeniz
     return _save(_train_bpe(tokenizer, trainer), path)
 
 
-def build_tiny_sentencepiece_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tiny_sentencepiece_tokenizer(
+    path: Path, vocab_size: int = 512
+) -> PreTrainedTokenizerFast:
     """Train a Llama-2-style BPE tokenizer (`▁` spaces, byte fallback), save it to `path` and return it.
 
     Its decoder drops the leading space of the decoded text, so `decode([▁world])` is
     "world" while `decode([▁hello, ▁world])` is "hello world".
     """
     tokenizer = Tokenizer(models.BPE(byte_fallback=True, fuse_unk=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first", split=True
+    )
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 256,
         min_frequency=2,
@@ -130,7 +134,9 @@ def build_tiny_sentencepiece_tokenizer(path: Path, vocab_size: int = 512) -> Pre
     ordered = sorted(old_vocab, key=old_vocab.__getitem__)
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     n_special = len(SPECIAL_TOKENS)
-    new_order = ordered[:n_special] + byte_tokens + [t for t in ordered[n_special:] if t not in byte_tokens]
+    new_order = (
+        ordered[:n_special] + byte_tokens + [t for t in ordered[n_special:] if t not in byte_tokens]
+    )
     trained["model"]["vocab"] = {token: i for i, token in enumerate(new_order)}
     trained["model"]["byte_fallback"] = True
     trained["model"]["unk_token"] = None
@@ -192,7 +198,9 @@ def build_tiny_llama(
     return path
 
 
-def build_tiny_model_dir(path: Path, tokenizer_dir: Path, *, seed: int, **llama_kwargs: Any) -> Path:
+def build_tiny_model_dir(
+    path: Path, tokenizer_dir: Path, *, seed: int, **llama_kwargs: Any
+) -> Path:
     """A self-contained model directory: a tiny Llama sized to the tokenizer, plus the tokenizer files."""
     tokenizer_files = [f for f in sorted(tokenizer_dir.iterdir()) if f.is_file()]
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))

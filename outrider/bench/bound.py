@@ -105,7 +105,13 @@ class Bound:
 
 def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = False) -> Bound | None:
     """The bound of a configuration (``pipelined``: of pipelined rounds); None without the time split or rounds."""
-    if None in (totals.draft_time_s, totals.verify_time_s, totals.rpc_time_s, target_only.verify_time_s, target_only.rpc_time_s):
+    if None in (
+        totals.draft_time_s,
+        totals.verify_time_s,
+        totals.rpc_time_s,
+        target_only.verify_time_s,
+        target_only.rpc_time_s,
+    ):
         return None
     if not totals.rounds or not target_only.rounds:
         return None
@@ -122,5 +128,7 @@ def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = Fal
         t_draft_s=totals.draft_time_s / totals.draft_tokens if totals.draft_tokens else 0.0,
         t_verify_s=totals.verify_time_s / totals.rounds,
         t_rpc_s=totals.rpc_time_s / totals.rounds,
-        hit_rate=(totals.speculation_hits / speculated if speculated else 0.0) if pipelined else None,
+        hit_rate=(totals.speculation_hits / speculated if speculated else 0.0)
+        if pipelined
+        else None,
     )

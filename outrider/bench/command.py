@@ -61,7 +61,9 @@ class BenchOptions:
 def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
     common = ("--log-level", options.log_level)
     workers = [*common, "--threads", str(options.threads), "--device", options.device]
-    if options.concurrency:  # every stream holds a session on each worker, and one may linger as the next opens
+    if (
+        options.concurrency
+    ):  # every stream holds a session on each worker, and one may linger as the next opens
         workers += ["--max-sessions", str(max(64, 2 * max(options.concurrency)))]
     max_k = str(max(16, *options.ks))
     target = [*workers, "--dtype", options.dtype]
@@ -74,7 +76,12 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
     for label, args in drafts.items():
         if "--dtype" not in args and "prompt-lookup" not in args:
             args += ["--dtype", options.dtype]
-    return dict(target_args=target, drafts=drafts, coordinator_args=coordinator, coordinator_replicas=options.coordinators)
+    return dict(
+        target_args=target,
+        drafts=drafts,
+        coordinator_args=coordinator,
+        coordinator_replicas=options.coordinators,
+    )
 
 
 def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
@@ -101,10 +108,16 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     with ExitStack() as cleanup:
         services = f"{len(drafters)} draft worker + coordinator pairs"
         if options.coordinators > 1:
-            services = f"{len(drafters)} draft workers, each with {options.coordinators} coordinators"
+            services = (
+                f"{len(drafters)} draft workers, each with {options.coordinators} coordinators"
+            )
         print(f"Starting 1 target worker and {services} ...", file=sys.stderr, flush=True)
         stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
-        hf = HuggingFace(model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos) if options.hf else None
+        hf = (
+            HuggingFace(model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos)
+            if options.hf
+            else None
+        )
         if options.concurrency:
             report = _concurrency_report(options, stack, hf, prompts, meta)
         else:
@@ -133,7 +146,9 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         endpoint = OutriderEndpoint(services[0].address, ignore_eos=options.ignore_eos)
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
-    configs = outrider_configs(endpoints, options.ks, adaptive=options.adaptive, pipelined=options.pipelined)
+    configs = outrider_configs(
+        endpoints, options.ks, adaptive=options.adaptive, pipelined=options.pipelined
+    )
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.ks)
         configs = [generate, *configs, *assisted]
@@ -149,7 +164,9 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         label: Replicas([s.address for s in services], ignore_eos=options.ignore_eos)
         for label, services in stack.coordinators.items()
     }
-    configs = outrider_load_configs(replicas, options.ks, adaptive=options.adaptive, pipelined=options.pipelined)
+    configs = outrider_load_configs(
+        replicas, options.ks, adaptive=options.adaptive, pipelined=options.pipelined
+    )
     if hf is not None:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
@@ -181,7 +198,11 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
         "prompt_files": [str(p) for p in options.prompt_files],
         "limit": options.limit,
         "threads": options.threads,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
     if options.concurrency:
@@ -194,9 +215,13 @@ def parse_concurrency_list(raw: str) -> list[int]:
     try:
         levels = {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
-        raise ValueError(f"--concurrency {raw!r}: give comma-separated integers, e.g. 1,8,32,64") from None
+        raise ValueError(
+            f"--concurrency {raw!r}: give comma-separated integers, e.g. 1,8,32,64"
+        ) from None
     if not levels or any(n < 1 for n in levels):
-        raise ValueError(f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1")
+        raise ValueError(
+            f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1"
+        )
     return sorted(levels | {1})
 
 
@@ -204,7 +229,9 @@ def options_from_args(args: Any) -> BenchOptions:
     """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`; raises ValueError on bad flags."""
     files = tuple(Path(p) for p in (args.prompts or default_prompt_files()))
     if not files:
-        raise ValueError("give --prompts FILE (the default, ../shared/data/mt_bench/question.jsonl, is not here)")
+        raise ValueError(
+            "give --prompts FILE (the default, ../shared/data/mt_bench/question.jsonl, is not here)"
+        )
     for path in files:
         if not path.is_file():
             raise ValueError(f"--prompts {path}: no such file")
@@ -215,7 +242,9 @@ def options_from_args(args: Any) -> BenchOptions:
     if args.coordinators < 1:
         raise ValueError("--coordinators must be at least 1")
     if args.coordinators > 1 and not args.concurrency:
-        raise ValueError("--coordinators needs --concurrency (one request at a time needs one coordinator)")
+        raise ValueError(
+            "--coordinators needs --concurrency (one request at a time needs one coordinator)"
+        )
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
         parse_drafter(d, target_model=None)

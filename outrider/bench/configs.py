@@ -69,7 +69,9 @@ def outrider_variants(
             continue
         synchronous = [OutriderVariant(f"outrider-{label}-k{k}", label, label, k) for k in ks]
         if adaptive:
-            synchronous.append(OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True))
+            synchronous.append(
+                OutriderVariant(f"outrider-{label}-adaptive", label, label, None, adaptive=True)
+            )
         for v in synchronous:
             variants.append(v)
             if pipelined:
@@ -90,7 +92,9 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
     if match := re.fullmatch(r"early-exit-(\d+)", spec):
         layers = match.group(1)
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
-    raise ValueError(f"unknown drafter {spec!r}: use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)")
+    raise ValueError(
+        f"unknown drafter {spec!r}: use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)"
+    )
 
 
 def parse_k_list(raw: str) -> list[int]:
@@ -99,5 +103,7 @@ def parse_k_list(raw: str) -> list[int]:
     except ValueError:
         raise ValueError(f"--k {raw!r}: give comma-separated integers, e.g. 4,8") from None
     if not ks or any(k < 1 for k in ks):
-        raise ValueError(f"--k {raw!r}: give one or more K of at least 1 (K=0 always runs as outrider-k0)")
+        raise ValueError(
+            f"--k {raw!r}: give one or more K of at least 1 (K=0 always runs as outrider-k0)"
+        )
     return ks

@@ -20,7 +20,13 @@ class OutriderEndpoint:
         self.ignore_eos = ignore_eos
 
     def generate(
-        self, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool = False, pipeline: bool = False
+        self,
+        prompt: Prompt,
+        max_new_tokens: int,
+        *,
+        k: int | None,
+        adaptive: bool = False,
+        pipeline: bool = False,
     ) -> Measurement:
         """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``);
         pipelined rounds or not (sent either way, never left to the server's default)."""
@@ -42,17 +48,25 @@ class OutriderEndpoint:
 
 
 def outrider_configs(
-    endpoints: Mapping[str | None, OutriderEndpoint], ks: Sequence[int], *, adaptive: bool, pipelined: bool
+    endpoints: Mapping[str | None, OutriderEndpoint],
+    ks: Sequence[int],
+    *,
+    adaptive: bool,
+    pipelined: bool,
 ) -> list[Config]:
     """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K, each
     synchronous and (with ``pipelined``) pipelined."""
     return [
         Config(
-            v.name, "outrider",
+            v.name,
+            "outrider",
             lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.generate(
                 p, n, k=k, adaptive=a, pipeline=pl
             ),
-            v.drafter, v.k, v.adaptive, v.pipeline,
+            v.drafter,
+            v.k,
+            v.adaptive,
+            v.pipeline,
         )  # fmt: skip
         for v in outrider_variants(list(endpoints), ks, adaptive=adaptive, pipelined=pipelined)
     ]

@@ -51,7 +51,9 @@ def rounds_from_forward_calls(
 class HuggingFace:
     """The stock target (and its assistants: bfloat16, int4) in this process."""
 
-    def __init__(self, model_dir: str, dtype: str, device: str = "auto", *, ignore_eos: bool = False) -> None:
+    def __init__(
+        self, model_dir: str, dtype: str, device: str = "auto", *, ignore_eos: bool = False
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,7 +64,11 @@ class HuggingFace:
         self.device = resolve_device(device)
         self.ignore_eos = ignore_eos
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            .to(self.device)
+            .eval()
+        )
         self._assistants: dict[str, Any] = {}
         self._calls: list[tuple[int, int]] = []
         eos = self.model.generation_config.eos_token_id
@@ -93,7 +99,9 @@ class HuggingFace:
     def _record_call(self, module, args, kwargs) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("past_key_values")
-        self._calls.append((int(input_ids.shape[1]), int(cache.get_seq_length()) if cache is not None else 0))
+        self._calls.append(
+            (int(input_ids.shape[1]), int(cache.get_seq_length()) if cache is not None else 0)
+        )
 
     def assistant(self, kind: str):
         """The target's checkpoint as an assistant, loaded on first use:
@@ -105,7 +113,11 @@ class HuggingFace:
             from outrider.quantize import quantize_linears
 
             dtype = self._torch.bfloat16 if kind == "bf16" else self.model.dtype
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+            model = (
+                AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+                .to(self.device)
+                .eval()
+            )
             if kind == "int4":
                 quantize_linears(model)
             self._assistants[kind] = model
@@ -121,7 +133,11 @@ class HuggingFace:
         config = assistant.generation_config
         defaults = self.model.generation_config
         values = (
-            (defaults.num_assistant_tokens, defaults.num_assistant_tokens_schedule, defaults.assistant_confidence_threshold)
+            (
+                defaults.num_assistant_tokens,
+                defaults.num_assistant_tokens_schedule,
+                defaults.assistant_confidence_threshold,
+            )
             if k is None
             else (k, "constant", 0.0)
         )
@@ -157,7 +173,9 @@ class HuggingFace:
             )
         wall_s = time.perf_counter() - started
         generated = out[0, len(ids) :].tolist()
-        draft, accepted, per_position = rounds_from_forward_calls(self._calls, len(ids), len(ids) + len(generated))
+        draft, accepted, per_position = rounds_from_forward_calls(
+            self._calls, len(ids), len(ids) + len(generated)
+        )
         return Measurement(
             token_ids=tuple(self.cut_at_eos(generated)),
             prompt_tokens=len(ids),
@@ -185,20 +203,30 @@ class HuggingFace:
                 for k in ks:
                     configs.append(
                         Config(
-                            f"hf-assisted-{drafter.label}-k{k}", "hf", self._assisted(drafter.hf_peer, k),
-                            drafter.label, k,
+                            f"hf-assisted-{drafter.label}-k{k}",
+                            "hf",
+                            self._assisted(drafter.hf_peer, k),
+                            drafter.label,
+                            k,
                         )  # fmt: skip
                     )
                 configs.append(
-                    Config(f"hf-assisted-{drafter.label}-default", "hf", self._assisted(drafter.hf_peer, None), drafter.label)
+                    Config(
+                        f"hf-assisted-{drafter.label}-default",
+                        "hf",
+                        self._assisted(drafter.hf_peer, None),
+                        drafter.label,
+                    )
                 )
             elif drafter.hf_peer == "prompt-lookup":
                 for k in ks:
                     configs.append(
                         Config(
-                            f"hf-assisted-prompt-lookup-k{k}", "hf",
+                            f"hf-assisted-prompt-lookup-k{k}",
+                            "hf",
                             lambda p, n, k=k: self.generate(p, n, prompt_lookup_num_tokens=k),
-                            drafter.label, k,
+                            drafter.label,
+                            k,
                         )  # fmt: skip
                     )
         return configs

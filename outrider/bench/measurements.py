@@ -135,7 +135,9 @@ def aggregate(measurements: Sequence[Measurement]) -> Totals:
         for i, n in enumerate(m.accepted_per_position):
             per_position[i] += n
     overheads = [m.overhead_s for m in measurements if m.overhead_s is not None]
-    critical_paths = [m.critical_path_overhead_s for m in measurements if m.critical_path_overhead_s is not None]
+    critical_paths = [
+        m.critical_path_overhead_s for m in measurements if m.critical_path_overhead_s is not None
+    ]
     return Totals(
         prompts=len(measurements),
         generated_tokens=sum(m.generated_tokens for m in measurements),

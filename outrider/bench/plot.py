@@ -30,7 +30,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         (f"{c} ({report['prompt_counts'][c]})", [r["by_category"][c]["speedup"] for r in rows])
         for c in report["categories"]
     ]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(11, 0.95 * len(rows) + 4), 10), sharex=True)
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(11, 0.95 * len(rows) + 4), 10), sharex=True
+    )
 
     # 1. Speedup, one bar per category, the all-prompts bar first and labelled.
     width = 0.8 / len(groups)
@@ -42,7 +44,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
             top.bar_label(bars, labels=[f"{v:.2f}" for v in heights], fontsize=7, padding=2)
     top.axhline(1.0, color="grey", linewidth=1, linestyle="--")
     top.set_ylabel(f"speedup vs {report['baseline']} (tokens/s ratio)")
-    top.set_title(f"Speedup by configuration and prompt category — {report.get('title', '')}".rstrip(" —"))
+    top.set_title(
+        f"Speedup by configuration and prompt category — {report.get('title', '')}".rstrip(" —")
+    )
     top.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small", title="prompts")
     top.grid(axis="y", alpha=0.3)
     top.set_ylim(0, max([v or 0 for _, values in groups for v in values] + [1.0]) * 1.15)
@@ -51,7 +55,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     rates = [r["acceptance_rate"] for r in rows]
     lengths = [r["mean_acceptance_length"] or 0 for r in rows]
     rate_bars = bottom.bar([i - 0.2 for i in x], [v or 0 for v in rates], 0.4, color="tab:blue")
-    bottom.bar_label(rate_bars, labels=["" if v is None else f"{v:.2f}" for v in rates], fontsize=7, padding=2)
+    bottom.bar_label(
+        rate_bars, labels=["" if v is None else f"{v:.2f}" for v in rates], fontsize=7, padding=2
+    )
     bottom.set_ylabel("acceptance rate (accepted / drafted)")
     bottom.set_ylim(0, 1.12)
     right = bottom.twinx()
@@ -69,7 +75,13 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     for label, row in zip(bottom.get_xticklabels(), rows):
         label.set_color("tab:red" if row["family"] == "hf" else "black")
     bottom.grid(axis="y", alpha=0.3)
-    fig.text(0.01, 0.01, "Hugging Face configurations in red, Outrider in black.", fontsize=8, color="0.3")
+    fig.text(
+        0.01,
+        0.01,
+        "Hugging Face configurations in red, Outrider in black.",
+        fontsize=8,
+        color="0.3",
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

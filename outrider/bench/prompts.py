@@ -10,7 +10,9 @@ from pathlib import Path
 
 def default_prompt_files() -> list[Path]:
     """MT-Bench from the shared data next to the repository, if it is there."""
-    mt_bench = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+    mt_bench = (
+        Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+    )
     return [mt_bench] if mt_bench.is_file() else []
 
 
@@ -61,5 +63,9 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
         else:
             raise ValueError(f"{path}:{number}: a row needs `turns` (a non-empty list) or `prompt`")
         ident = row.get("question_id", row.get("task_id", number))
-        prompts.append(Prompt(id=f"{path.stem}:{ident}", category=str(row.get("category") or fallback), text=text))
+        prompts.append(
+            Prompt(
+                id=f"{path.stem}:{ident}", category=str(row.get("category") or fallback), text=text
+            )
+        )
     return prompts

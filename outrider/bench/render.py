@@ -29,7 +29,11 @@ def _hits(row: Mapping[str, Any]) -> str:
     """A pipelined configuration's hit rate and its hits/misses: ``.62 (31/19)``; ``-`` when synchronous."""
     if not row.get("pipeline"):
         return "-"
-    rate = "-" if row["speculation_hit_rate"] is None else f"{row['speculation_hit_rate']:.2f}".lstrip("0")
+    rate = (
+        "-"
+        if row["speculation_hit_rate"] is None
+        else f"{row['speculation_hit_rate']:.2f}".lstrip("0")
+    )
     return f"{rate} ({row['speculation_hits']}/{row['speculation_misses']})"
 
 
@@ -80,7 +84,9 @@ def category_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
 
 def headline_lines(report: Mapping[str, Any]) -> list[str]:
     h = report["headline"]
-    lines = [f"speedup = tokens/s ÷ tokens/s of {report['baseline']}; greedy, same prompts, interleaved."]
+    lines = [
+        f"speedup = tokens/s ÷ tokens/s of {report['baseline']}; greedy, same prompts, interleaved."
+    ]
     if h["best_outrider"] and h["best_hf_assisted"]:
         lines.append(
             f"best Outrider ({h['best_outrider']}) ÷ best HF assisted ({h['best_hf_assisted']}): "
@@ -88,12 +94,16 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         )
     if h["outrider_k0_over_hf_generate"] is not None:
         verdict = "within 5%" if h["outrider_k0_within_5pct_of_hf_generate"] else "NOT within 5%"
-        lines.append(f"outrider-k0 ÷ hf-generate: {h['outrider_k0_over_hf_generate']:.3f} ({verdict})")
+        lines.append(
+            f"outrider-k0 ÷ hf-generate: {h['outrider_k0_over_hf_generate']:.3f} ({verdict})"
+        )
     if h["achieved_over_bound"]:
         parts = ", ".join(f"{n} {v:.2f}" for n, v in h["achieved_over_bound"].items())
         lines.append(f"achieved/bound (vs outrider-k0): {parts}")
     if h["max_overhead_ms_per_round_p50"] is not None:
-        lines.append(f"overhead per round (RPC + coordinator), p50, worst config: {h['max_overhead_ms_per_round_p50']:.2f} ms")
+        lines.append(
+            f"overhead per round (RPC + coordinator), p50, worst config: {h['max_overhead_ms_per_round_p50']:.2f} ms"
+        )
     if h.get("pipelined_over_synchronous"):
         parts = ", ".join(
             f"{n} {fmt(v['tokens_per_s'])} (critical path p50 {fmt(v['critical_path_ms_p50'][0])} → "
@@ -104,11 +114,16 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
     if report["mismatches"]:
         lines.append(
             f"MISMATCH: {len(report['mismatches'])} (config, prompt) outputs differ from {report['mismatch_reference']}: "
-            + "; ".join(f"{m['config']} on {m['prompt']} at token {m['first_difference_at']}" for m in report["mismatches"][:12])
+            + "; ".join(
+                f"{m['config']} on {m['prompt']} at token {m['first_difference_at']}"
+                for m in report["mismatches"][:12]
+            )
             + (" …" if len(report["mismatches"]) > 12 else "")
         )
     else:
-        lines.append(f"outputs: every configuration produced the same tokens as {report['mismatch_reference']} on every prompt.")
+        lines.append(
+            f"outputs: every configuration produced the same tokens as {report['mismatch_reference']} on every prompt."
+        )
     return lines
 
 
@@ -118,7 +133,9 @@ def render(report: Mapping[str, Any], out=None) -> None:
     print_tables(tables, headline_lines(report), out or sys.stdout)
 
 
-def print_tables(tables: Sequence[tuple[str, list[str], list[list[str]]]], lines: Sequence[str], out) -> None:
+def print_tables(
+    tables: Sequence[tuple[str, list[str], list[list[str]]]], lines: Sequence[str], out
+) -> None:
     """(title, header, rows) tables, then lines; rows with a non-zero ``mismatch`` cell and lines
     starting with MISMATCH in bold red (with rich when it is installed, else plain text)."""
     try:
@@ -135,7 +152,9 @@ def print_tables(tables: Sequence[tuple[str, list[str], list[list[str]]]], lines
     for title, header, rows in tables:
         table = Table(title=title, title_justify="left")
         for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 or name.startswith("accepted") else "right")
+            table.add_column(
+                name, justify="left" if i == 0 or name.startswith("accepted") else "right"
+            )
         column = header.index("mismatch") if "mismatch" in header else None
         for row in rows:
             mismatch = column is not None and any(c in "123456789" for c in row[column])

@@ -26,7 +26,9 @@ REQUIRED_CONFIG_KEYS = (
 
 def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
     """The index of the first token that differs (the shorter length when one is a prefix of the other)."""
-    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    return next(
+        (i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
+    )
 
 
 def find_mismatches(
@@ -66,11 +68,19 @@ def milliseconds(seconds: float | None) -> float | None:
     return None if seconds is None else 1000.0 * seconds
 
 
-def summarize_config(config: Config, totals: Totals, baseline: Totals, target_only: Totals | None) -> dict[str, Any]:
+def summarize_config(
+    config: Config, totals: Totals, baseline: Totals, target_only: Totals | None
+) -> dict[str, Any]:
     """One entry of the report's ``configs``."""
     outrider = config.family == "outrider"
-    bound = analytic_bound(totals, target_only, pipelined=config.pipeline) if outrider and target_only else None
-    achieved = ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and outrider else None
+    bound = (
+        analytic_bound(totals, target_only, pipelined=config.pipeline)
+        if outrider and target_only
+        else None
+    )
+    achieved = (
+        ratio(totals.tokens_per_s, target_only.tokens_per_s) if target_only and outrider else None
+    )
     row = {
         "name": config.name,
         "family": config.family,
@@ -92,13 +102,17 @@ def summarize_config(config: Config, totals: Totals, baseline: Totals, target_on
         "accepted_per_position": list(totals.accepted_per_position),
         "speculation_hits": totals.speculation_hits if config.pipeline else None,
         "speculation_misses": totals.speculation_misses if config.pipeline else None,
-        "speculation_hit_rate": round_or_none(totals.speculation_hit_rate) if config.pipeline else None,
+        "speculation_hit_rate": round_or_none(totals.speculation_hit_rate)
+        if config.pipeline
+        else None,
         "draft_ms_per_round": round_or_none(totals.per_round_ms(totals.draft_time_s), 3),
         "verify_ms_per_round": round_or_none(totals.per_round_ms(totals.verify_time_s), 3),
         "rpc_ms_per_round": round_or_none(totals.per_round_ms(totals.rpc_time_s), 3),
         "overhead_ms_per_round": round_or_none(milliseconds(totals.overhead_s_p50), 3),
         "critical_path_ms_p50": round_or_none(milliseconds(totals.critical_path_overhead_s_p50), 3),
-        "expected_tokens_per_round": round_or_none(bound.expected_tokens_per_round if bound else None),
+        "expected_tokens_per_round": round_or_none(
+            bound.expected_tokens_per_round if bound else None
+        ),
         "mean_draft_tokens_per_round": round_or_none(bound.mean_draft_tokens if bound else None),
         "bound_round_ms": round_or_none(milliseconds(bound.round_time_s) if bound else None, 3),
         "bound_speedup": round_or_none(bound.speedup if bound else None),
@@ -127,27 +141,46 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
     best_outrider = max(speculative, key=lambda r: r["tokens_per_s"], default=None)
     best_hf = max(assisted, key=lambda r: r["tokens_per_s"], default=None)
     k0, hf = by_name.get(TARGET_ONLY), by_name.get(BASELINE)
-    bounds = {r["name"]: r["achieved_over_bound"] for r in rows if r.get("achieved_over_bound") is not None}
-    overheads = [r["overhead_ms_per_round"] for r in rows if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None]
-    twins = {r["name"]: by_name.get(r["name"].removesuffix(PIPELINED)) for r in rows if r.get("pipeline")}
+    bounds = {
+        r["name"]: r["achieved_over_bound"]
+        for r in rows
+        if r.get("achieved_over_bound") is not None
+    }
+    overheads = [
+        r["overhead_ms_per_round"]
+        for r in rows
+        if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None
+    ]
+    twins = {
+        r["name"]: by_name.get(r["name"].removesuffix(PIPELINED)) for r in rows if r.get("pipeline")
+    }
     k0_vs_hf = ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
     return {
         "baseline": baseline,
         "best_outrider": best_outrider["name"] if best_outrider else None,
         "best_hf_assisted": best_hf["name"] if best_hf else None,
         "best_outrider_over_best_hf_assisted": round_or_none(
-            ratio(best_outrider["tokens_per_s"], best_hf["tokens_per_s"]) if best_outrider and best_hf else None
+            ratio(best_outrider["tokens_per_s"], best_hf["tokens_per_s"])
+            if best_outrider and best_hf
+            else None
         ),
         "outrider_k0_over_hf_generate": round_or_none(k0_vs_hf),
-        "outrider_k0_within_5pct_of_hf_generate": None if k0_vs_hf is None else abs(k0_vs_hf - 1) <= 0.05,
+        "outrider_k0_within_5pct_of_hf_generate": None
+        if k0_vs_hf is None
+        else abs(k0_vs_hf - 1) <= 0.05,
         "achieved_over_bound": bounds,
         "min_achieved_over_bound": min(bounds.values(), default=None),
         "max_overhead_ms_per_round_p50": max(overheads, default=None),
         "pipelined_over_synchronous": {
             name: {
                 "synchronous": twin["name"],
-                "tokens_per_s": round_or_none(ratio(by_name[name]["tokens_per_s"], twin["tokens_per_s"])),
-                "critical_path_ms_p50": [twin["critical_path_ms_p50"], by_name[name]["critical_path_ms_p50"]],
+                "tokens_per_s": round_or_none(
+                    ratio(by_name[name]["tokens_per_s"], twin["tokens_per_s"])
+                ),
+                "critical_path_ms_p50": [
+                    twin["critical_path_ms_p50"],
+                    by_name[name]["critical_path_ms_p50"],
+                ],
             }
             for name, twin in twins.items()
             if twin is not None
@@ -167,7 +200,13 @@ def build_report(
     categories = sorted({p.category for p in prompts})
 
     def totals_of(name: str, category: str | None = None) -> Totals:
-        return aggregate([m for p, m in zip(prompts, results[name]) if category is None or p.category == category])
+        return aggregate(
+            [
+                m
+                for p, m in zip(prompts, results[name])
+                if category is None or p.category == category
+            ]
+        )
 
     base = totals_of(baseline)
     target_only = totals_of(TARGET_ONLY) if TARGET_ONLY in results else None
@@ -175,11 +214,16 @@ def build_report(
     for config in configs:
         row = summarize_config(config, totals_of(config.name), base, target_only)
         row["by_category"] = {
-            c: summarize_category(totals_of(config.name, c), totals_of(baseline, c)) for c in categories
+            c: summarize_category(totals_of(config.name, c), totals_of(baseline, c))
+            for c in categories
         }
         rows.append(row)
     reference = BASELINE if BASELINE in results else TARGET_ONLY
-    mismatches = find_mismatches({n: results[n] for n in names}, prompts, reference) if reference in results else []
+    mismatches = (
+        find_mismatches({n: results[n] for n in names}, prompts, reference)
+        if reference in results
+        else []
+    )
     for row in rows:
         row["mismatches"] = sum(1 for m in mismatches if m["config"] == row["name"])
     return {

@@ -30,7 +30,9 @@ def run_interleaved(
     from tqdm import tqdm
 
     results: dict[str, list[Measurement | None]] = {c.name: [None] * len(prompts) for c in configs}
-    with tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress) as bar:
+    with tqdm(
+        total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress
+    ) as bar:
         for i, prompt in enumerate(prompts):
             for config in interleaved_order(configs, i):
                 bar.set_postfix_str(f"{prompt.id} {config.name}")
@@ -39,13 +41,17 @@ def run_interleaved(
     return results  # type: ignore[return-value]
 
 
-def warm_up(configs: Sequence[Config], prompt: Prompt, max_new_tokens: int, *, progress: bool = True) -> dict[str, Measurement]:
+def warm_up(
+    configs: Sequence[Config], prompt: Prompt, max_new_tokens: int, *, progress: bool = True
+) -> dict[str, Measurement]:
     """One untimed request per configuration (first-call costs, connections)."""
     from tqdm import tqdm
 
     return {
         config.name: _run_one(config, prompt, max_new_tokens)
-        for config in tqdm(configs, desc="warm-up", unit="config", disable=not progress, leave=False)
+        for config in tqdm(
+            configs, desc="warm-up", unit="config", disable=not progress, leave=False
+        )
     }
 
 
@@ -62,7 +68,11 @@ def _run_one(config: Config, prompt: Prompt, max_new_tokens: int) -> Measurement
 def failure_detail(exc: BaseException) -> str:
     """A gRPC error as ``CODE: details``, anything else as its message."""
     code = getattr(exc, "code", None)
-    return f"{code().name}: {exc.details()}" if callable(code) and hasattr(exc, "details") else str(exc)
+    return (
+        f"{code().name}: {exc.details()}"
+        if callable(code) and hasattr(exc, "details")
+        else str(exc)
+    )
 
 
 IGNORED_BECAUSE = {"adaptive": "K was fixed", "pipeline": "the rounds were not pipelined"}

@@ -36,17 +36,24 @@ def build_runner(
 
     def budget() -> int:
         return worker_cache_budget(
-            model, max_sessions=limits.max_sessions, max_context=max_context, max_cached_tokens=limits.max_cached_tokens
+            model,
+            max_sessions=limits.max_sessions,
+            max_context=max_context,
+            max_cached_tokens=limits.max_cached_tokens,
         )
 
     if (reason := llama.unsupported(model)) is not None:
         if int4_group_size is not None:
-            raise ValueError(f"the int4 drafter runs the Llama-family forward only, and this model cannot: {reason}")
+            raise ValueError(
+                f"the int4 drafter runs the Llama-family forward only, and this model cannot: {reason}"
+            )
         log.warning("model runs on the unbatched fallback runner", reason=reason)
         return FallbackRunner(model, BlockPool(budget(), 1))
     started = time.perf_counter()
     # Quantizing frees memory, so it comes before the budget; its bar only on a terminal.
-    forward = llama.LlamaForward(model, int4_group_size=int4_group_size, progress=sys.stderr.isatty())
+    forward = llama.LlamaForward(
+        model, int4_group_size=int4_group_size, progress=sys.stderr.isatty()
+    )
     if int4_group_size is not None:
         log.info(
             "weights quantized",
@@ -56,4 +63,6 @@ def build_runner(
             seconds=round(time.perf_counter() - started, 2),
         )
     pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
-    return PagedRunner(forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda")
+    return PagedRunner(
+        forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda"
+    )

@@ -97,7 +97,14 @@ class _Activity:
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
-        self.started, self.steps, self.rows, self.tokens, self.forward_s, self.idle_s = now, 0, 0, 0, 0.0, 0.0
+        self.started, self.steps, self.rows, self.tokens, self.forward_s, self.idle_s = (
+            now,
+            0,
+            0,
+            0,
+            0.0,
+            0.0,
+        )
 
     def record(self, stats: StepStats, waiting: int) -> None:
         self.steps += 1
@@ -209,7 +216,11 @@ class _Call:
         if self.reply is not None:
             self.reply(False, exc, 0.0)
         else:
-            log.error("engine call failed", call=getattr(self.fn, "__name__", repr(self.fn)), error=repr(exc))
+            log.error(
+                "engine call failed",
+                call=getattr(self.fn, "__name__", repr(self.fn)),
+                error=repr(exc),
+            )
 
 
 class Engine:
@@ -237,7 +248,9 @@ class Engine:
         self.exited: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
         """Set when the loop ends: to None after :meth:`shutdown`, to the
         exception that ended it otherwise (the worker then stops)."""
-        self._thread = threading.Thread(target=self._serve, args=(torch_threads,), name="engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(torch_threads,), name="engine", daemon=True
+        )
         self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -250,7 +263,9 @@ class Engine:
         to its end (its steps, shared with other sessions, included)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.enqueue(fn, args, lambda ok, value, seconds: _post(loop, _settle, future, ok, value, seconds))
+        self.enqueue(
+            fn, args, lambda ok, value, seconds: _post(loop, _settle, future, ok, value, seconds)
+        )
         return await future
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
@@ -282,10 +297,14 @@ class Engine:
                     if self.scheduler and not self._await_returns():
                         break
                     for call in self.scheduler.drop_closed():
-                        call.fail(SessionNotFound("the session was closed while its round was running"))
+                        call.fail(
+                            SessionNotFound("the session was closed while its round was running")
+                        )
                     if self.scheduler:
                         self._step()
-        except BaseException as exc:  # a bug of the loop itself: answer everyone, then stop the worker
+        except (
+            BaseException
+        ) as exc:  # a bug of the loop itself: answer everyone, then stop the worker
             log.exception("the engine loop failed")
             failure = exc
         finally:
@@ -374,11 +393,15 @@ class Engine:
         try:
             outputs = self.runner.execute(rows)
         except BaseException as exc:  # a broken step fails its jobs, not the worker
-            log.exception("forward pass failed", rows=len(rows), tokens=sum(len(r.tokens) for r in rows))
+            log.exception(
+                "forward pass failed", rows=len(rows), tokens=sum(len(r.tokens) for r in rows)
+            )
             for call in self.scheduler.discard(scheduled.pending.owner for scheduled in step):
                 call.fail(exc)
             return
-        stats = StepStats(len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started)
+        stats = StepStats(
+            len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started
+        )
         self._returns.stepped(stats.seconds)
         if self.on_step is not None:
             self.on_step(stats)
@@ -416,7 +439,9 @@ class InlineEngine:
             if self.runner is None:
                 raise RuntimeError("a job of a worker without a model asked for a forward pass")
             with torch.inference_mode():
-                (value,) = self.runner.execute([Row(outcome.kv, outcome.tokens, outcome.num_logits)])
+                (value,) = self.runner.execute(
+                    [Row(outcome.kv, outcome.tokens, outcome.num_logits)]
+                )
         return outcome.value
 
 

@@ -70,12 +70,22 @@ class CudaGraphs:
         self.input_ids = torch.zeros(rows * tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros_like(self.input_ids)
         self.slots = torch.zeros_like(self.input_ids)
-        self.block_table = torch.full((rows, self.widths[-1]), NULL_BLOCK, dtype=torch.long, device=device)
-        self.logits = torch.zeros(rows * tokens, self.forward.vocab_size, dtype=self.forward.dtype, device=device)
+        self.block_table = torch.full(
+            (rows, self.widths[-1]), NULL_BLOCK, dtype=torch.long, device=device
+        )
+        self.logits = torch.zeros(
+            rows * tokens, self.forward.vocab_size, dtype=self.forward.dtype, device=device
+        )
         self.pool = torch.cuda.graph_pool_handle()
 
         keys = sorted(  # no bucket reads more blocks than the pool holds
-            ((b, t, w) for b in self.rows for t in self.tokens for w in self.widths if b * w <= pool_blocks),
+            (
+                (b, t, w)
+                for b in self.rows
+                for t in self.tokens
+                for w in self.widths
+                if b * w <= pool_blocks
+            ),
             key=lambda key: key[0] * key[1] * key[2],
             reverse=True,
         )
@@ -128,7 +138,9 @@ class CudaGraphs:
         key = (b, t, w)
         return key if key in self.graphs else None
 
-    def run(self, key: tuple[int, int, int], rows: Sequence) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
+    def run(
+        self, key: tuple[int, int, int], rows: Sequence
+    ) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
         """Replays bucket ``key`` on ``rows``: their wanted logits, gathered,
         and where each row's are among them."""
         b, t, w = key
@@ -143,7 +155,10 @@ class CudaGraphs:
                 position = cached + offset
                 ids[base + offset] = token
                 positions[base + offset] = position
-                slots[base + offset] = blocks[position // self.block_size] * self.block_size + position % self.block_size
+                slots[base + offset] = (
+                    blocks[position // self.block_size] * self.block_size
+                    + position % self.block_size
+                )
             needed = row.kv.pool.blocks_for(cached + len(row.tokens))
             table[r][:needed] = blocks[:needed]
             if row.num_logits:

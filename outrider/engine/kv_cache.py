@@ -35,7 +35,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a pool needs at least one block of one slot, got {num_blocks} × {block_size}")
+            raise ValueError(
+                f"a pool needs at least one block of one slot, got {num_blocks} × {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks, NULL_BLOCK, -1))  # popped from the end: low ids first
@@ -114,7 +116,9 @@ class KVCache:
     def appended(self, tokens: Sequence[int]) -> None:
         """Records that the runner wrote ``tokens`` after the cached ones."""
         if len(self) + len(tokens) > self.reserved:
-            raise ValueError(f"{len(self) + len(tokens)} tokens do not fit {len(self.blocks)} reserved blocks")
+            raise ValueError(
+                f"{len(self) + len(tokens)} tokens do not fit {len(self.blocks)} reserved blocks"
+            )
         self.token_ids.extend(tokens)
 
     def crop(self, length: int) -> None:

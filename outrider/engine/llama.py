@@ -44,10 +44,12 @@ def unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot take this forward, or None when it can."""
     config = model.config
     if config.model_type not in ARCHITECTURES:
-        return f"architecture {config.model_type!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
-    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get(
-        "rope_type", "default"
-    )
+        return (
+            f"architecture {config.model_type!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
+        )
+    rope = (
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    ).get("rope_type", "default")
     if rope not in ROPE_TYPES:
         return f"rotary embedding {rope!r} is not one of {', '.join(sorted(ROPE_TYPES))}"
     if config.hidden_act not in ("silu", "swish"):
@@ -56,9 +58,15 @@ def unsupported(model: nn.Module) -> str | None:
         return "its layers mix attention types"
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        if len({p.bias is None for p in (attention.q_proj, attention.k_proj, attention.v_proj)}) > 1:
+        if (
+            len({p.bias is None for p in (attention.q_proj, attention.k_proj, attention.v_proj)})
+            > 1
+        ):
             return "its q/k/v projections mix biases and none"
-        if any(p.bias is not None for p in (attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if any(
+            p.bias is not None
+            for p in (attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        ):
             return "its output or MLP projections have biases"
     return None
 
@@ -82,9 +90,13 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64: each token's position in its sequence
-    slots: torch.Tensor  # [N] int64: where each token's key and value are written (block × block size + offset)
+    slots: (
+        torch.Tensor
+    )  # [N] int64: where each token's key and value are written (block × block size + offset)
     groups: list[AttentionGroup]
-    logits_indices: torch.Tensor | None = None  # [M]: the tokens whose next-token logits are wanted; None: all
+    logits_indices: torch.Tensor | None = (
+        None  # [M]: the tokens whose next-token logits are wanted; None: all
+    )
 
 
 @dataclass
@@ -107,7 +119,9 @@ class LlamaForward:
     ``int4_group_size`` quantizes the projections (4 bits) and the LM head
     (8), with a progress bar if ``progress``."""
 
-    def __init__(self, model: nn.Module, *, int4_group_size: int | None = None, progress: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, *, int4_group_size: int | None = None, progress: bool = False
+    ) -> None:
         if (reason := unsupported(model)) is not None:
             raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
         config = model.config
@@ -121,22 +135,37 @@ class LlamaForward:
         self.vocab_size = config.vocab_size
         self.max_positions = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
-        use_window = getattr(config, "use_sliding_window", True)  # Qwen2 has a window it does not use
-        self.sliding_window = window if window and use_window and window < self.max_positions else None
+        use_window = getattr(
+            config, "use_sliding_window", True
+        )  # Qwen2 has a window it does not use
+        self.sliding_window = (
+            window if window and use_window and window < self.max_positions else None
+        )
         self.embed = decoder.embed_tokens.weight
         self.norm = decoder.norm.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
 
         def quantize(weight: torch.Tensor, *, lm_head: bool = False) -> Weight:
-            return weight if int4_group_size is None else quantize_weight(weight, int4_group_size, lm_head=lm_head)
+            return (
+                weight
+                if int4_group_size is None
+                else quantize_weight(weight, int4_group_size, lm_head=lm_head)
+            )
 
         self.lm_head = quantize(model.lm_head.weight, lm_head=True)
         if int4_group_size is not None:
             model.lm_head.weight = None  # the embedding keeps its own (tied or not)
         layers = decoder.layers
-        if int4_group_size is not None:  # a few seconds for the default model on the CPU, more for large ones
-            layers = tqdm(layers, desc=f"quantize to int4 (groups of {int4_group_size})", unit="layer", disable=not progress)
+        if (
+            int4_group_size is not None
+        ):  # a few seconds for the default model on the CPU, more for large ones
+            layers = tqdm(
+                layers,
+                desc=f"quantize to int4 (groups of {int4_group_size})",
+                unit="layer",
+                disable=not progress,
+            )
         self.layers = [self._take(layer, quantize) for layer in layers]
         positions = torch.arange(self.max_positions, device=self.device)[None]
         cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
@@ -149,7 +178,9 @@ class LlamaForward:
         biases = [p.bias for p in projections]
         fused = _Layer(
             qkv=quantize(torch.cat([p.weight for p in projections])),
-            qkv_bias=None if biases[0] is None else torch.cat(biases),  # all or none (unsupported())
+            qkv_bias=None
+            if biases[0] is None
+            else torch.cat(biases),  # all or none (unsupported())
             o=quantize(attention.o_proj.weight),
             gate_up=quantize(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
             down=quantize(mlp.down_proj.weight),
@@ -194,14 +225,24 @@ class LlamaForward:
             q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(
                 [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
             )
-            q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+            q, k, v = (
+                q.view(n, heads, head_dim),
+                k.view(n, kv_heads, head_dim),
+                v.view(n, kv_heads, head_dim),
+            )
             if layer.q_norm is not None:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = layer_cache[0], layer_cache[1]  # [blocks, block size, kv heads, head dim]
+            keys, values = (
+                layer_cache[0],
+                layer_cache[1],
+            )  # [blocks, block size, kv heads, head dim]
             keys.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, k)
             values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, v)
-            attended = [self._attend(q, keys, values, group, mask) for group, mask in zip(batch.groups, masks)]
+            attended = [
+                self._attend(q, keys, values, group, mask)
+                for group, mask in zip(batch.groups, masks)
+            ]
             x = x + linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
 
             # 2. MLP
@@ -213,7 +254,9 @@ class LlamaForward:
             x = x[batch.logits_indices]
         return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
 
-    def _mask(self, positions: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
+    def _mask(
+        self, positions: torch.Tensor, group: AttentionGroup, block_size: int
+    ) -> torch.Tensor:
         """``[rows, 1, G·T, keys]``: query ``t`` of row ``r`` sees key ``j``
         when ``j <= position`` (and within the sliding window). Keys past a
         row's length are at later positions, so they are never seen; every
@@ -227,22 +270,46 @@ class LlamaForward:
         return mask.unsqueeze(1).repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        group: AttentionGroup,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of one group's queries over their rows' cached keys and
         values, ``[rows · T, heads · head dim]``. The query heads that share
         a key head are stacked along the query axis (``[rows, kv heads,
         G·T, head dim]``), so keys and values are read once, never repeated."""
-        rows, t, kv_heads, head_dim = group.rows, group.tokens_per_row, self.num_kv_heads, self.head_dim
+        rows, t, kv_heads, head_dim = (
+            group.rows,
+            group.tokens_per_row,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         per_kv = self.num_heads // kv_heads
         width = group.block_table.shape[1] * keys.shape[1]
         table = group.block_table.flatten()
         q = q[group.start : group.start + rows * t].view(rows, t, kv_heads, per_kv, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, per_kv * t, head_dim)
-        k = keys.flatten(1).index_select(0, table).view(rows, width, kv_heads, head_dim).transpose(1, 2)
-        v = values.flatten(1).index_select(0, table).view(rows, width, kv_heads, head_dim).transpose(1, 2)
+        k = (
+            keys.flatten(1)
+            .index_select(0, table)
+            .view(rows, width, kv_heads, head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            values.flatten(1)
+            .index_select(0, table)
+            .view(rows, width, kv_heads, head_dim)
+            .transpose(1, 2)
+        )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        return out.view(rows, kv_heads, per_kv, t, head_dim).permute(0, 3, 1, 2, 4).reshape(rows * t, -1)
+        return (
+            out.view(rows, kv_heads, per_kv, t, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(rows * t, -1)
+        )
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,7 +48,9 @@ class PagedRunner:
     """Rows of a step as one forward pass of a Llama-family model over a
     paged KV cache of ``pool``'s blocks, allocated here once."""
 
-    def __init__(self, forward: LlamaForward, pool: BlockPool, *, cuda_graphs: bool = False) -> None:
+    def __init__(
+        self, forward: LlamaForward, pool: BlockPool, *, cuda_graphs: bool = False
+    ) -> None:
         self.forward = forward
         self.pool = pool
         self.vocab_size = forward.vocab_size
@@ -64,7 +66,9 @@ class PagedRunner:
     def warm_up(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
         """Captures the CUDA graphs of every bucket up to these sizes."""
         if self.graphs is not None:
-            self.graphs.capture(max_rows=max_rows, max_tokens_per_row=max_tokens_per_row, progress=progress)
+            self.graphs.capture(
+                max_rows=max_rows, max_tokens_per_row=max_tokens_per_row, progress=progress
+            )
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         bucket = self.graphs.bucket(rows) if self.graphs is not None else None
@@ -77,7 +81,9 @@ class PagedRunner:
             row.kv.appended(row.tokens)
         return _split(logits, wanted)
 
-    def _ragged_batch(self, rows: Sequence[Row]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
+    def _ragged_batch(
+        self, rows: Sequence[Row]
+    ) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
         """The rows flattened into one sequence, grouped for attention; and
         where each row's wanted logits land in the output.
 
@@ -95,7 +101,9 @@ class PagedRunner:
             # so a long one is grouped with others of about its length: a step's
             # gathered keys and values stay near what its rows hold.
             blocks = self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens))
-            return tokens_class(rows[i].tokens), 0 if blocks <= SHARED_WIDTH_BLOCKS else _power_of_two_at_least(blocks)
+            return tokens_class(
+                rows[i].tokens
+            ), 0 if blocks <= SHARED_WIDTH_BLOCKS else _power_of_two_at_least(blocks)
 
         order = sorted(range(len(rows)), key=lambda i: (group_of(i), len(rows[i].tokens)))
         ids: list[int] = []
@@ -103,12 +111,18 @@ class PagedRunner:
         slots: list[int] = []
         logits_at: list[int] = []
         wanted: list[tuple[int, int] | None] = [None] * len(rows)
-        tables: list[tuple[int, int, int, list[list[int]]]] = []  # (start, rows, tokens per row, block table)
+        tables: list[
+            tuple[int, int, int, list[list[int]]]
+        ] = []  # (start, rows, tokens per row, block table)
         for _, members in groupby(order, key=group_of):
             members = list(members)
-            t = len(rows[members[-1]].tokens)  # the group's longest row: the others are padded to it
+            t = len(
+                rows[members[-1]].tokens
+            )  # the group's longest row: the others are padded to it
             start = len(ids)
-            width = max(self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens)) for i in members)
+            width = max(
+                self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens)) for i in members
+            )
             table = []
             for i in members:
                 row = rows[i]
@@ -117,7 +131,9 @@ class PagedRunner:
                     position = cached + offset
                     ids.append(token)
                     positions.append(position)
-                    slots.append(blocks[position // block_size] * block_size + position % block_size)
+                    slots.append(
+                        blocks[position // block_size] * block_size + position % block_size
+                    )
                 if row.num_logits:
                     wanted[i] = (len(logits_at), row.num_logits)
                     logits_at.extend(range(len(ids) - row.num_logits, len(ids)))
@@ -133,11 +149,17 @@ class PagedRunner:
         for *_, table in tables:
             for blocks in table:
                 flat.extend(blocks)
-        packed = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)  # one copy to the device
+        packed = torch.tensor(flat, dtype=torch.long).to(
+            self.device, non_blocking=True
+        )  # one copy to the device
         groups, offset = [], 3 * n + len(logits_at)
         for start, count, t, table in tables:
             width = len(table[0])
-            groups.append(AttentionGroup(start, count, t, packed[offset : offset + count * width].view(count, width)))
+            groups.append(
+                AttentionGroup(
+                    start, count, t, packed[offset : offset + count * width].view(count, width)
+                )
+            )
             offset += count * width
         batch = ForwardBatch(
             input_ids=packed[:n],
@@ -206,10 +228,15 @@ class FallbackRunner:
             )
             row.kv.appended(row.tokens)
             logits = out.logits[0, -row.num_logits :] if row.num_logits else None
-            outputs.append(None if logits is None else Logits(logits, logits.argmax(dim=-1).tolist()))
+            outputs.append(
+                None if logits is None else Logits(logits, logits.argmax(dim=-1).tolist())
+            )
         return outputs
 
 
 def _split(logits: torch.Tensor, wanted: Sequence[tuple[int, int] | None]) -> list[Logits | None]:
     argmax = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
-    return [None if w is None else Logits(logits[w[0] : w[0] + w[1]], argmax[w[0] : w[0] + w[1]]) for w in wanted]
+    return [
+        None if w is None else Logits(logits[w[0] : w[0] + w[1]], argmax[w[0] : w[0] + w[1]])
+        for w in wanted
+    ]

@@ -42,7 +42,9 @@ class Feed:
         if not self.tokens:
             raise ValueError("a feed needs at least one token")
         if not 0 <= self.num_logits <= len(self.tokens):
-            raise ValueError(f"num_logits = {self.num_logits} for a feed of {len(self.tokens)} tokens")
+            raise ValueError(
+                f"num_logits = {self.num_logits} for a feed of {len(self.tokens)} tokens"
+            )
 
 
 @dataclass
@@ -123,7 +125,9 @@ class Scheduler:
             elif step:
                 continue  # waits for a step with room for it
             elif left > pending.feed.num_logits:
-                take = min(budget, left - pending.feed.num_logits)  # a chunk before the tokens whose logits are wanted
+                take = min(
+                    budget, left - pending.feed.num_logits
+                )  # a chunk before the tokens whose logits are wanted
             else:
                 take = left  # those alone exceed the budget: they run whole, or never would
             step.append(self._take(pending, take))

@@ -56,7 +56,9 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, *, device="
     return out[0, len(prompt_ids) :].tolist()
 
 
-async def test_tiny_model_batched_on_cuda_with_graphs_equals_transformers(tiny_target_dir, tiny_draft_other_dir):
+async def test_tiny_model_batched_on_cuda_with_graphs_equals_transformers(
+    tiny_target_dir, tiny_draft_other_dir
+):
     cases = [(p, 10 + 5 * i, (0, 1, 4, 8)[i % 4]) for i, p in enumerate(prompts(8, seed=11))]
     references = [hf_greedy(tiny_target_dir, p, n) for p, n, _ in cases]
     async with running_stack(
@@ -65,7 +67,10 @@ async def test_tiny_model_batched_on_cuda_with_graphs_equals_transformers(tiny_t
         assert stack.target.runner.graphs is not None and stack.target.runner.graphs.graphs
         async with AsyncClient(stack.address, timeout=120) as client:
             results = await asyncio.gather(
-                *(client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k) for p, n, k in cases)
+                *(
+                    client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k)
+                    for p, n, k in cases
+                )
             )
             info = await client.model_info()
     assert [list(r.token_ids) for r in results] == references
@@ -86,14 +91,18 @@ def test_a_cuda_graph_replay_equals_the_eager_step(tiny_target_dir):
             for kv, p in zip(caches[id(runner)], prompts(3, seed=12, lengths=(20, 40))):
                 kv.reserve(len(p) + 5)
                 runner.execute([Row(kv, p, 0)])
-        rows = lambda runner: [Row(kv, [5, 6, 7, 8, 9][: i + 3], i + 1) for i, kv in enumerate(caches[id(runner)])]  # noqa: E731
+        rows = lambda runner: [
+            Row(kv, [5, 6, 7, 8, 9][: i + 3], i + 1) for i, kv in enumerate(caches[id(runner)])
+        ]  # noqa: E731
         assert graphed.graphs.bucket(rows(graphed)) is not None  # this step replays a graph
         for a, b in zip(eager.execute(rows(eager)), graphed.execute(rows(graphed))):
             torch.testing.assert_close(a.rows, b.rows, rtol=1e-4, atol=1e-4)
             assert a.argmax == b.argmax
 
 
-async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(tiny_target_dir, tiny_draft_other_dir):
+async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(
+    tiny_target_dir, tiny_draft_other_dir
+):
     sampling = dict(temperature=0.8, top_k=40, seed=7, max_new_tokens=24, num_speculative_tokens=3)
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -103,7 +112,11 @@ async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(tiny_targe
         ) as stack:
             async with AsyncClient(stack.address, timeout=120) as client:
                 outputs[device] = [
-                    list((await client.generate(token_ids=p, verification=mode, **sampling)).token_ids)
+                    list(
+                        (
+                            await client.generate(token_ids=p, verification=mode, **sampling)
+                        ).token_ids
+                    )
                     for p in prompts(3, seed=13)
                     for mode in ("rejection", "gumbel")
                 ]
@@ -121,22 +134,35 @@ async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batch
     rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
     chats = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": rows[i * 10]["turns"][0]}], add_generation_prompt=True, tokenize=True, return_dict=True
+            [{"role": "user", "content": rows[i * 10]["turns"][0]}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
         )["input_ids"]
         for i in range(6)
     ]
     references = [hf_greedy(model_dir, c, 48) for c in chats]
-    async with running_stack(model_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}, engine=CUDA_FP32) as stack:
+    async with running_stack(
+        model_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}, engine=CUDA_FP32
+    ) as stack:
         async with AsyncClient(stack.address, timeout=300) as client:
-            alone = [await client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=4) for c in chats]
+            alone = [
+                await client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=4)
+                for c in chats
+            ]
             together = await asyncio.gather(
-                *(client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=k) for c, k in zip(chats, (0, 4) * 3))
+                *(
+                    client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=k)
+                    for c, k in zip(chats, (0, 4) * 3)
+                )
             )
     assert [list(r.token_ids) for r in alone] == references
     assert [list(r.token_ids) for r in together] == references
 
 
-@pytest.mark.parametrize("shape", [(48, 64), (10, 40), (1536, 576)], ids=["aligned", "padded", "smollm2 mlp"])
+@pytest.mark.parametrize(
+    "shape", [(48, 64), (10, 40), (1536, 576)], ids=["aligned", "padded", "smollm2 mlp"]
+)
 def test_tinygemm_int4_and_int8_products_equal_their_levels_on_cuda(shape):
     from outrider.quantize import Int4Weight, Int8Weight
 
@@ -146,21 +172,33 @@ def test_tinygemm_int4_and_int8_products_equal_their_levels_on_cuda(shape):
     for quantized in (Int4Weight.quantize(weight), Int8Weight.quantize(weight)):
         expected = x.float() @ quantized.dequantize().T
         actual = quantized.linear(x).float()
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0.02 * expected.abs().max().item())
+        torch.testing.assert_close(
+            actual, expected, rtol=0, atol=0.02 * expected.abs().max().item()
+        )
     # The same levels as the CPU's packing: one quantizer, two layouts.
     torch.testing.assert_close(
-        Int4Weight.quantize(weight).dequantize().cpu(), Int4Weight.quantize(weight.cpu()).dequantize(), rtol=0, atol=0.02
+        Int4Weight.quantize(weight).dequantize().cpu(),
+        Int4Weight.quantize(weight.cpu()).dequantize(),
+        rtol=0,
+        atol=0.02,
     )
 
 
 async def test_int4_drafter_on_cuda_with_graphs_keeps_the_output(tiny_target_dir):
     cases = [(p, 12 + 4 * i, (1, 4, 8)[i % 3]) for i, p in enumerate(prompts(6, seed=13))]
     references = [hf_greedy(tiny_target_dir, p, n) for p, n, _ in cases]
-    async with running_stack(tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}, engine=CUDA_FP32) as stack:
+    async with running_stack(
+        tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}, engine=CUDA_FP32
+    ) as stack:
         async with AsyncClient(stack.address, timeout=120) as client:
             results = await asyncio.gather(
-                *(client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k) for p, n, k in cases)
+                *(
+                    client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k)
+                    for p, n, k in cases
+                )
             )
     for result, reference in zip(results, references):
         assert list(result.token_ids) == reference
-    assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(r.stats.draft_tokens for r in results)
+    assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(
+        r.stats.draft_tokens for r in results
+    )

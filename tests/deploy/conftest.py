@@ -19,7 +19,9 @@ RELEASE, NAMESPACE = "demo", "inference"
 
 
 def _load_install_tools():
-    spec = importlib.util.spec_from_file_location("install_tools", ROOT / "scripts" / "install_tools.py")
+    spec = importlib.util.spec_from_file_location(
+        "install_tools", ROOT / "scripts" / "install_tools.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -33,7 +35,9 @@ def helm() -> Path:
     try:
         return install_tools.ensure_helm()
     except (install_tools.ToolError, OSError, subprocess.SubprocessError) as exc:
-        pytest.fail(f"helm is needed by the chart tests and could not be installed: {exc}", pytrace=False)
+        pytest.fail(
+            f"helm is needed by the chart tests and could not be installed: {exc}", pytrace=False
+        )
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import subprocess
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from outrider.models import EMBEDDED_MODELS
 from tests.deploy.conftest import CHART, FULL_VALUES, NAMESPACE, RELEASE, by_kind, component
@@ -50,7 +49,9 @@ def test_rendered_objects_validate_strictly(objects, version):
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: {exc}")
+            pytest.fail(
+                f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: {exc}"
+            )
         validated.append(obj["kind"])
     assert {"Deployment", "Service", "PodDisruptionBudget", "Role", "RoleBinding"} <= set(validated)
 
@@ -101,10 +102,14 @@ def test_the_schema_allows_exactly_the_devices_and_dtypes_outrider_takes():
         assert tuple(properties["dtype"]["enum"]) == DTYPES
         names, pattern = properties["device"]["anyOf"]
         for device in [*names["enum"], "cuda:0", "cuda:7"]:
-            allowed = device in names["enum"] or re.fullmatch(pattern["pattern"].strip("^$"), device)
+            allowed = device in names["enum"] or re.fullmatch(
+                pattern["pattern"].strip("^$"), device
+            )
             assert allowed and (device == "" or check_device(device) == device), device
         for device in ("gpu", "cuda:", "cuda:x", "CUDA", "mps"):
-            assert device not in names["enum"] and not re.fullmatch(pattern["pattern"].strip("^$"), device), device
+            assert device not in names["enum"] and not re.fullmatch(
+                pattern["pattern"].strip("^$"), device
+            ), device
 
 
 def test_a_service_monitor_without_metrics_is_refused(render):
@@ -158,7 +163,9 @@ def test_probes_are_native_grpc_on_the_grpc_port_with_a_startup_budget(default_o
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["grpc"] == {"port": port}, (name, probe)
-            assert "service" not in container[probe]["grpc"]  # the overall status, SERVING once warmed up
+            assert (
+                "service" not in container[probe]["grpc"]
+            )  # the overall status, SERVING once warmed up
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, name
 
@@ -172,7 +179,10 @@ def test_under_tls_probes_run_the_health_check_over_tls(full_objects):
             command = container[probe]["exec"]["command"]
             assert command[:3] == ["python", "-m", "outrider.probe"]
             assert command[command.index("--port") + 1] == str(port)
-            assert command[command.index("--server-name") + 1] == f"{RELEASE}-outrider-{name}.{NAMESPACE}.svc"
+            assert (
+                command[command.index("--server-name") + 1]
+                == f"{RELEASE}-outrider-{name}.{NAMESPACE}.svc"
+            )
             assert ("--tls-cert" in command) is client_cert, (name, probe)
 
 
@@ -200,13 +210,23 @@ def test_rbac_grants_only_get_list_watch_on_endpointslices_in_the_namespace(obje
     (role,) = by_kind(objects, "Role").values()
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
     ]
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
     (binding,) = by_kind(objects, "RoleBinding").values()
     (account,) = by_kind(objects, "ServiceAccount").values()
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
 
 
 def test_only_the_coordinator_gets_an_api_token(objects):
@@ -225,27 +245,35 @@ def test_mtls_secrets_are_wired_into_every_hop(full_objects):
     coordinator = pod_spec(component(full_objects, "Deployment", "coordinator"))
     env = env_of(coordinator["containers"][0])
     assert env["OUTRIDER_TLS_CERT"] == "/etc/outrider/tls/tls.crt"
-    assert "OUTRIDER_TLS_CLIENT_CA" not in env  # clients are not asked for certificates in the full values
+    assert (
+        "OUTRIDER_TLS_CLIENT_CA" not in env
+    )  # clients are not asked for certificates in the full values
     assert env["OUTRIDER_WORKER_TLS_CA"] == "/etc/outrider/worker-tls/ca.crt"
     assert env["OUTRIDER_WORKER_TLS_CERT"] == "/etc/outrider/worker-tls/tls.crt"
     assert env["OUTRIDER_AUTH_TOKENS_FILE"] == "/etc/outrider/auth/tokens"
-    secrets = {v["name"]: v["secret"]["secretName"] for v in coordinator["volumes"] if "secret" in v}
+    secrets = {
+        v["name"]: v["secret"]["secretName"] for v in coordinator["volumes"] if "secret" in v
+    }
     assert secrets == {
         "tls": "outrider-coordinator-tls", "worker-tls": "outrider-coordinator-client-tls", "auth": "outrider-tokens"
     }  # fmt: skip
     for name in ("target", "draft"):
         worker = pod_spec(component(full_objects, "Deployment", name))
         env = env_of(worker["containers"][0])
-        assert env["OUTRIDER_TLS_CLIENT_CA"] == "/etc/outrider/tls/ca.crt"  # mutual TLS: only the coordinator
-        assert {v["name"]: v["secret"]["secretName"] for v in worker["volumes"] if "secret" in v} == {
-            "tls": "outrider-workers-tls"
-        }
+        assert (
+            env["OUTRIDER_TLS_CLIENT_CA"] == "/etc/outrider/tls/ca.crt"
+        )  # mutual TLS: only the coordinator
+        assert {
+            v["name"]: v["secret"]["secretName"] for v in worker["volumes"] if "secret" in v
+        } == {"tls": "outrider-workers-tls"}
 
 
 def test_network_policies_let_only_the_coordinator_reach_the_workers(full_objects):
     policies = by_kind(full_objects, "NetworkPolicy")
     coordinator_pods = pod_spec(component(full_objects, "Deployment", "coordinator"))
-    coordinator_labels = component(full_objects, "Deployment", "coordinator")["spec"]["template"]["metadata"]["labels"]
+    coordinator_labels = component(full_objects, "Deployment", "coordinator")["spec"]["template"][
+        "metadata"
+    ]["labels"]
     assert coordinator_pods  # the coordinator exists
     for name in ("target", "draft"):
         policy = policies[f"{RELEASE}-outrider-{name}"]
@@ -256,9 +284,13 @@ def test_network_policies_let_only_the_coordinator_reach_the_workers(full_object
         assert peer["podSelector"]["matchLabels"].items() <= coordinator_labels.items()
         assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
         assert metrics_rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
-        assert metrics_rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+        assert metrics_rule["from"][0]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": "monitoring"
+        }
     clients = policies[f"{RELEASE}-outrider-coordinator"]["spec"]["ingress"][0]
-    assert clients["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gateway"}
+    assert clients["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "gateway"
+    }
 
 
 # --------------------------------------------------------------------------- services and discovery
@@ -272,7 +304,10 @@ def test_worker_services_are_headless_with_a_grpc_port_and_only_ready_pods(objec
         assert service["spec"]["publishNotReadyAddresses"] is False
         grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
         assert grpc_port["targetPort"] == "grpc"
-        assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert (
+            service["spec"]["selector"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        )
     coordinator = component(objects, "Service", "coordinator")
     assert "clusterIP" not in coordinator["spec"]  # the one load-balanced address clients use
 
@@ -309,7 +344,11 @@ def test_every_service_drains_within_its_pods_termination_grace_period(objects):
 
 def test_the_hpa_scales_the_coordinator_and_owns_its_replica_count(full_objects, default_objects):
     (hpa,) = by_kind(full_objects, "HorizontalPodAutoscaler").values()
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-outrider-coordinator"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{RELEASE}-outrider-coordinator",
+    }
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
     assert "replicas" not in component(full_objects, "Deployment", "coordinator")["spec"]
     assert component(default_objects, "Deployment", "coordinator")["spec"]["replicas"] == 2
@@ -322,13 +361,25 @@ def test_the_service_monitor_scrapes_the_metrics_port_of_every_component(full_ob
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     assert monitor["spec"]["endpoints"] == [
-        {"port": "metrics", "path": "/metrics", "scheme": "http", "interval": "15s", "scrapeTimeout": "10s"}
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "scheme": "http",
+            "interval": "15s",
+            "scrapeTimeout": "10s",
+        }
     ]
     selector = monitor["spec"]["selector"]["matchLabels"]
     for name in ("coordinator", "target", "draft"):
         service = component(full_objects, "Service", name)
         assert selector.items() <= service["metadata"]["labels"].items()
-        assert {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"} in service["spec"]["ports"]
+        assert {
+            "name": "metrics",
+            "port": 9090,
+            "targetPort": "metrics",
+            "protocol": "TCP",
+            "appProtocol": "http",
+        } in service["spec"]["ports"]
         container = pod_spec(component(full_objects, "Deployment", name))["containers"][0]
         assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
         assert env_of(container)["OUTRIDER_METRICS_PORT"] == "9090"
@@ -351,26 +402,46 @@ def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
         assert spec["nodeSelector"] == {"node-pool": pool}
         assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
         env = env_of(container)
-        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"], env["OUTRIDER_THREADS"]) == (device, dtype, threads)
+        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"], env["OUTRIDER_THREADS"]) == (
+            device,
+            dtype,
+            threads,
+        )
     target_env = env_of(pod_spec(component(full_objects, "Deployment", "target"))["containers"][0])
     draft_env = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
-    assert target_env["OUTRIDER_MAX_TOKENS_PER_STEP"] == "4096" and "OUTRIDER_ENFORCE_EAGER" not in target_env
-    assert draft_env["OUTRIDER_ENFORCE_EAGER"] == "true" and "OUTRIDER_MAX_TOKENS_PER_STEP" not in draft_env
+    assert (
+        target_env["OUTRIDER_MAX_TOKENS_PER_STEP"] == "4096"
+        and "OUTRIDER_ENFORCE_EAGER" not in target_env
+    )
+    assert (
+        draft_env["OUTRIDER_ENFORCE_EAGER"] == "true"
+        and "OUTRIDER_MAX_TOKENS_PER_STEP" not in draft_env
+    )
     target = pod_spec(component(full_objects, "Deployment", "target"))
     assert "podAntiAffinity" in target["affinity"]
     assert env_of(target["containers"][0])["OUTRIDER_MODEL"] == "/models/Llama-3.1-70B-Instruct"
-    assert {"name": "models", "mountPath": "/models", "readOnly": True} in target["containers"][0]["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in target["containers"][0][
+        "volumeMounts"
+    ]
     draft_env = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
-    assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_MODEL"]) == ("model", "meta-llama/Llama-3.2-1B-Instruct")
+    assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_MODEL"]) == (
+        "model",
+        "meta-llama/Llama-3.2-1B-Instruct",
+    )
 
 
 def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(default_objects):
     for name in ("target", "draft"):
         container = pod_spec(component(default_objects, "Deployment", name))["containers"][0]
         resources = container["resources"]
-        assert not any("gpu" in key for key in {**resources.get("limits", {}), **resources.get("requests", {})})
+        assert not any(
+            "gpu" in key for key in {**resources.get("limits", {}), **resources.get("requests", {})}
+        )
         env = env_of(container)
-        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"]) == ("cpu", "auto")  # auto: float32 on the CPU
+        assert (env["OUTRIDER_DEVICE"], env["OUTRIDER_DTYPE"]) == (
+            "cpu",
+            "auto",
+        )  # auto: float32 on the CPU
         assert "OUTRIDER_MAX_TOKENS_PER_STEP" not in env and "OUTRIDER_ENFORCE_EAGER" not in env
 
 
@@ -384,7 +455,12 @@ def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert env_of(container)["OUTRIDER_DEVICE"] == "cuda"
     other = "draft" if name == "target" else "target"
-    assert env_of(pod_spec(component(objects, "Deployment", other))["containers"][0])["OUTRIDER_DEVICE"] == "cpu"
+    assert (
+        env_of(pod_spec(component(objects, "Deployment", other))["containers"][0])[
+            "OUTRIDER_DEVICE"
+        ]
+        == "cpu"
+    )
 
 
 @pytest.mark.parametrize(
@@ -397,10 +473,17 @@ def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
 )
 def test_an_explicit_device_wins_over_the_one_gpu_count_implies(render, sets, device):
     objects = render(sets=sets)
-    assert env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])["OUTRIDER_DEVICE"] == device
+    assert (
+        env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])[
+            "OUTRIDER_DEVICE"
+        ]
+        == device
+    )
 
 
-def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(default_objects, full_objects):
+def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(
+    default_objects, full_objects
+):
     # Defaults: the target and the coordinator's tokenizer are the embedded model; prompt lookup needs none.
     for name in ("coordinator", "target"):
         (init,) = pod_spec(component(default_objects, "Deployment", name))["initContainers"]
@@ -414,7 +497,9 @@ def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(de
 
 def test_the_chart_knows_the_same_embedded_models_as_outrider():
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    block = re.search(r'define "outrider.embeddedModels" -}}\n(.*?)\n\{\{- end', helpers, re.S).group(1)
+    block = re.search(
+        r'define "outrider.embeddedModels" -}}\n(.*?)\n\{\{- end', helpers, re.S
+    ).group(1)
     assert set(block.split()) == set(EMBEDDED_MODELS)
 
 
@@ -424,21 +509,33 @@ def test_worker_flags_reach_the_services_as_outrider_environment(render):
               "target.maxTokensPerStep=512", "target.enforceEager=true")
     )  # fmt: skip
     draft_env = env_of(pod_spec(component(objects, "Deployment", "draft"))["containers"][0])
-    assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_DRAFT_LAYERS"]) == ("early-exit", "8")
+    assert (draft_env["OUTRIDER_DRAFTER"], draft_env["OUTRIDER_DRAFT_LAYERS"]) == (
+        "early-exit",
+        "8",
+    )
     # early exit cuts the default model: embedded, so it is fetched first
-    assert pod_spec(component(objects, "Deployment", "draft"))["initContainers"][0]["args"][-1] == "smollm2-135m-instruct"
+    assert (
+        pod_spec(component(objects, "Deployment", "draft"))["initContainers"][0]["args"][-1]
+        == "smollm2-135m-instruct"
+    )
     target_env = env_of(pod_spec(component(objects, "Deployment", "target"))["containers"][0])
     assert target_env["OUTRIDER_TRUST_REMOTE_CODE"] == "true"
-    assert (target_env["OUTRIDER_MAX_TOKENS_PER_STEP"], target_env["OUTRIDER_ENFORCE_EAGER"]) == ("512", "true")
-
+    assert (target_env["OUTRIDER_MAX_TOKENS_PER_STEP"], target_env["OUTRIDER_ENFORCE_EAGER"]) == (
+        "512",
+        "true",
+    )
 
 
 def test_coordinator_pipeline_reaches_the_coordinator_as_its_pipeline_flag(render, monkeypatch):
     coordinator = pod_spec(component(render(), "Deployment", "coordinator"))["containers"][0]
     assert "OUTRIDER_PIPELINE" not in env_of(coordinator)
     assert parse_serve_args(monkeypatch, coordinator, "coordinator").pipeline is False
-    coordinator = pod_spec(component(render(sets=("coordinator.pipeline=true",)), "Deployment", "coordinator"))
-    assert parse_serve_args(monkeypatch, coordinator["containers"][0], "coordinator").pipeline is True
+    coordinator = pod_spec(
+        component(render(sets=("coordinator.pipeline=true",)), "Deployment", "coordinator")
+    )
+    assert (
+        parse_serve_args(monkeypatch, coordinator["containers"][0], "coordinator").pipeline is True
+    )
 
 
 def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(objects):
@@ -447,7 +544,13 @@ def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(object
     model cache, not a flag)."""
     from outrider.cli import build_parser
 
-    roles = build_parser()._subparsers._group_actions[0].choices["serve"]._subparsers._group_actions[0].choices
+    roles = (
+        build_parser()
+        ._subparsers._group_actions[0]
+        .choices["serve"]
+        ._subparsers._group_actions[0]
+        .choices
+    )
     for name in ("coordinator", "target", "draft"):
         flags = {
             "OUTRIDER_" + option.lstrip("-").upper().replace("-", "_")
@@ -456,7 +559,11 @@ def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(object
             if option.startswith("--")
         }
         container = pod_spec(component(objects, "Deployment", name))["containers"][0]
-        unknown = {k for k in env_of(container) if k.startswith("OUTRIDER_")} - flags - {"OUTRIDER_CACHE_DIR"}
+        unknown = (
+            {k for k in env_of(container) if k.startswith("OUTRIDER_")}
+            - flags
+            - {"OUTRIDER_CACHE_DIR"}
+        )
         assert not unknown, f"{name}: {sorted(unknown)} are not flags of `outrider serve {name}`"
 
 
@@ -487,11 +594,23 @@ def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch
 @pytest.mark.parametrize("name", ["target", "draft"])
 def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monkeypatch, name):
     objects = render(
-        FULL_VALUES, sets=(f"{name}.maxTokensPerStep=1024", f"{name}.enforceEager=true", f"{name}.dtype=float16")
+        FULL_VALUES,
+        sets=(
+            f"{name}.maxTokensPerStep=1024",
+            f"{name}.enforceEager=true",
+            f"{name}.dtype=float16",
+        ),
     )
-    args = parse_serve_args(monkeypatch, pod_spec(component(objects, "Deployment", name))["containers"][0], name)
+    args = parse_serve_args(
+        monkeypatch, pod_spec(component(objects, "Deployment", name))["containers"][0], name
+    )
     device = "cuda" if name == "target" else "cuda:0"
-    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (device, "float16", 1024, True)
+    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (
+        device,
+        "float16",
+        1024,
+        True,
+    )
 
 
 def test_large_integers_from_a_values_file_render_as_integers(full_objects):
@@ -504,6 +623,9 @@ def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, de
     KV cache from the memory free once its model is loaded."""
     draft = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
     assert "OUTRIDER_MAX_CACHED_TOKENS" not in draft
-    for name in ("target", "draft"):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
+    for name in (
+        "target",
+        "draft",
+    ):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
         env = env_of(pod_spec(component(default_objects, "Deployment", name))["containers"][0])
         assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"

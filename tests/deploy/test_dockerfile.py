@@ -17,7 +17,11 @@ DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 def stages() -> list[list[str]]:
     """The Dockerfile's instructions (continuation lines joined), one list per stage."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    instructions = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    instructions = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     result: list[list[str]] = []
     for instruction in instructions:
         if instruction.startswith("FROM "):
@@ -47,7 +51,9 @@ def test_the_final_stage_runs_outrider_as_a_numeric_non_root_user():
 
 def test_the_final_stage_installs_nothing_and_copies_only_the_venv():
     builder, final = stages()
-    assert not any(re.search(r"\b(apt-get|pip|gcc|make)\b", i) for i in final if i.startswith("RUN "))
+    assert not any(
+        re.search(r"\b(apt-get|pip|gcc|make)\b", i) for i in final if i.startswith("RUN ")
+    )
     copies = [i for i in final if i.startswith("COPY ")]
     assert copies == ["COPY --from=builder /opt/outrider /opt/outrider"]
     # torch is pinned and comes from the CPU index unless a build argument says otherwise
@@ -60,7 +66,9 @@ def test_the_image_holds_every_python_package_of_the_project():
     .dockerignore lets each through."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = {
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
     copied = {m.group(1) for i in stages()[0] if (m := re.match(r"COPY (\w+) \./\1$", i))}
     assert copied == packages
     allowed = set((ROOT / ".dockerignore").read_text().split())

@@ -72,7 +72,17 @@ def stack_address(default_model_dir):
 
 def outrider_generate(address: str, prompt: str, *args: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "outrider", "generate", prompt, "--address", address, "--json", *args],
+        [
+            sys.executable,
+            "-m",
+            "outrider",
+            "generate",
+            prompt,
+            "--address",
+            address,
+            "--json",
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -91,7 +101,10 @@ def hf_greedy(default_model_dir):
 
     def run(prompt: str) -> list[int]:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
         )["input_ids"]
         with torch.inference_mode():
             out = model.generate(
@@ -108,7 +121,9 @@ def hf_greedy(default_model_dir):
 @pytest.mark.parametrize("index, k", [(0, 4), (1, 4), (2, 8)])
 def test_greedy_output_equals_hf_generate(stack_address, hf_greedy, index, k):
     prompt = PROMPTS[index]
-    result = outrider_generate(stack_address, prompt, "--chat", "--k", str(k), "--max-new-tokens", str(MAX_NEW_TOKENS))
+    result = outrider_generate(
+        stack_address, prompt, "--chat", "--k", str(k), "--max-new-tokens", str(MAX_NEW_TOKENS)
+    )
     assert result["token_ids"] == hf_greedy(prompt)
     assert result["finish_reason"] in {"stop", "length"}
     stats = result["stats"]
@@ -128,7 +143,9 @@ def test_the_default_drafter_on_the_cpu_is_the_target_in_4_bits_and_agrees_with_
     with Client(stack_address) as client:
         info = client.model_info()
         result = client.generate(
-            messages=[{"role": "user", "content": PROMPTS[0]}], max_new_tokens=32, num_speculative_tokens=4
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_new_tokens=32,
+            num_speculative_tokens=4,
         )
     assert info.drafter == "int4" and info.draft_model.endswith("[int4-g32]")
     assert result.stats.acceptance_rate >= 0.7  # ~0.93 measured; an unrelated draft gets ~0
@@ -136,7 +153,18 @@ def test_the_default_drafter_on_the_cpu_is_the_target_in_4_bits_and_agrees_with_
 
 def test_generate_streams_text(stack_address):
     out = subprocess.run(
-        [sys.executable, "-m", "outrider", "generate", "Say hello.", "--address", stack_address, "--chat", "--max-new-tokens", "16"],
+        [
+            sys.executable,
+            "-m",
+            "outrider",
+            "generate",
+            "Say hello.",
+            "--address",
+            stack_address,
+            "--chat",
+            "--max-new-tokens",
+            "16",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -148,7 +176,10 @@ def test_generate_streams_text(stack_address):
 def test_models_path_prints_the_converted_directory(default_model_dir):
     out = subprocess.run(
         [sys.executable, "-m", "outrider", "models", "path", "smollm2-135m-instruct"],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert Path(out.stdout.strip()) == default_model_dir
     assert (default_model_dir / "model.safetensors").exists()

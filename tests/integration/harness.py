@@ -14,21 +14,27 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.loop import Models, Recovery
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
-from draft_worker.sessions import DraftSessions
 from draft_worker.service import DraftWorkerService
-from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
-from outrider.worker import AnyEngine, open_worker
-from coordinator.metrics import CoordinatorMetrics
+from draft_worker.sessions import DraftSessions
+from outrider.config import (
+    DraftWorkerConfig,
+    EngineConfig,
+    ServiceAddress,
+    TargetWorkerConfig,
+    WorkerLimits,
+)
 from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
+from outrider.worker import AnyEngine, open_worker
 from target_worker import main as target_main
-from target_worker.sessions import TargetSessions
 from target_worker.service import TargetWorkerService
+from target_worker.sessions import TargetSessions
 
 ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
 
@@ -69,7 +75,10 @@ class Stack:
         """Open sessions on (all targets, draft) once pending closes have run."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            counts = (sum(len(t.store) for t in self.targets), len(self.draft.store) if self.draft else 0)
+            counts = (
+                sum(len(t.store) for t in self.targets),
+                len(self.draft.store) if self.draft else 0,
+            )
             if counts == (0, 0) or asyncio.get_running_loop().time() > deadline:
                 return counts
             await asyncio.sleep(0.02)
@@ -119,15 +128,21 @@ async def running_stack(
         return endpoints[name].registry
 
     try:
-        target_config = TargetWorkerConfig(address=ADDRESS, model=str(target_dir), engine=engine, limits=limits)
+        target_config = TargetWorkerConfig(
+            address=ADDRESS, model=str(target_dir), engine=engine, limits=limits
+        )
         target_workers, target_servers = [], []
         for replica in range(target_replicas):
             target_registry = registry(f"target-{replica}" if replica else "target")
             steps = []  # the worker's metrics exist once its store does
             worker, target_engine, warm_up = await open_worker(
-                "target_worker.main", target_config, on_step=lambda s, steps=steps: steps and steps[0].step(s)
+                "target_worker.main",
+                target_config,
+                on_step=lambda s, steps=steps: steps and steps[0].step(s),
             )
-            target_metrics = WorkerMetrics(target_registry, worker.store, role="target") if metrics else None
+            target_metrics = (
+                WorkerMetrics(target_registry, worker.store, role="target") if metrics else None
+            )
             steps.extend([target_metrics] if target_metrics else [])
             target_workers.append(worker)
             engines.append(target_engine)
@@ -136,8 +151,13 @@ async def running_stack(
             await warm_up()
             target_servers.append(
                 await start_server(
-                    lambda s, w=worker, e=target_engine, m=target_metrics: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                        TargetWorkerService(w, e, idle_timeout_s=limits.session_idle_timeout_s, metrics=m), s
+                    lambda s, w=worker, e=target_engine, m=target_metrics: (
+                        worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                            TargetWorkerService(
+                                w, e, idle_timeout_s=limits.session_idle_timeout_s, metrics=m
+                            ),
+                            s,
+                        )
                     ),
                     [target_main.SERVICE_NAME],
                     credentials=worker_credentials,
@@ -169,7 +189,9 @@ async def running_stack(
             draft_worker, draft_engine, warm_up = await open_worker(
                 "draft_worker.main", draft_config, on_step=lambda s: steps and steps[0].step(s)
             )
-            draft_metrics = WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
+            draft_metrics = (
+                WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
+            )
             steps.extend([draft_metrics] if draft_metrics else [])
             engines.append(draft_engine)
             if step_s and "draft" in step_s:
@@ -179,7 +201,10 @@ async def running_stack(
                 await start_server(
                     lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
                         DraftWorkerService(
-                            draft_worker, draft_engine, idle_timeout_s=limits.session_idle_timeout_s, metrics=draft_metrics
+                            draft_worker,
+                            draft_engine,
+                            idle_timeout_s=limits.session_idle_timeout_s,
+                            metrics=draft_metrics,
                         ),
                         s,
                     ),
@@ -194,7 +219,11 @@ async def running_stack(
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         target_info = await target.info(10)
         draft_info = await draft.info(10) if draft else None
-        eos = frozenset(eos_token_ids) if eos_token_ids is not None else frozenset({tokenizer.eos_token_id})
+        eos = (
+            frozenset(eos_token_ids)
+            if eos_token_ids is not None
+            else frozenset({tokenizer.eos_token_id})
+        )
         coordinator_registry = registry("coordinator")
         service = CoordinatorService(
             Models(tokenizer, eos, target_info),
@@ -241,7 +270,9 @@ async def running_stack(
             endpoint.stop()
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+def reference_greedy(
+    model_dir: Path, prompt_ids: list[int], max_new_tokens: int, eos: int | None
+) -> list[int]:
     """Target-only greedy decoding with Hugging Face generate, float64."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     out = model.generate(

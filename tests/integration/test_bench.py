@@ -16,11 +16,18 @@ from outrider.bench.report import REQUIRED_CONFIG_KEYS
 
 
 @pytest.mark.timeout(180)
-def test_bench_runs_every_configuration_and_writes_json_and_plot(tiny_target_dir: Path, tmp_path: Path):
+def test_bench_runs_every_configuration_and_writes_json_and_plot(
+    tiny_target_dir: Path, tmp_path: Path
+):
     pytest.importorskip("matplotlib")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        json.dumps({"turns": ["The quick brown fox jumps over the lazy dog. The dog"], "category": "writing"})
+        json.dumps(
+            {
+                "turns": ["The quick brown fox jumps over the lazy dog. The dog"],
+                "category": "writing",
+            }
+        )
         + "\n"
         + json.dumps({"prompt": "def add(a, b):\n    return a + b\n"})
         + "\n"
@@ -64,7 +71,9 @@ def test_bench_runs_every_configuration_and_writes_json_and_plot(tiny_target_dir
 
 
 @pytest.mark.timeout(120)
-def test_bench_concurrency_runs_every_configuration_at_every_concurrency(tiny_target_dir: Path, tmp_path: Path):
+def test_bench_concurrency_runs_every_configuration_at_every_concurrency(
+    tiny_target_dir: Path, tmp_path: Path
+):
     """`--concurrency 1,2` with two coordinator replicas: every request generates exactly
     max_new_tokens (`--ignore-eos`), and float64 gives the same tokens everywhere."""
     pytest.importorskip("matplotlib")
@@ -100,7 +109,11 @@ def test_bench_concurrency_runs_every_configuration_at_every_concurrency(tiny_ta
             assert set(REQUIRED_RUN_KEYS) <= run.keys()
             assert run["requests"] == 2  # max(N, 2 prompts)
             assert run["generated_tokens"] == 2 * 8  # fixed length
-            assert run["tokens_per_s"] > 0 and run["ttft_ms_p50"] > 0 and run["itl_per_token_ms_p99"] > 0
+            assert (
+                run["tokens_per_s"] > 0
+                and run["ttft_ms_p50"] > 0
+                and run["itl_per_token_ms_p99"] > 0
+            )
         assert config["runs"][0]["speedup_vs_concurrency_1"] == 1.0
     # float64: the same tokens at N=2 as at N=1, and as unpadded hf-generate.
     assert report["mismatches"] == []

@@ -28,8 +28,8 @@ from coordinator.replicas import Replicas
 from coordinator.workers import GrpcTargetClient
 from outrider.client import AsyncClient
 from outrider.errors import Unavailable
-from outrider.sampling import SamplingParams
 from outrider.rpc import start_server
+from outrider.sampling import SamplingParams
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack
@@ -53,7 +53,11 @@ class Kube:
         body = {
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
-            "metadata": {"name": name, "namespace": NS, "labels": {"kubernetes.io/service-name": "target"}},
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "labels": {"kubernetes.io/service-name": "target"},
+            },
             "addressType": address_type,
             "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
             "endpoints": endpoints,
@@ -114,7 +118,12 @@ async def test_the_routing_table_follows_endpointslices_added_made_not_ready_and
     try:
         # Added: a missing `ready` counts as ready; a not-ready endpoint is known but gets no sessions.
         await kube.create(
-            "target-a", [endpoint("127.0.0.2"), endpoint("127.0.0.3", ready=None), endpoint("127.0.0.4", ready=False)]
+            "target-a",
+            [
+                endpoint("127.0.0.2"),
+                endpoint("127.0.0.3", ready=None),
+                endpoint("127.0.0.4", ready=False),
+            ],
         )
         expected = {"127.0.0.2:50052": True, "127.0.0.3:50052": True, "127.0.0.4:50052": False}
         await until(lambda: table(replicas) == expected, f"table == {expected}")
@@ -156,7 +165,9 @@ async def test_the_routing_table_follows_endpointslices_added_made_not_ready_and
     watches = kube.requests(kmock.action.WATCH)
     assert listed.params.get("labelSelector") == selector
     assert watches and all(w.params.get("labelSelector") == selector for w in watches)
-    assert all(w.params.get("resourceVersion") == "..." for w in watches)  # kmock's list resourceVersion
+    assert all(
+        w.params.get("resourceVersion") == "..." for w in watches
+    )  # kmock's list resourceVersion
 
 
 async def test_with_no_ready_endpoint_the_coordinator_says_why_instead_of_hanging(kube):
@@ -164,7 +175,9 @@ async def test_with_no_ready_endpoint_the_coordinator_says_why_instead_of_hangin
     await replicas.start()
     try:
         await kube.create("target-a", [endpoint("127.0.0.2", ready=False)])
-        await until(lambda: table(replicas) == {"127.0.0.2:50052": False}, "the not-ready endpoint is known")
+        await until(
+            lambda: table(replicas) == {"127.0.0.2:50052": False}, "the not-ready endpoint is known"
+        )
         start = time.monotonic()
         with pytest.raises(Unavailable) as waited:
             await replicas.wait_ready(0.5)
@@ -180,13 +193,22 @@ async def test_the_watch_lists_again_after_410_gone_and_rides_out_api_errors(kub
     lists, watches = itertools.count(), itertools.count()
     # The first list fails (the API server is overloaded), the first watch expires at once.
     kube.emulator[kmock.action.LIST] << (
-        lambda: kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="etcd is not ready")
-        if next(lists) == 0
-        else NotImplemented
+        lambda: (
+            kmock.KubernetesError(
+                status=503, reason="ServiceUnavailable", message="etcd is not ready"
+            )
+            if next(lists) == 0
+            else NotImplemented
+        )
     )
     expired = {
         "type": "ERROR",
-        "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old resource version"},
+        "object": {
+            "kind": "Status",
+            "code": 410,
+            "reason": "Expired",
+            "message": "too old resource version",
+        },
     }
     kube.emulator[kmock.action.WATCH] << (
         lambda: json.dumps(expired).encode() + b"\n" if next(watches) == 0 else NotImplemented
@@ -195,7 +217,9 @@ async def test_the_watch_lists_again_after_410_gone_and_rides_out_api_errors(kub
     replicas = Replicas("target", [SERVICE], worker_pb2_grpc.TargetWorkerStub, kube_api=kube.api)
     await replicas.start()
     try:
-        await until(lambda: table(replicas) == {"127.0.0.2:50052": True}, "listed after the failed list")
+        await until(
+            lambda: table(replicas) == {"127.0.0.2:50052": True}, "listed after the failed list"
+        )
         await until(lambda: len(kube.requests(kmock.action.WATCH)) == 2, "watching again after 410")
         # failed list, list, watch → 410, list again, watch
         assert len(kube.requests(kmock.action.LIST)) == 3
@@ -226,13 +250,21 @@ def publish_to(kube: Kube, slice_of: dict[str, str]):
 def prompt_ids(tiny_target_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_target_dir)("Once upon a time there was a fox")["input_ids"]
+    return AutoTokenizer.from_pretrained(tiny_target_dir)("Once upon a time there was a fox")[
+        "input_ids"
+    ]
 
 
-async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(kube, tiny_target_dir, prompt_ids):
+async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(
+    kube, tiny_target_dir, prompt_ids
+):
     slice_of = {}
     async with running_stack(
-        tiny_target_dir, drafter=None, target_replicas=2, publish_targets=publish_to(kube, slice_of), kube_api=kube.api
+        tiny_target_dir,
+        drafter=None,
+        target_replicas=2,
+        publish_targets=publish_to(kube, slice_of),
+        kube_api=kube.api,
     ) as stack:
         client = GrpcTargetClient([SERVICE], kube_api=kube.api)
         await client.start()
@@ -242,7 +274,9 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(kub
             greedy = SamplingParams()
 
             async def open_session():
-                session, _ = await client.open(prompt_ids, request_id=f"r{len(sessions)}", sampling=greedy)
+                session, _ = await client.open(
+                    prompt_ids, request_id=f"r{len(sessions)}", sampling=greedy
+                )
                 sessions.append(session)
                 return session
 
@@ -259,7 +293,9 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(kub
 
             # The first session's pod turns not ready: it keeps that session, gets no new ones.
             await kube.set_endpoints(slice_of[first.address], [endpoint("127.0.0.1", ready=False)])
-            await until(lambda: not client.replicas.members[first.address].ready, "the pod is not ready")
+            await until(
+                lambda: not client.replicas.members[first.address].ready, "the pod is not ready"
+            )
             verdict = await first.verify(len(prompt_ids), [])
             assert verdict.num_accepted == 0
             for _ in range(2):
@@ -269,7 +305,9 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(kub
 
             # Ready again: the least-loaded pod takes the next session.
             await kube.set_endpoints(slice_of[first.address], [endpoint("127.0.0.1")])
-            await until(lambda: client.replicas.members[first.address].ready, "the pod is ready again")
+            await until(
+                lambda: client.replicas.members[first.address].ready, "the pod is ready again"
+            )
             assert where(await open_session()) == pinned
             assert await first.verify(len(prompt_ids) + 1, []) is not None
         finally:
@@ -309,7 +347,9 @@ async def test_a_removed_target_pods_session_is_recovered_on_the_other_with_iden
         try:
             async with AsyncClient(stack.address, timeout=60) as client:
                 chunks = []
-                stream = client.stream(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=3)
+                stream = client.stream(
+                    token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=3
+                )
                 async with asyncio.timeout(20):
                     async for chunk in stream:
                         if not chunks:
@@ -327,7 +367,9 @@ class _DescribedWorker(worker_pb2_grpc.TargetWorkerServicer):
     """A worker that only says what it serves."""
 
     def __init__(self, vocab_fingerprint: str) -> None:
-        self.info = pb.WorkerInfo(model=f"m-{vocab_fingerprint}", vocab_size=100, vocab_fingerprint=vocab_fingerprint)
+        self.info = pb.WorkerInfo(
+            model=f"m-{vocab_fingerprint}", vocab_size=100, vocab_fingerprint=vocab_fingerprint
+        )
 
     async def GetWorkerInfo(self, request, context):
         return self.info
@@ -336,7 +378,9 @@ class _DescribedWorker(worker_pb2_grpc.TargetWorkerServicer):
 async def test_a_pod_serving_another_vocabulary_is_refused(kube):
     servers = [
         await start_server(
-            lambda s, f=fingerprint: worker_pb2_grpc.add_TargetWorkerServicer_to_server(_DescribedWorker(f), s),
+            lambda s, f=fingerprint: worker_pb2_grpc.add_TargetWorkerServicer_to_server(
+                _DescribedWorker(f), s
+            ),
             ["outrider.v1.TargetWorker"],
         )
         for fingerprint in ("aaaa", "bbbb")

@@ -25,7 +25,6 @@ import functools
 import logging
 import queue
 import threading
-import time
 
 import grpc
 import pytest
@@ -36,9 +35,8 @@ from hypothesis import strategies as st
 
 from outrider.config import WorkerLimits
 from outrider.v1 import coordinator_pb2 as cpb
-from outrider.v1 import coordinator_pb2_grpc
+from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from outrider.v1 import worker_pb2 as wpb
-from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack
 
 COORDINATOR_CASES = 4000
@@ -64,7 +62,11 @@ FUZZ_SETTINGS = dict(
     # No shrinking: against live servers it could take minutes; a failure
     # shows the whole case (request or message) that broke.
     phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 
 CANARY_PROMPT = [5, 17, 42, 99, 7, 300, 12]
@@ -82,7 +84,9 @@ pipelined: dict[str, int] = {"requests": 0, "speculated": 0}
 class BackgroundLoop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-servers", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="fuzz-servers", daemon=True
+        )
         self.thread.start()
 
     def run(self, coro, timeout_s: float = 120.0):
@@ -112,7 +116,9 @@ class Canary:
         request = cpb.GenerateRequest(
             token_ids=cpb.TokenIds(ids=CANARY_PROMPT),
             sampling=cpb.SamplingParams(max_new_tokens=CANARY_NEW_TOKENS, ignore_eos=True),
-            speculation=cpb.SpeculationParams(num_speculative_tokens=3, pipeline=self.attempts % 2 == 0),
+            speculation=cpb.SpeculationParams(
+                num_speculative_tokens=3, pipeline=self.attempts % 2 == 0
+            ),
         )
         try:
             got = list(self.stub.Complete(request, timeout=CALL_TIMEOUT_S).token_ids)
@@ -154,7 +160,9 @@ class Fuzzed:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.channels["coordinator"])
         self.target = worker_pb2_grpc.TargetWorkerStub(self.channels["target"])
         self.draft = worker_pb2_grpc.DraftWorkerStub(self.channels["draft"])
-        self.reference = reference_greedy(tiny_target_dir, CANARY_PROMPT, CANARY_NEW_TOKENS, eos=None)
+        self.reference = reference_greedy(
+            tiny_target_dir, CANARY_PROMPT, CANARY_NEW_TOKENS, eos=None
+        )
 
     def serving(self) -> dict[str, int]:
         return {
@@ -238,7 +246,9 @@ def wild_ids(vocab: int) -> st.SearchStrategy[list[int]]:
 
 def chat(roles, contents, *, min_size: int) -> st.SearchStrategy[cpb.ChatMessages]:
     message = st.builds(cpb.ChatMessage, role=roles, content=contents)
-    return st.lists(message, min_size=min_size, max_size=3).map(lambda m: cpb.ChatMessages(messages=m))
+    return st.lists(message, min_size=min_size, max_size=3).map(
+        lambda m: cpb.ChatMessages(messages=m)
+    )
 
 
 @functools.cache
@@ -247,10 +257,14 @@ def request_fields(vocab: int) -> dict[str, tuple[st.SearchStrategy, st.SearchSt
     return {
         "prompt": (
             st.tuples(st.just("text"), st.text(min_size=1, max_size=24))
-            | st.tuples(st.just("chat"), chat(st.sampled_from(ROLES), st.text(max_size=12), min_size=1))
+            | st.tuples(
+                st.just("chat"), chat(st.sampled_from(ROLES), st.text(max_size=12), min_size=1)
+            )
             | st.tuples(st.just("token_ids"), valid_ids(vocab, min_size=1, max_size=16)),
             st.tuples(st.just("text"), ODD_TEXT | st.integers(0, 2000).map(lambda n: "ab " * n))
-            | st.tuples(st.just("chat"), chat(st.sampled_from(ROLES) | ODD_TEXT, ODD_TEXT, min_size=0))
+            | st.tuples(
+                st.just("chat"), chat(st.sampled_from(ROLES) | ODD_TEXT, ODD_TEXT, min_size=0)
+            )
             | st.tuples(st.just("token_ids"), wild_ids(vocab))
             | st.just(("none", None)),
         ),
@@ -271,7 +285,10 @@ def request_fields(vocab: int) -> dict[str, tuple[st.SearchStrategy, st.SearchSt
             st.lists(INT32, max_size=4) | st.integers(0, 100).map(lambda n: list(range(n))),
         ),
         "ignore_eos": (st.booleans(), st.booleans()),
-        "temperature": (st.sampled_from([0.0, 0.0, 1.0]) | st.floats(0.0625, 4.0, width=32), FLOAT32),
+        "temperature": (
+            st.sampled_from([0.0, 0.0, 1.0]) | st.floats(0.0625, 4.0, width=32),
+            FLOAT32,
+        ),
         "top_k": (st.integers(0, 600), UINT32),
         "top_p": (st.none() | st.floats(0.0625, 1.0, width=32), st.none() | FLOAT32),
         "min_p": (st.just(0.0) | st.floats(0.0, 0.5, width=32), FLOAT32),
@@ -354,7 +371,9 @@ def session_open(draw, fuzzed: Fuzzed) -> wpb.SessionOpen:
         token_ids=draw(valid_ids(vocab, min_size=1, max_size=12) | wild_ids(vocab)),
         request_id=draw(st.just("") | PRINTABLE | ODD_TEXT),
         target_vocab_size=draw(st.sampled_from([0, vocab, vocab]) | UINT32),
-        target_vocab_fingerprint=draw(st.sampled_from(["", fuzzed.fingerprint, fuzzed.fingerprint]) | ODD_TEXT),
+        target_vocab_fingerprint=draw(
+            st.sampled_from(["", fuzzed.fingerprint, fuzzed.fingerprint]) | ODD_TEXT
+        ),
         sampling=worker_sampling(draw),
     )
 
@@ -372,7 +391,9 @@ def draft_probs(draw, fuzzed: Fuzzed, k: int) -> list[wpb.DraftProbs]:
     out = []
     for _ in range(count):
         if rows == "dense":
-            out.append(wpb.DraftProbs(probs=draw(st.binary(min_size=dense_bytes, max_size=dense_bytes))))
+            out.append(
+                wpb.DraftProbs(probs=draw(st.binary(min_size=dense_bytes, max_size=dense_bytes)))
+            )
         elif rows == "sparse":
             ids = sorted(set(draw(valid_ids(fuzzed.vocab, min_size=1, max_size=6))))
             out.append(
@@ -382,7 +403,11 @@ def draft_probs(draw, fuzzed: Fuzzed, k: int) -> list[wpb.DraftProbs]:
                 )
             )
         else:
-            out.append(wpb.DraftProbs(token_ids=draw(st.binary(max_size=12)), probs=draw(st.binary(max_size=12))))
+            out.append(
+                wpb.DraftProbs(
+                    token_ids=draw(st.binary(max_size=12)), probs=draw(st.binary(max_size=12))
+                )
+            )
     return out
 
 
@@ -412,8 +437,11 @@ def fuzz_session(data, fuzzed: Fuzzed, role: str) -> None:
     committed = None  # the committed length the worker holds, once open
     try:
         for step in range(draw(st.integers(1, MESSAGES_PER_SESSION))):
-            kind = draw(st.sampled_from(["open", "round", "round", "round", "empty"]) if committed is not None
-                        else st.sampled_from(["open", "open", "open", "round", "empty"]))
+            kind = draw(
+                st.sampled_from(["open", "round", "round", "round", "empty"])
+                if committed is not None
+                else st.sampled_from(["open", "open", "open", "round", "empty"])
+            )
             if kind == "open":
                 request = Request(open=session_open(draw, fuzzed))
             elif kind == "empty":
@@ -423,9 +451,13 @@ def fuzz_session(data, fuzzed: Fuzzed, role: str) -> None:
                 length = committed_len(draw, (committed or 0) + len(new))
                 k = draw(st.integers(1, 5) | st.sampled_from([0, 17]) | UINT32)
                 round_ = wpb.DraftRound(committed_len=length, new_token_ids=new, num_draft_tokens=k)
-                if draw(st.booleans()):  # a speculation (pipelined rounds), after valid or wild assumed drafts
+                if draw(
+                    st.booleans()
+                ):  # a speculation (pipelined rounds), after valid or wild assumed drafts
                     round_.speculate = True
-                    round_.assumed_token_ids.extend(draw(valid_ids(fuzzed.vocab, max_size=5) | wild_ids(fuzzed.vocab)))
+                    round_.assumed_token_ids.extend(
+                        draw(valid_ids(fuzzed.vocab, max_size=5) | wild_ids(fuzzed.vocab))
+                    )
                 request = Request(round=round_)
             else:
                 drafts = draw(valid_ids(fuzzed.vocab, max_size=6) | wild_ids(fuzzed.vocab))

@@ -5,8 +5,6 @@ multi-token accept cut exactly; and no session outlives its stream."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -37,9 +35,15 @@ async def generate(address: str, prompt_ids, **kwargs):
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 4, 8])
-async def test_unrelated_draft_output_equals_target_only(tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference, k):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+async def test_unrelated_draft_output_equals_target_only(
+    tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference, k
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k
+        )
     assert list(result.token_ids) == reference
     assert result.finish_reason == "length"
     assert result.stats.num_speculative_tokens == k
@@ -48,9 +52,15 @@ async def test_unrelated_draft_output_equals_target_only(tiny_target_dir, tiny_d
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-async def test_identical_draft_accepts_every_draft(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, k):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+async def test_identical_draft_accepts_every_draft(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, k
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}
+    ) as stack:
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k
+        )
     stats = result.stats
     assert list(result.token_ids) == reference
     assert stats.accepted_tokens == stats.draft_tokens > 0
@@ -60,9 +70,15 @@ async def test_identical_draft_accepts_every_draft(tiny_target_dir, tiny_draft_s
     assert stats.mean_acceptance_length == (stats.accepted_tokens + stats.rounds) / stats.rounds
 
 
-async def test_unrelated_draft_is_almost_never_accepted(tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+async def test_unrelated_draft_is_almost_never_accepted(
+    tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4
+        )
     assert list(result.token_ids) == reference
     assert result.stats.acceptance_rate < 0.2
     assert len(result.stats.accepted_per_position) == 4
@@ -72,19 +88,29 @@ async def test_unrelated_draft_is_almost_never_accepted(tiny_target_dir, tiny_dr
     assert per_position[0] == result.stats.accepted_tokens - sum(per_position[1:])
 
 
-async def test_prompt_lookup_drafter_output_equals_target_only(tiny_target_dir, prompt_ids, reference):
-    async with running_stack(tiny_target_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
+async def test_prompt_lookup_drafter_output_equals_target_only(
+    tiny_target_dir, prompt_ids, reference
+):
+    async with running_stack(
+        tiny_target_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}
+    ) as stack:
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4
+        )
     assert list(result.token_ids) == reference
     assert result.stats.draft_tokens > 0
 
 
 @pytest.mark.parametrize("layers", [1, 2])
-async def test_early_exit_drafter_output_equals_target_only(tiny_target_dir, prompt_ids, reference, layers):
+async def test_early_exit_drafter_output_equals_target_only(
+    tiny_target_dir, prompt_ids, reference, layers
+):
     async with running_stack(
         tiny_target_dir, drafter="early-exit", draft_layers=layers, eos_token_ids={NO_EOS}
     ) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=3)
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=3
+        )
     assert list(result.token_ids) == reference
     if layers == 2:  # all layers of a 2-layer target: the target itself
         assert result.stats.acceptance_rate == 1.0
@@ -95,7 +121,9 @@ async def test_int4_drafter_output_equals_target_only(tiny_target_dir, prompt_id
     async with running_stack(tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}) as stack:
         async with AsyncClient(stack.address) as client:
             info = await client.model_info()
-            result = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k)
+            result = await client.generate(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k
+            )
     assert list(result.token_ids) == reference
     assert info.drafter == "int4" and info.draft_model.endswith("[int4-g32]")
     # The target's own weights in 4 bits (its LM head in 8) agree with it on
@@ -119,7 +147,12 @@ async def test_pipelined_output_equals_target_only(
     async with running_stack(tiny_target_dir, eos_token_ids={NO_EOS}, **workers) as stack:
         async with AsyncClient(stack.address) as client:
             runs = {
-                k: await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=k, pipeline=True)
+                k: await client.generate(
+                    token_ids=prompt_ids,
+                    max_new_tokens=MAX_NEW,
+                    num_speculative_tokens=k,
+                    pipeline=True,
+                )
                 for k in (1, 2, 4, 8)
             }
             runs["adaptive"] = await client.generate(
@@ -133,7 +166,9 @@ async def test_pipelined_output_equals_target_only(
     hits, misses = sum(s.speculation_hits for s in stats), sum(s.speculation_misses for s in stats)
     if draft == "identical":
         # Every drafting round after the first was drafted during the one before.
-        assert all(s.speculation_hits == s.num_drafts - 1 and s.speculation_misses == 0 for s in stats)
+        assert all(
+            s.speculation_hits == s.num_drafts - 1 and s.speculation_misses == 0 for s in stats
+        )
         assert [s.accepted_tokens for s in stats] == [s.draft_tokens for s in stats]
     elif draft == "unrelated":
         assert misses > hits
@@ -141,15 +176,25 @@ async def test_pipelined_output_equals_target_only(
         assert hits > 0 and misses > 0
 
 
-async def test_pipelining_is_per_request_and_off_by_default(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+async def test_pipelining_is_per_request_and_off_by_default(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         async with AsyncClient(stack.address) as client:
             default = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW)
             target_only = await client.generate(
-                token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=0, pipeline=True
+                token_ids=prompt_ids,
+                max_new_tokens=MAX_NEW,
+                num_speculative_tokens=0,
+                pipeline=True,
             )
     assert list(default.token_ids) == list(target_only.token_ids) == reference
-    assert not default.stats.pipeline and default.stats.speculation_hits == default.stats.speculation_misses == 0
+    assert (
+        not default.stats.pipeline
+        and default.stats.speculation_hits == default.stats.speculation_misses == 0
+    )
     assert not target_only.stats.pipeline  # nothing to pipeline without drafts
 
 
@@ -170,7 +215,9 @@ def first_new_token(reference: list[int], start: int) -> int:
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-async def test_max_new_tokens_inside_an_accept_is_never_exceeded(same_stack, prompt_ids, reference, pipeline):
+async def test_max_new_tokens_inside_an_accept_is_never_exceeded(
+    same_stack, prompt_ids, reference, pipeline
+):
     async with same_stack(eos_token_ids={NO_EOS}) as stack:
         first = await generate(stack.address, prompt_ids, max_new_tokens=5, pipeline=pipeline)
         second = await generate(stack.address, prompt_ids, max_new_tokens=14, pipeline=pipeline)
@@ -188,7 +235,9 @@ async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, refe
     eos = first_new_token(reference, 12)
     end = reference.index(eos) + 1
     async with same_stack(eos_token_ids={eos}) as stack:
-        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW, pipeline=pipeline)
+        result = await generate(
+            stack.address, prompt_ids, max_new_tokens=MAX_NEW, pipeline=pipeline
+        )
         assert await stack.sessions_left() == (0, 0)
     assert list(result.token_ids) == reference[:end]
     assert result.finish_reason == "stop"
@@ -196,12 +245,18 @@ async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, refe
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-async def test_stop_token_id_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference, pipeline):
+async def test_stop_token_id_inside_an_accept_ends_the_output(
+    same_stack, prompt_ids, reference, pipeline
+):
     stop_id = first_new_token(reference, 11)
     end = reference.index(stop_id) + 1
     async with same_stack(eos_token_ids={NO_EOS}) as stack:
         result = await generate(
-            stack.address, prompt_ids, max_new_tokens=MAX_NEW, stop_token_ids=[stop_id], pipeline=pipeline
+            stack.address,
+            prompt_ids,
+            max_new_tokens=MAX_NEW,
+            stop_token_ids=[stop_id],
+            pipeline=pipeline,
         )
         assert await stack.sessions_left() == (0, 0)
     assert list(result.token_ids) == reference[:end]
@@ -209,7 +264,9 @@ async def test_stop_token_id_inside_an_accept_ends_the_output(same_stack, prompt
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-async def test_stop_string_inside_an_accept_cuts_the_text(same_stack, tiny_target_dir, prompt_ids, reference, pipeline):
+async def test_stop_string_inside_an_accept_cuts_the_text(
+    same_stack, tiny_target_dir, prompt_ids, reference, pipeline
+):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
@@ -244,10 +301,16 @@ async def test_sessions_are_freed_after_the_stream_ends(same_stack, prompt_ids):
         assert stack.target.store.cached_tokens == 0
 
 
-async def test_sessions_are_freed_after_the_client_cancels(tiny_target_dir, tiny_draft_other_dir, prompt_ids):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+async def test_sessions_are_freed_after_the_client_cancels(
+    tiny_target_dir, tiny_draft_other_dir, prompt_ids
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         async with AsyncClient(stack.address) as client:
-            stream = client.stream(token_ids=prompt_ids, max_new_tokens=400, num_speculative_tokens=2)
+            stream = client.stream(
+                token_ids=prompt_ids, max_new_tokens=400, num_speculative_tokens=2
+            )
             await anext(stream)
             assert len(stack.target.store) == 1 and len(stack.draft.store) == 1
             await stream.aclose()
@@ -267,7 +330,9 @@ async def test_draft_with_another_vocabulary_is_refused(tiny_target_dir, tmp_pat
         assert await stack.sessions_left() == (0, 0)
 
 
-async def test_draft_without_tokenizer_and_another_vocabulary_size_is_refused(tiny_target_dir, tmp_path, prompt_ids):
+async def test_draft_without_tokenizer_and_another_vocabulary_size_is_refused(
+    tiny_target_dir, tmp_path, prompt_ids
+):
     from tests.tiny import build_tiny_llama
 
     other = build_tiny_llama(tmp_path / "no-tokenizer", vocab_size=300, seed=3)
@@ -278,7 +343,9 @@ async def test_draft_without_tokenizer_and_another_vocabulary_size_is_refused(ti
         assert "300" in info.value.details()
 
 
-async def test_full_worker_answers_resource_exhausted(tiny_target_dir, tiny_draft_other_dir, prompt_ids):
+async def test_full_worker_answers_resource_exhausted(
+    tiny_target_dir, tiny_draft_other_dir, prompt_ids
+):
     limits = WorkerLimits(max_sessions=1, max_cached_tokens=10_000)
     async with running_stack(
         tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, limits=limits
@@ -318,7 +385,9 @@ async def test_chat_prompt_uses_the_chat_template(tiny_target_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     messages = [{"role": "user", "content": "Hello there"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
         async with AsyncClient(stack.address) as client:
             chat = await client.generate(messages=messages, max_new_tokens=8, ignore_eos=True)
@@ -330,11 +399,17 @@ async def test_chat_prompt_uses_the_chat_template(tiny_target_dir):
 async def test_adaptive_k_keeps_the_output_and_backs_off_a_useless_draft(
     tiny_target_dir, tiny_draft_other_dir, prompt_ids, reference
 ):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         async with AsyncClient(stack.address) as client:
             # Teach the coordinator's cost model, then ask adaptively.
-            await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4)
-            result = await client.generate(token_ids=prompt_ids, max_new_tokens=MAX_NEW, adaptive=True)
+            await client.generate(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4
+            )
+            result = await client.generate(
+                token_ids=prompt_ids, max_new_tokens=MAX_NEW, adaptive=True
+            )
     stats = result.stats
     assert list(result.token_ids) == reference
     assert stats.adaptive and stats.num_speculative_tokens == 16
@@ -342,10 +417,18 @@ async def test_adaptive_k_keeps_the_output_and_backs_off_a_useless_draft(
     assert stats.draft_tokens < stats.rounds * 2
 
 
-async def test_a_fixed_k_wins_over_adaptive(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+async def test_a_fixed_k_wins_over_adaptive(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         result = await generate(
-            stack.address, prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=2, adaptive=True
+            stack.address,
+            prompt_ids,
+            max_new_tokens=MAX_NEW,
+            num_speculative_tokens=2,
+            adaptive=True,
         )
     assert list(result.token_ids) == reference
     assert not result.stats.adaptive and result.stats.num_speculative_tokens == 2

@@ -49,25 +49,38 @@ async def scrape(stack, service: str) -> Scrape:
 
 
 async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_dir):
-    async with running_stack(
-        tiny_target_dir, drafter="early-exit", draft_layers=1, eos_token_ids={NO_EOS}, metrics=True
-    ) as stack, AsyncClient(stack.address) as client:
+    async with (
+        running_stack(
+            tiny_target_dir,
+            drafter="early-exit",
+            draft_layers=1,
+            eos_token_ids={NO_EOS},
+            metrics=True,
+        ) as stack,
+        AsyncClient(stack.address) as client,
+    ):
         # Unary requests at several K (K = 0: rounds without drafts) and adaptive K.
         stats = []
         for k, max_new in [(4, 23), (2, 17), (0, 9), (8, 30)]:
-            result = await client.generate(prompt=PROMPT, max_new_tokens=max_new, num_speculative_tokens=k)
+            result = await client.generate(
+                prompt=PROMPT, max_new_tokens=max_new, num_speculative_tokens=k
+            )
             stats.append(result.stats)
         stats.append((await client.generate(prompt=PROMPT, max_new_tokens=20, adaptive=True)).stats)
 
         # A streamed one: while it runs, the workers hold its session and cache.
         chunks = 0
-        async for chunk in client.stream(prompt=PROMPT, max_new_tokens=24, num_speculative_tokens=3):
+        async for chunk in client.stream(
+            prompt=PROMPT, max_new_tokens=24, num_speculative_tokens=3
+        ):
             if chunks == 0:
                 target = await scrape(stack, "target")
                 assert target.value("outrider_worker_sessions_active") == 1
                 assert target.value("outrider_worker_cached_tokens") >= len(chunk.token_ids)
                 assert 0 < target.value("outrider_kv_cache_usage_perc") < 1
-                running = (await scrape(stack, "coordinator")).value("outrider_num_requests_running")
+                running = (await scrape(stack, "coordinator")).value(
+                    "outrider_num_requests_running"
+                )
                 assert running == 1
             chunks += 1
             if chunk.stats is not None:
@@ -84,17 +97,31 @@ async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_
         draft = await scrape(stack, "draft")
 
     assert len(stats) == 6
-    assert sum(s.num_drafts for s in stats) < sum(s.rounds for s in stats)  # target-only rounds are no drafts
+    assert sum(s.num_drafts for s in stats) < sum(
+        s.rounds for s in stats
+    )  # target-only rounds are no drafts
     assert stats[2].num_drafts == stats[2].draft_tokens == 0
 
     # Speculation: vLLM's counters equal the sums of the per-request stats.
-    assert coordinator.value("outrider_spec_decode_num_drafts_total") == sum(s.num_drafts for s in stats)
-    assert coordinator.value("outrider_spec_decode_num_draft_tokens_total") == sum(s.draft_tokens for s in stats)
-    assert coordinator.value("outrider_spec_decode_num_accepted_tokens_total") == sum(s.accepted_tokens for s in stats)
+    assert coordinator.value("outrider_spec_decode_num_drafts_total") == sum(
+        s.num_drafts for s in stats
+    )
+    assert coordinator.value("outrider_spec_decode_num_draft_tokens_total") == sum(
+        s.draft_tokens for s in stats
+    )
+    assert coordinator.value("outrider_spec_decode_num_accepted_tokens_total") == sum(
+        s.accepted_tokens for s in stats
+    )
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
     for position in range(16):
-        expected = sum(s.accepted_per_position[position] for s in stats if position < len(s.accepted_per_position))
-        per_pos = coordinator.value("outrider_spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+        expected = sum(
+            s.accepted_per_position[position]
+            for s in stats
+            if position < len(s.accepted_per_position)
+        )
+        per_pos = coordinator.value(
+            "outrider_spec_decode_num_accepted_tokens_per_pos_total", position=str(position)
+        )
         assert per_pos == expected, position
     # Pipelining (none of these requests asked for it): the counters exist and add up.
     for counter, field in [("hits", "speculation_hits"), ("misses", "speculation_misses")]:
@@ -104,19 +131,30 @@ async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_
     # Requests: six finished at their length, one refused.
     assert coordinator.value("outrider_request_success_total", finished_reason="length") == 6
     assert coordinator.value("outrider_request_success_total", finished_reason="stop") == 0
-    assert coordinator.value("outrider_generation_tokens_total") == sum(s.generated_tokens for s in stats) == 123
+    assert (
+        coordinator.value("outrider_generation_tokens_total")
+        == sum(s.generated_tokens for s in stats)
+        == 123
+    )
     assert coordinator.value("outrider_prompt_tokens_total") == sum(s.prompt_tokens for s in stats)
     assert coordinator.value("outrider_num_requests_running") == 0
     assert coordinator.value("outrider_time_to_first_token_seconds_count") == 6
     assert coordinator.value("outrider_e2e_request_latency_seconds_count") == 6
     # One inter-token latency per streamed chunk after the first: one per round.
-    assert coordinator.value("outrider_inter_token_latency_seconds_count") == sum(s.rounds - 1 for s in stats)
-    assert coordinator.value("outrider_round_overhead_seconds_count") == sum(s.rounds for s in stats)
+    assert coordinator.value("outrider_inter_token_latency_seconds_count") == sum(
+        s.rounds - 1 for s in stats
+    )
+    assert coordinator.value("outrider_round_overhead_seconds_count") == sum(
+        s.rounds for s in stats
+    )
     handled = "outrider_grpc_server_handled_total"
     assert coordinator.value(handled, grpc_method="Complete", grpc_code="OK") == 5
     assert coordinator.value(handled, grpc_method="Generate", grpc_code="OK") == 1
     assert coordinator.value(handled, grpc_method="Complete", grpc_code="INVALID_ARGUMENT") == 1
-    assert coordinator.value("outrider_grpc_server_handling_seconds_count", grpc_method="Complete") == 6
+    assert (
+        coordinator.value("outrider_grpc_server_handling_seconds_count", grpc_method="Complete")
+        == 6
+    )
 
     # Workers: one target session per request, one draft session per request
     # that drafts (opened at its first drafting round, on the history so far);
@@ -137,13 +175,25 @@ async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_
         assert worker.value("outrider_kv_cache_usage_perc") == 0
         assert worker.value("outrider_worker_step_seconds_count", step="prefill") == opened
         assert worker.value("outrider_worker_step_seconds_count", step=step) == rounds
-        assert worker.value("outrider_grpc_server_handled_total", grpc_method="Session", grpc_code="OK") == opened
+        assert (
+            worker.value(
+                "outrider_grpc_server_handled_total", grpc_method="Session", grpc_code="OK"
+            )
+            == opened
+        )
 
 
 async def test_a_full_worker_counts_the_refused_session(tiny_target_dir):
-    async with running_stack(
-        tiny_target_dir, drafter=None, eos_token_ids={NO_EOS}, limits=WorkerLimits(max_sessions=1), metrics=True
-    ) as stack, AsyncClient(stack.address) as client:
+    async with (
+        running_stack(
+            tiny_target_dir,
+            drafter=None,
+            eos_token_ids={NO_EOS},
+            limits=WorkerLimits(max_sessions=1),
+            metrics=True,
+        ) as stack,
+        AsyncClient(stack.address) as client,
+    ):
         stream = client.stream(prompt=PROMPT, max_new_tokens=8)
         await anext(stream)  # the only session slot is taken
         with pytest.raises(grpc.aio.AioRpcError) as refused:

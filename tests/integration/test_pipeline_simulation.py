@@ -31,7 +31,9 @@ def steady_tokens_per_s(stats) -> float:
     return (stats.generated_tokens - first) / (stats.total_time_s - stats.time_to_first_token_s)
 
 
-async def test_pipelined_rounds_reach_the_bound_with_paced_workers(tiny_target_dir, tiny_draft_same_dir):
+async def test_pipelined_rounds_reach_the_bound_with_paced_workers(
+    tiny_target_dir, tiny_draft_same_dir
+):
     prompt = list(range(10, 30))
     async with running_stack(
         tiny_target_dir,
@@ -43,7 +45,10 @@ async def test_pipelined_rounds_reach_the_bound_with_paced_workers(tiny_target_d
 
             async def run(k: int, pipeline: bool):
                 result = await client.generate(
-                    token_ids=prompt, max_new_tokens=MAX_NEW, num_speculative_tokens=k, pipeline=pipeline
+                    token_ids=prompt,
+                    max_new_tokens=MAX_NEW,
+                    num_speculative_tokens=k,
+                    pipeline=pipeline,
                 )
                 return result.stats
 

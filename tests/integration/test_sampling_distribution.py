@@ -59,7 +59,7 @@ import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import InProcessDraftClient, InProcessTargetClient, WorkerInfo
-from draft_worker.sessions import DraftSessions, DraftInfo
+from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
 from outrider.engine import InlineEngine
 from outrider.engine.kv_cache import BlockPool
@@ -68,7 +68,7 @@ from outrider.engine.runner import FallbackRunner, PagedRunner
 from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
 from outrider.session import SessionStore
 from outrider.verify import Verdict
-from target_worker.sessions import TargetSessions, TargetInfo
+from target_worker.sessions import TargetInfo, TargetSessions
 from tests.tiny import build_tiny_llama
 
 VOCAB = 16
@@ -144,7 +144,9 @@ class TableLM(torch.nn.Module):
         try:
             rows = [self.table[tuple(seq[:i])] for i in range(past_len + 1, len(seq) + 1)]
         except KeyError:
-            raise AssertionError(f"TableLM has no logits for {seq}: the test asked beyond its table") from None
+            raise AssertionError(
+                f"TableLM has no logits for {seq}: the test asked beyond its table"
+            ) from None
         if logits_to_keep == 1:
             rows = rows[-1:]
         return SimpleNamespace(logits=torch.stack(rows).unsqueeze(0))
@@ -180,7 +182,9 @@ def paged_runner(model: torch.nn.Module) -> PagedRunner:
 def target_client(model_runner) -> InProcessTargetClient:
     info = TargetInfo(model_name="target", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
     store = SessionStore(max_sessions=8, pool=model_runner.pool)
-    return InProcessTargetClient(TargetSessions(model_runner, store, info), InlineEngine(model_runner))
+    return InProcessTargetClient(
+        TargetSessions(model_runner, store, info), InlineEngine(model_runner)
+    )
 
 
 def draft_client(drafter) -> InProcessDraftClient:
@@ -190,7 +194,9 @@ def draft_client(drafter) -> InProcessDraftClient:
     return InProcessDraftClient(DraftSessions(drafter, store, info), InlineEngine(drafter.runner))
 
 
-def exact_marginals(model: torch.nn.Module, params: SamplingParams, positions: int = NEW_TOKENS) -> torch.Tensor:
+def exact_marginals(
+    model: torch.nn.Module, params: SamplingParams, positions: int = NEW_TOKENS
+) -> torch.Tensor:
     """``[positions, V]``: the exact distribution of each of the first
     ``positions`` tokens of target-only sampling, by enumerating every prefix
     (float64)."""
@@ -221,7 +227,9 @@ def chi_square_p(tokens: np.ndarray, probs: torch.Tensor) -> float:
     probs = probs.numpy()
     counts = np.bincount(tokens, minlength=len(probs)).astype(np.float64)
     outside = np.flatnonzero((probs == 0) & (counts > 0))
-    assert outside.size == 0, f"tokens {outside.tolist()} have no mass in the reference but were sampled"
+    assert outside.size == 0, (
+        f"tokens {outside.tolist()} have no mass in the reference but were sampled"
+    )
     expected = probs * len(tokens)
     big = expected >= 5
     obs, exp = list(counts[big]), list(expected[big])
@@ -250,7 +258,7 @@ class World:
     drafts: dict[str, InProcessDraftClient]
     models: Models
     references: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    samples: dict[tuple[str, str, str, int, bool], "Samples"] = field(default_factory=dict)
+    samples: dict[tuple[str, str, str, int, bool], Samples] = field(default_factory=dict)
     pipelined: tuple[InProcessTargetClient, dict[str, InProcessDraftClient]] | None = None
 
     def reference(self, setting: str, positions: int = NEW_TOKENS) -> torch.Tensor:
@@ -260,7 +268,9 @@ class World:
             self.references[key] = exact_marginals(self.target_model, params, positions)
         return self.references[key]
 
-    def clients(self, pipeline: bool) -> tuple[InProcessTargetClient, dict[str, InProcessDraftClient]]:
+    def clients(
+        self, pipeline: bool
+    ) -> tuple[InProcessTargetClient, dict[str, InProcessDraftClient]]:
         """The worker clients; pipelined runs generate one token more, so
         their tables are one token deeper (built on first use)."""
         if not pipeline:
@@ -268,7 +278,9 @@ class World:
         if self.pipelined is None:
             depth = PIPELINE_NEW_TOKENS - 1
             target = target_client(runner(TableLM(self.target_model, PROMPT, depth)))
-            good = draft_client(ModelDrafter(runner(TableLM(self.good_model, PROMPT, depth)), model_name="good"))
+            good = draft_client(
+                ModelDrafter(runner(TableLM(self.good_model, PROMPT, depth)), model_name="good")
+            )
             self.pipelined = target, {"good": good}
         return self.pipelined
 
@@ -294,7 +306,9 @@ def format_p(p: float) -> str:
     return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
-def report(mode: str, draft: str, setting: str, position: int, n: int, p: float, note: str = "") -> None:
+def report(
+    mode: str, draft: str, setting: str, position: int, n: int, p: float, note: str = ""
+) -> None:
     P_VALUES.append((mode, draft, setting, position, n, p, note))
     print(
         f"[sampling-distribution] mode={mode:<9} draft={draft:<13} setting={setting:<16} "
@@ -314,10 +328,15 @@ def one_thread_quiet_loop():
         yield
     torch.set_num_threads(threads)
     if P_VALUES:
-        print("\n[sampling-distribution] summary (check: p > %g; negative controls: p < %g)" % (ALPHA, CONTROL_ALPHA))
+        print(
+            "\n[sampling-distribution] summary (check: p > %g; negative controls: p < %g)"
+            % (ALPHA, CONTROL_ALPHA)
+        )
         print(f"  {'mode':<9} {'draft':<13} {'setting':<16} {'pos':>3} {'n':>5}  {'p':>8}")
         for mode, draft, setting, position, n, p, note in P_VALUES:
-            print(f"  {mode:<9} {draft:<13} {setting:<16} {position:>3} {n:>5}  {format_p(p):>8}  {note}")
+            print(
+                f"  {mode:<9} {draft:<13} {setting:<16} {position:>3} {n:>5}  {format_p(p):>8}  {note}"
+            )
         P_VALUES.clear()
 
 
@@ -338,11 +357,15 @@ def world(tmp_path_factory) -> World:
         "bad": draft_client(ModelDrafter(runner(TableLM(bad, PROMPT, depth)), model_name="bad")),
         "prompt-lookup": draft_client(PromptLookupDrafter()),
     }
-    info = WorkerInfo(model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
+    info = WorkerInfo(
+        model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512
+    )
     return World(target, good, target_client_, drafts, Models(Letters(), frozenset(), info))
 
 
-def request(setting: str, mode: str, seed: int, k: int, pipeline: bool = False) -> GenerationRequest:
+def request(
+    setting: str, mode: str, seed: int, k: int, pipeline: bool = False
+) -> GenerationRequest:
     return GenerationRequest(
         prompt_ids=PROMPT,
         max_new_tokens=PIPELINE_NEW_TOKENS if pipeline else NEW_TOKENS,
@@ -360,7 +383,9 @@ async def run_once(models, target, draft, req) -> tuple[list[int], object]:
     return tokens, deltas[-1].stats
 
 
-async def samples(world: World, mode: str, draft: str, setting: str, n: int = N, pipeline: bool = False) -> Samples:
+async def samples(
+    world: World, mode: str, draft: str, setting: str, n: int = N, pipeline: bool = False
+) -> Samples:
     """The generations of seeds 0 .. n-1 (memoised per module)."""
     key = (mode, draft, setting, n, pipeline)
     if key not in world.samples:
@@ -371,7 +396,9 @@ async def samples(world: World, mode: str, draft: str, setting: str, n: int = N,
         drafted = accepted = hits = misses = 0
         pipelined = True
         for seed in range(n):
-            tokens, st = await run_once(world.models, target, draft_client_, request(setting, mode, seed, k, pipeline))
+            tokens, st = await run_once(
+                world.models, target, draft_client_, request(setting, mode, seed, k, pipeline)
+            )
             out[seed] = tokens
             drafted += st.draft_tokens
             accepted += st.accepted_tokens
@@ -382,7 +409,9 @@ async def samples(world: World, mode: str, draft: str, setting: str, n: int = N,
     return world.samples[key]
 
 
-def check(world: World, tokens: np.ndarray, mode: str, draft: str, setting: str, note: str = "") -> list[float]:
+def check(
+    world: World, tokens: np.ndarray, mode: str, draft: str, setting: str, note: str = ""
+) -> list[float]:
     positions = tokens.shape[1]
     reference = world.reference(setting, positions)
     p_values = []
@@ -410,9 +439,13 @@ async def test_target_only_matches_the_exact_distribution(world, mode, setting):
 @pytest.mark.parametrize(
     ("mode", "draft", "pipeline"),
     [pytest.param(mode, draft, False, id=f"{mode}-{draft}") for mode, draft in DRAFTED]
-    + [pytest.param(mode, draft, True, id=f"{mode}-{draft}-pipelined") for mode, draft in PIPELINED],
+    + [
+        pytest.param(mode, draft, True, id=f"{mode}-{draft}-pipelined") for mode, draft in PIPELINED
+    ],
 )
-async def test_speculative_sampling_matches_the_target_distribution(world, mode, draft, pipeline, setting):
+async def test_speculative_sampling_matches_the_target_distribution(
+    world, mode, draft, pipeline, setting
+):
     n = N if mode == "rejection" else N_GUMBEL_DRAFTED
     result = await samples(world, mode, draft, setting, n, pipeline)
     acceptance = result.acceptance_rate
@@ -420,7 +453,9 @@ async def test_speculative_sampling_matches_the_target_distribution(world, mode,
     if pipeline:
         hits, misses = result.speculation_hits, result.speculation_misses
         note = f"(acceptance rate {acceptance:.3f}; speculations: {hits} hits, {misses} misses)"
-    p_values = check(world, result.tokens, mode, f"{draft}+pipeline" if pipeline else draft, setting, note=note)
+    p_values = check(
+        world, result.tokens, mode, f"{draft}+pipeline" if pipeline else draft, setting, note=note
+    )
     assert min(p_values) > ALPHA, p_values
     # The drafts do what their names say, so the accept paths (accepted
     # drafts, bonus tokens) and the reject paths (recovered tokens) all ran.
@@ -434,7 +469,9 @@ async def test_speculative_sampling_matches_the_target_distribution(world, mode,
         # Gumbel coupling: for a seed the output does not depend on the draft.
         # Pipelined runs generate one token more: their first three must match.
         target_only = await samples(world, mode, TARGET_ONLY, setting)
-        assert np.array_equal(result.tokens[:, :NEW_TOKENS], target_only.tokens[: len(result.tokens)])
+        assert np.array_equal(
+            result.tokens[:, :NEW_TOKENS], target_only.tokens[: len(result.tokens)]
+        )
     if pipeline:
         # It really pipelined: round 1 was speculated in every generation, and
         # both outcomes happened (on a hit, tokens 3 and 4 rest on drafts
@@ -450,7 +487,15 @@ async def test_negative_control_a_wrong_temperature_is_detected(world):
     wrong = exact_marginals(world.target_model, SamplingParams(temperature=0.8))
     p_values = [chi_square_p(tokens[:, i], wrong[i]) for i in range(NEW_TOKENS)]
     for i, p in enumerate(p_values):
-        report("rejection", "good", "T=1.0 vs T=0.8", i + 1, len(tokens), p, f"negative control: expect p < {CONTROL_ALPHA:g}")
+        report(
+            "rejection",
+            "good",
+            "T=1.0 vs T=0.8",
+            i + 1,
+            len(tokens),
+            p,
+            f"negative control: expect p < {CONTROL_ALPHA:g}",
+        )
     assert max(p_values) < CONTROL_ALPHA, p_values
 
 
@@ -468,9 +513,14 @@ async def test_negative_control_a_broken_acceptance_rule_is_detected(world):
         out = np.empty((N, NEW_TOKENS), dtype=np.int64)
         for seed in range(N):
             out[seed], _ = await run_once(
-                world.models, world.target, world.drafts["bad"], request("T=1.0", "rejection", seed, K)
+                world.models,
+                world.target,
+                world.drafts["bad"],
+                request("T=1.0", "rejection", seed, K),
             )
-    p_values = check(world, out, "BROKEN", "bad", "T=1.0", note=f"negative control: expect p < {CONTROL_ALPHA:g}")
+    p_values = check(
+        world, out, "BROKEN", "bad", "T=1.0", note=f"negative control: expect p < {CONTROL_ALPHA:g}"
+    )
     assert p_values[0] < CONTROL_ALPHA, p_values
 
 

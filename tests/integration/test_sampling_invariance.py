@@ -53,7 +53,9 @@ async def complete(address: str, prompt_ids, **kwargs):
         return await client.generate(token_ids=prompt_ids, **kwargs)
 
 
-def reference_gumbel(model_dir, prompt_ids, n: int, seed: int, temperature: float = 1.0) -> list[int]:
+def reference_gumbel(
+    model_dir, prompt_ids, n: int, seed: int, temperature: float = 1.0
+) -> list[int]:
     """Target-only Gumbel decoding, written out: at each absolute position
     the argmax of log p + the position's noise, p from a full forward pass."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
@@ -81,12 +83,19 @@ GUMBEL_RUNS = [(0, False), (1, False), (3, False), (6, False), (1, True), (6, Tr
 
 @pytest.mark.parametrize("drafter", ["same", "other", "prompt-lookup"])
 async def test_gumbel_output_depends_neither_on_drafter_nor_on_k(
-    tiny_target_dir, tiny_draft_same_dir, tiny_draft_other_dir, prompt_ids, gumbel_reference, drafter
+    tiny_target_dir,
+    tiny_draft_same_dir,
+    tiny_draft_other_dir,
+    prompt_ids,
+    gumbel_reference,
+    drafter,
 ):
     if drafter == "prompt-lookup":
         stack_args = dict(drafter="prompt-lookup")
     else:
-        stack_args = dict(draft_dir=tiny_draft_same_dir if drafter == "same" else tiny_draft_other_dir)
+        stack_args = dict(
+            draft_dir=tiny_draft_same_dir if drafter == "same" else tiny_draft_other_dir
+        )
     async with running_stack(tiny_target_dir, eos_token_ids={NO_EOS}, **stack_args) as stack:
         for seed in SEEDS:
             reference = gumbel_reference[seed]
@@ -103,7 +112,11 @@ async def test_gumbel_output_depends_neither_on_drafter_nor_on_k(
                 )
                 assert list(result.token_ids) == reference, (drafter, seed, k, pipeline)
                 stats = result.stats
-                assert (stats.seed, stats.verification, stats.num_speculative_tokens) == (seed, "gumbel", k)
+                assert (stats.seed, stats.verification, stats.num_speculative_tokens) == (
+                    seed,
+                    "gumbel",
+                    k,
+                )
                 assert stats.draft_probs_bytes == 0  # only token ids cross the wire
                 assert stats.pipeline == pipeline
                 if pipeline:
@@ -142,22 +155,37 @@ async def test_seeded_requests_reproduce_across_restarts_and_unseeded_ones_repor
         outputs = {}
         for mode, k in REPRO_REQUESTS:
             result = await complete(
-                address, prompt_ids, max_new_tokens=REPRO_NEW_TOKENS, num_speculative_tokens=k,
-                seed=REPRO_SEED, **repro_kwargs(mode),
+                address,
+                prompt_ids,
+                max_new_tokens=REPRO_NEW_TOKENS,
+                num_speculative_tokens=k,
+                seed=REPRO_SEED,
+                **repro_kwargs(mode),
             )
             assert result.stats.seed == REPRO_SEED and result.stats.verification == mode
             assert len(result.token_ids) == REPRO_NEW_TOKENS
             outputs[mode, k] = (list(result.token_ids), result.text)
         return outputs
 
-    unseeded = dict(max_new_tokens=REPRO_NEW_TOKENS, num_speculative_tokens=3, temperature=1.0, verification="rejection")
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+    unseeded = dict(
+        max_new_tokens=REPRO_NEW_TOKENS,
+        num_speculative_tokens=3,
+        temperature=1.0,
+        verification="rejection",
+    )
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         first = await run_all(stack.address)
         fresh = [await complete(stack.address, prompt_ids, **unseeded) for _ in range(2)]
 
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         second = await run_all(stack.address)
-        replays = [await complete(stack.address, prompt_ids, seed=f.stats.seed, **unseeded) for f in fresh]
+        replays = [
+            await complete(stack.address, prompt_ids, seed=f.stats.seed, **unseeded) for f in fresh
+        ]
 
     assert second == first
     # Sampling did sample: the sampled outputs are not the greedy one.
@@ -181,8 +209,12 @@ async def test_rejection_with_a_model_draft_sends_q_and_prompt_lookup_sends_none
     tiny_target_dir, tiny_draft_other_dir, prompt_ids
 ):
     common = dict(max_new_tokens=NEW_TOKENS, num_speculative_tokens=4, temperature=1.0, seed=3)
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}) as stack:
-        sparse = await complete(stack.address, prompt_ids, top_k=5, verification="rejection", **common)
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}
+    ) as stack:
+        sparse = await complete(
+            stack.address, prompt_ids, top_k=5, verification="rejection", **common
+        )
         dense = await complete(stack.address, prompt_ids, verification="rejection", **common)
         gumbel = await complete(stack.address, prompt_ids, verification="gumbel", **common)
 
@@ -198,8 +230,12 @@ async def test_rejection_with_a_model_draft_sends_q_and_prompt_lookup_sends_none
     # Gumbel coupling needs no q.
     assert gumbel.stats.draft_tokens > 0 and gumbel.stats.draft_probs_bytes == 0
 
-    async with running_stack(tiny_target_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}) as stack:
-        lookup = await complete(stack.address, prompt_ids, top_k=5, verification="rejection", **common)
+    async with running_stack(
+        tiny_target_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}
+    ) as stack:
+        lookup = await complete(
+            stack.address, prompt_ids, top_k=5, verification="rejection", **common
+        )
     # A deterministic draft is a point mass: nothing to send.
     assert lookup.stats.draft_tokens > 0
     assert lookup.stats.draft_probs_bytes == 0
@@ -224,8 +260,16 @@ STOP_MAX_NEW = 40
 async def test_stops_inside_multi_token_accepts_while_sampling(
     tiny_target_dir, tiny_draft_same_dir, tokenizer, prompt_ids, mode, pipeline
 ):
-    common = dict(num_speculative_tokens=8, temperature=1.0, seed=STOP_SEED, verification=mode, pipeline=pipeline)
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}) as stack:
+    common = dict(
+        num_speculative_tokens=8,
+        temperature=1.0,
+        seed=STOP_SEED,
+        verification=mode,
+        pipeline=pipeline,
+    )
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}
+    ) as stack:
         full = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, **common)
         reference = list(full.token_ids)
         assert len(reference) == STOP_MAX_NEW and full.finish_reason == "length"
@@ -257,7 +301,13 @@ async def test_stops_inside_multi_token_accepts_while_sampling(
         # A stop token id from the middle of the first round.
         stop_id = reference[3]
         end = reference.index(stop_id) + 1
-        stopped = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, stop_token_ids=[stop_id], **common)
+        stopped = await complete(
+            stack.address,
+            prompt_ids,
+            max_new_tokens=STOP_MAX_NEW,
+            stop_token_ids=[stop_id],
+            **common,
+        )
         assert list(stopped.token_ids) == reference[:end]
         assert stopped.finish_reason == "stop"
 
@@ -269,7 +319,9 @@ async def test_stops_inside_multi_token_accepts_while_sampling(
         text = decode(reference)
         assert full.text == text
         stop = text[8:11]
-        cut = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, stop=[stop], **common)
+        cut = await complete(
+            stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, stop=[stop], **common
+        )
         assert cut.text == text[: text.index(stop)]
         assert cut.finish_reason == "stop"
         ids = list(cut.token_ids)
@@ -279,9 +331,13 @@ async def test_stops_inside_multi_token_accepts_while_sampling(
     # EOS from the middle of a round ends the output (unless ignore_eos).
     eos = reference[6]
     end = reference.index(eos) + 1
-    async with running_stack(tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={eos}) as stack:
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={eos}
+    ) as stack:
         ended = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, **common)
-        ignored = await complete(stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, ignore_eos=True, **common)
+        ignored = await complete(
+            stack.address, prompt_ids, max_new_tokens=STOP_MAX_NEW, ignore_eos=True, **common
+        )
     assert list(ended.token_ids) == reference[:end]
     assert ended.finish_reason == "stop"
     assert list(ignored.token_ids) == reference and ignored.finish_reason == "length"

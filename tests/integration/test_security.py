@@ -79,7 +79,9 @@ def tls(pki: Path, *, cert: str | None = None, ca: str = "ca") -> grpc.ChannelCr
 
 async def test_the_right_certificate_and_token_work_end_to_end_over_mutual_tls(secure_stack, pki):
     async with secure_stack as stack:
-        async with AsyncClient(stack.address, credentials=tls(pki), token=TOKEN, timeout=30) as client:
+        async with AsyncClient(
+            stack.address, credentials=tls(pki), token=TOKEN, timeout=30
+        ) as client:
             result = await client.generate(prompt="hello there", max_new_tokens=5, ignore_eos=True)
     assert len(result.token_ids) == 5
 
@@ -87,7 +89,9 @@ async def test_the_right_certificate_and_token_work_end_to_end_over_mutual_tls(s
 @pytest.mark.parametrize("token", [None, "wrong-token", ""])
 async def test_a_missing_or_wrong_token_is_unauthenticated(secure_stack, pki, token):
     async with secure_stack as stack:
-        async with AsyncClient(stack.address, credentials=tls(pki), token=token, timeout=30) as client:
+        async with AsyncClient(
+            stack.address, credentials=tls(pki), token=token, timeout=30
+        ) as client:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.generate(prompt="hello", max_new_tokens=2)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -97,13 +101,17 @@ async def test_a_missing_or_wrong_token_is_unauthenticated(secure_stack, pki, to
 async def test_health_stays_open_without_a_token(secure_stack, pki):
     async with secure_stack as stack:
         async with grpc.aio.secure_channel(stack.address, tls(pki)) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_a_client_that_does_not_trust_the_server_cannot_connect(secure_stack, pki):
     async with secure_stack as stack:
-        async with AsyncClient(stack.address, credentials=tls(pki, ca="rogue-ca"), token=TOKEN, timeout=5) as client:
+        async with AsyncClient(
+            stack.address, credentials=tls(pki, ca="rogue-ca"), token=TOKEN, timeout=5
+        ) as client:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.generate(prompt="hello", max_new_tokens=2)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -115,7 +123,9 @@ async def test_workers_refuse_a_client_without_the_right_certificate(secure_stac
         worker = stack.target_servers[0].address
         async with grpc.aio.secure_channel(worker, tls(pki, cert=cert)) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -123,19 +133,27 @@ async def test_workers_accept_the_coordinator_certificate(secure_stack, pki):
     async with secure_stack as stack:
         worker = stack.target_servers[0].address
         async with grpc.aio.secure_channel(worker, tls(pki, cert="coordinator")) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_discovered_workers_are_checked_against_their_service_name(pki):
     # A discovered pod is dialled by IP; its certificate names the Service.
     running = await start_server(
-        lambda server: None, [], credentials=ServerTls(pki / "pod.pem", pki / "pod.key").credentials()
+        lambda server: None,
+        [],
+        credentials=ServerTls(pki / "pod.pem", pki / "pod.key").credentials(),
     )
     await running.set_serving(True)
     pod = f"127.0.0.1:{running.port}"
     discovered = Replicas(
-        "target", ["k8s://target.llm:grpc"], worker_pb2_grpc.TargetWorkerStub, credentials=tls(pki), kube_api=object()
+        "target",
+        ["k8s://target.llm:grpc"],
+        worker_pb2_grpc.TargetWorkerStub,
+        credentials=tls(pki),
+        kube_api=object(),
     )
     static = Replicas("target", [pod], worker_pb2_grpc.TargetWorkerStub, credentials=tls(pki))
     try:

@@ -29,7 +29,9 @@ FAST = Recovery(draft_deadline_s=2.0, draft_backoff_s=0.05, target_attempts=3)
 def prompt_ids(tiny_target_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_target_dir)("Once upon a time there was a fox")["input_ids"]
+    return AutoTokenizer.from_pretrained(tiny_target_dir)("Once upon a time there was a fox")[
+        "input_ids"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,9 @@ def reference(tiny_target_dir, prompt_ids):
     return reference_greedy(tiny_target_dir, prompt_ids, MAX_NEW, eos=None)
 
 
-async def stream_and_then(address, prompt_ids, action, *, at: int = 1, times: list[float] | None = None, **kwargs):
+async def stream_and_then(
+    address, prompt_ids, action, *, at: int = 1, times: list[float] | None = None, **kwargs
+):
     """Streams a generation, running ``action`` once chunk number ``at``
     (from 1) has arrived; ``times`` gets each chunk's arrival (monotonic)."""
     async with AsyncClient(address, timeout=60) as client:
@@ -62,7 +66,10 @@ async def test_draft_killed_mid_stream_the_stream_finishes_at_k0(
         tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST
     ) as stack:
         ids, stats = await stream_and_then(
-            stack.address, prompt_ids, lambda: stack.draft_server.stop(None), num_speculative_tokens=4
+            stack.address,
+            prompt_ids,
+            lambda: stack.draft_server.stop(None),
+            num_speculative_tokens=4,
         )
         assert ids == reference
         # The draft died early: most rounds were target-only.
@@ -76,10 +83,18 @@ async def test_draft_killed_mid_speculation_the_pipelined_stream_finishes_at_k0_
     # A draft step of 20 ms: a speculation (K + 1 steps) outlasts the
     # verify it overlaps, so one is in flight whenever a chunk arrives.
     async with running_stack(
-        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST, step_s={"draft": 0.02}
+        tiny_target_dir,
+        draft_dir=tiny_draft_same_dir,
+        eos_token_ids={NO_EOS},
+        recovery=FAST,
+        step_s={"draft": 0.02},
     ) as stack:
         ids, stats = await stream_and_then(
-            stack.address, prompt_ids, lambda: stack.draft_server.stop(None), at=4, num_speculative_tokens=4,
+            stack.address,
+            prompt_ids,
+            lambda: stack.draft_server.stop(None),
+            at=4,
+            num_speculative_tokens=4,
             pipeline=True,
         )
         assert ids == reference
@@ -109,13 +124,20 @@ async def test_streams_cancelled_mid_speculation_leave_no_session(
     # A draft step of 30 ms: a speculation (K + 1 steps) outlasts the
     # verify it overlaps, so one is in flight whenever a chunk arrives.
     async with running_stack(
-        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST, step_s={"draft": 0.03}
+        tiny_target_dir,
+        draft_dir=tiny_draft_same_dir,
+        eos_token_ids={NO_EOS},
+        recovery=FAST,
+        step_s={"draft": 0.03},
     ) as stack:
         async with AsyncClient(stack.address, timeout=60) as client:
 
             async def cancelled_after(n: int) -> int:
                 stream = client.stream(
-                    token_ids=prompt_ids, max_new_tokens=MAX_NEW, num_speculative_tokens=4, pipeline=True
+                    token_ids=prompt_ids,
+                    max_new_tokens=MAX_NEW,
+                    num_speculative_tokens=4,
+                    pipeline=True,
                 )
                 async with contextlib.aclosing(stream):  # closing it cancels the call
                     chunks = 0
@@ -126,20 +148,26 @@ async def test_streams_cancelled_mid_speculation_leave_no_session(
                             break
                 return chunks
 
-            assert await asyncio.gather(*(cancelled_after(n) for n in cancel_after)) == list(cancel_after)
+            assert await asyncio.gather(*(cancelled_after(n) for n in cancel_after)) == list(
+                cancel_after
+            )
         assert await stack.sessions_left() == (0, 0)
     # Each stream's last speculation was cut short by the cancellation.
     assert sum(task.cancelled() for task in speculations) == len(cancel_after)
 
 
-async def test_a_restarted_draft_is_used_again(tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference):
+async def test_a_restarted_draft_is_used_again(
+    tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+):
     async with running_stack(
         tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, recovery=FAST
     ) as stack:
         port = stack.draft_server.port
         await stack.draft_server.stop(None)
         async with AsyncClient(stack.address, timeout=60) as client:
-            down = await client.generate(token_ids=prompt_ids, max_new_tokens=20, num_speculative_tokens=4)
+            down = await client.generate(
+                token_ids=prompt_ids, max_new_tokens=20, num_speculative_tokens=4
+            )
             assert list(down.token_ids) == reference[:20] and down.stats.draft_tokens == 0
 
             sessions, engine = stack.draft, stack.draft_engine
@@ -153,7 +181,9 @@ async def test_a_restarted_draft_is_used_again(tiny_target_dir, tiny_draft_same_
             await restarted.set_serving(True)
             try:
                 for _ in range(20):  # the channel reconnects within its back-off (<= 2 s)
-                    up = await client.generate(token_ids=prompt_ids, max_new_tokens=20, num_speculative_tokens=4)
+                    up = await client.generate(
+                        token_ids=prompt_ids, max_new_tokens=20, num_speculative_tokens=4
+                    )
                     if up.stats.draft_tokens:
                         break
                     await asyncio.sleep(0.25)
@@ -179,7 +209,9 @@ async def test_target_replica_killed_mid_stream_the_stream_finishes_on_the_other
             await stack.target_servers[busy].stop(None)
             kill_the_busy_target.index = busy
 
-        ids, _ = await stream_and_then(stack.address, prompt_ids, kill_the_busy_target, num_speculative_tokens=3)
+        ids, _ = await stream_and_then(
+            stack.address, prompt_ids, kill_the_busy_target, num_speculative_tokens=3
+        )
         assert ids == reference
         survivor = stack.targets[1 - kill_the_busy_target.index]
         assert await stack.sessions_left() == (0, 0)
@@ -192,7 +224,9 @@ async def test_no_target_left_ends_the_stream_unavailable(tiny_target_dir, promp
     ) as stack:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await asyncio.wait_for(
-                stream_and_then(stack.address, prompt_ids, lambda: stack.target_servers[0].stop(None)),
+                stream_and_then(
+                    stack.address, prompt_ids, lambda: stack.target_servers[0].stop(None)
+                ),
                 timeout=30,
             )
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -203,15 +237,26 @@ async def test_no_target_left_ends_the_stream_unavailable(tiny_target_dir, promp
 async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other_within_the_verify_deadline(
     tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, pipeline
 ):
-    recovery = Recovery(draft_deadline_s=2.0, draft_backoff_s=0.05, target_attempts=3, verify_deadline_floor_s=0.5)
+    recovery = Recovery(
+        draft_deadline_s=2.0, draft_backoff_s=0.05, target_attempts=3, verify_deadline_floor_s=0.5
+    )
     async with running_stack(
-        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, target_replicas=2, recovery=recovery
+        tiny_target_dir,
+        draft_dir=tiny_draft_same_dir,
+        eos_token_ids={NO_EOS},
+        target_replicas=2,
+        recovery=recovery,
     ) as stack:
         # Unfrozen first: how long the rest of the stream takes, and what a verify costs.
         at, unfrozen_times = 5, []
         ids, stats = await stream_and_then(
-            stack.address, prompt_ids, nothing, at=at, times=unfrozen_times,
-            num_speculative_tokens=4, pipeline=pipeline,
+            stack.address,
+            prompt_ids,
+            nothing,
+            at=at,
+            times=unfrozen_times,
+            num_speculative_tokens=4,
+            pipeline=pipeline,
         )
         assert ids == reference
         rest_s = unfrozen_times[-1] - unfrozen_times[at - 1]
@@ -238,8 +283,13 @@ async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other
         try:
             ids, stats = await asyncio.wait_for(
                 stream_and_then(
-                    stack.address, prompt_ids, freeze_the_busy_target, at=at, times=times,
-                    num_speculative_tokens=4, pipeline=pipeline,
+                    stack.address,
+                    prompt_ids,
+                    freeze_the_busy_target,
+                    at=at,
+                    times=times,
+                    num_speculative_tokens=4,
+                    pipeline=pipeline,
                 ),
                 30,
             )
@@ -253,7 +303,11 @@ async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other
         frozen_to_done_s = times[-1] - frozen_at
         assert stall_s <= deadline_s + 1.0
         # The rest of the stream may run up to twice as slow on a shared machine.
-        assert frozen_to_done_s <= deadline_s + 1.0 + 2 * rest_s, (frozen_to_done_s, deadline_s, rest_s)
+        assert frozen_to_done_s <= deadline_s + 1.0 + 2 * rest_s, (
+            frozen_to_done_s,
+            deadline_s,
+            rest_s,
+        )
         # The frozen replica frees its session once thawed (its stream was cancelled).
         assert await stack.sessions_left() == (0, 0)
     print(

@@ -118,7 +118,13 @@ class Cluster:
     services: list[Service] = field(default_factory=list)
 
     async def start(
-        self, role: str, args: Sequence[str] = (), *, name: str | None = None, port: int = 0, wait: bool = True
+        self,
+        role: str,
+        args: Sequence[str] = (),
+        *,
+        name: str | None = None,
+        port: int = 0,
+        wait: bool = True,
     ) -> Service:
         """Starts ``outrider serve ROLE ARGS``; returns once it is SERVING unless ``wait`` is False."""
         name = name or role
@@ -128,7 +134,9 @@ class Cluster:
         ready_file.unlink(missing_ok=True)
         log_file = self.workdir / f"{name}.log"
         argv = [role, "--port", str(port), "--ready-file", str(ready_file), *args]
-        process = _fork_context().Process(target=_serve, args=(argv, str(log_file)), name=name, daemon=False)
+        process = _fork_context().Process(
+            target=_serve, args=(argv, str(log_file)), name=name, daemon=False
+        )
         process.start()
         service = Service(name, role, tuple(args), ready_file, log_file, process, port)
         self.services.append(service)
@@ -140,7 +148,9 @@ class Cluster:
         """Starts a dead service again with its flags, on its port."""
         if await service.exit_code(5.0) is None:
             raise RuntimeError(f"the {service.name} is still running (pid {service.pid})")
-        return await self.start(service.role, service.args, name=service.name, port=service.port, wait=wait)
+        return await self.start(
+            service.role, service.args, name=service.name, port=service.port, wait=wait
+        )
 
     async def wait_ready(self, service: Service, timeout_s: float = 60.0) -> None:
         """Waits for the ready file, then for health SERVING."""
@@ -152,7 +162,9 @@ class Cluster:
                     f"{service.log_tail()}"
                 )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the {service.name} was not ready within {timeout_s:.0f} s:\n{service.log_tail()}")
+                raise RuntimeError(
+                    f"the {service.name} was not ready within {timeout_s:.0f} s:\n{service.log_tail()}"
+                )
             await asyncio.sleep(0.02)
         service.port = int(service.ready_file.read_text())
         status = await health(service.address)
@@ -187,12 +199,18 @@ async def health(address: str, timeout_s: float = 5.0) -> int:
 
 async def worker_info(service: Service, timeout_s: float = 5.0) -> pb.WorkerInfo:
     """A worker's GetWorkerInfo: its model, and its open sessions and cached tokens."""
-    stub_class = worker_pb2_grpc.TargetWorkerStub if service.role == "target" else worker_pb2_grpc.DraftWorkerStub
+    stub_class = (
+        worker_pb2_grpc.TargetWorkerStub
+        if service.role == "target"
+        else worker_pb2_grpc.DraftWorkerStub
+    )
     async with grpc.aio.insecure_channel(service.address) as channel:
         return await stub_class(channel).GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout_s)
 
 
-async def sessions_left(workers: Sequence[Service], timeout_s: float = 10.0) -> dict[str, tuple[int, int]]:
+async def sessions_left(
+    workers: Sequence[Service], timeout_s: float = 10.0
+) -> dict[str, tuple[int, int]]:
     """(open sessions, cached tokens) of each worker, once both are 0 on
     all of them or ``timeout_s`` has passed (closes run after the stream ends)."""
     deadline = time.monotonic() + timeout_s
@@ -219,7 +237,16 @@ class Stack:
 
 def worker_args(model_dir: Path) -> list[str]:
     """A worker on a tiny float64 model, one torch thread."""
-    return ["--model", str(model_dir), "--dtype", "float64", "--threads", "1", "--log-level", "warning"]
+    return [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float64",
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+    ]
 
 
 async def start_stack(
@@ -235,20 +262,31 @@ async def start_stack(
 ) -> Stack:
     """Starts the workers (concurrently), then the coordinator against them."""
     pending = [
-        await cluster.start("target", [*worker_args(target_dir), *target_args], name=f"target-{i}", wait=False)
+        await cluster.start(
+            "target", [*worker_args(target_dir), *target_args], name=f"target-{i}", wait=False
+        )
         for i in range(targets)
     ]
     if draft_dir is not None:
         pending += [
-            await cluster.start("draft", [*worker_args(draft_dir), *draft_args], name=f"draft-{i}", wait=False)
+            await cluster.start(
+                "draft", [*worker_args(draft_dir), *draft_args], name=f"draft-{i}", wait=False
+            )
             for i in range(drafts)
         ]
     for service in pending:
         await cluster.wait_ready(service)
     target_services = [s for s in pending if s.role == "target"]
     draft_services = [s for s in pending if s.role == "draft"]
-    args = ["--tokenizer", str(target_dir), "--target", ",".join(s.address for s in target_services)]
+    args = [
+        "--tokenizer",
+        str(target_dir),
+        "--target",
+        ",".join(s.address for s in target_services),
+    ]
     if draft_services:
         args += ["--draft", ",".join(s.address for s in draft_services)]
-    coordinator = await cluster.start("coordinator", [*args, "--log-level", "warning", *coordinator_args])
+    coordinator = await cluster.start(
+        "coordinator", [*args, "--log-level", "warning", *coordinator_args]
+    )
     return Stack(coordinator, target_services, draft_services)

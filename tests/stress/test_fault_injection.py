@@ -28,7 +28,13 @@ TARGET_TRIALS = 5
 
 
 async def stream(
-    client: AsyncClient, prompt_ids, *, after_chunk=None, at: int = 0, times: list[float] | None = None, **kwargs
+    client: AsyncClient,
+    prompt_ids,
+    *,
+    after_chunk=None,
+    at: int = 0,
+    times: list[float] | None = None,
+    **kwargs,
 ):
     """Streams a generation, awaiting ``after_chunk()`` once chunk number
     ``at`` (from 1) has arrived; ``times`` gets each chunk's arrival
@@ -36,7 +42,11 @@ async def stream(
     the final stats."""
     ids, sizes, stats = [], [], None
     async for chunk in client.stream(
-        token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=K, **kwargs
+        token_ids=prompt_ids,
+        max_new_tokens=MAX_NEW,
+        ignore_eos=True,
+        num_speculative_tokens=K,
+        **kwargs,
     ):
         if times is not None:
             times.append(time.monotonic())
@@ -59,11 +69,15 @@ async def speculation_resumes(client: AsyncClient, prompt_ids, timeout_s: float 
         if result.stats.draft_tokens:
             assert result.stats.acceptance_rate == 1.0
             return time.monotonic() - started
-        assert time.monotonic() - started < timeout_s, f"no speculation {timeout_s} s after the draft restarted"
+        assert time.monotonic() - started < timeout_s, (
+            f"no speculation {timeout_s} s after the draft restarted"
+        )
         await asyncio.sleep(0.05)
 
 
-async def draft_sigkill_trials(cluster, stack, prompt_ids, reference, trials: int, *, pipeline: bool) -> list[dict]:
+async def draft_sigkill_trials(
+    cluster, stack, prompt_ids, reference, trials: int, *, pipeline: bool
+) -> list[dict]:
     """SIGKILLs the draft worker mid-stream, at a random chunk, and restarts
     it, ``trials`` times; what each trial's stream did."""
     (draft,) = stack.drafts
@@ -83,14 +97,18 @@ async def draft_sigkill_trials(cluster, stack, prompt_ids, reference, trials: in
             )
             draft = restarted[0]
             await cluster.wait_ready(draft)
-            resumed_after_s = await speculation_resumes(client, prompt_ids)  # the next trial starts with it
+            resumed_after_s = await speculation_resumes(
+                client, prompt_ids
+            )  # the next trial starts with it
             before, after = sizes[:kill_at], sizes[kill_at:]
             outcomes.append(
                 dict(
                     identical=ids == reference,
                     drafted_before_kill=all(n == K + 1 for n in before),
                     k0_after_kill=1 in after,
-                    resumed_in_stream=any(n > 1 for n in after[after.index(1) :]) if 1 in after else False,
+                    resumed_in_stream=any(n > 1 for n in after[after.index(1) :])
+                    if 1 in after
+                    else False,
                     # Pipelined: every round before the kill but the first
                     # was drafted while the one before it was verified, and
                     # the speculation the kill cut short was a miss.
@@ -104,7 +122,9 @@ async def draft_sigkill_trials(cluster, stack, prompt_ids, reference, trials: in
 
 
 def summarize_draft_sigkill_trials(outcomes: list[dict], what: str) -> dict[str, int]:
-    summary = {key: sum(bool(o[key]) for o in outcomes) for key in outcomes[0] if key != "resumed_after_s"}
+    summary = {
+        key: sum(bool(o[key]) for o in outcomes) for key in outcomes[0] if key != "resumed_after_s"
+    }
     resumed_after_s = sorted(o["resumed_after_s"] for o in outcomes)
     print(
         f"\ndraft SIGKILL mid-stream{what}, {len(outcomes)} trials: {summary['identical']} finished identical to "
@@ -127,7 +147,9 @@ async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finis
     cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
 ):
     stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
-    outcomes = await draft_sigkill_trials(cluster, stack, prompt_ids, reference, DRAFT_TRIALS, pipeline=False)
+    outcomes = await draft_sigkill_trials(
+        cluster, stack, prompt_ids, reference, DRAFT_TRIALS, pipeline=False
+    )
     summary = summarize_draft_sigkill_trials(outcomes, "")
     for key in ("identical", "drafted_before_kill", "k0_after_kill"):
         assert summary[key] == DRAFT_TRIALS, (key, outcomes)
@@ -139,9 +161,17 @@ async def test_draft_worker_sigkilled_mid_speculation_in_5_trials_every_pipeline
     cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
 ):
     stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
-    outcomes = await draft_sigkill_trials(cluster, stack, prompt_ids, reference, PIPELINED_DRAFT_TRIALS, pipeline=True)
+    outcomes = await draft_sigkill_trials(
+        cluster, stack, prompt_ids, reference, PIPELINED_DRAFT_TRIALS, pipeline=True
+    )
     summary = summarize_draft_sigkill_trials(outcomes, ", pipelined")
-    for key in ("identical", "drafted_before_kill", "k0_after_kill", "speculated_before_kill", "missed_at_kill"):
+    for key in (
+        "identical",
+        "drafted_before_kill",
+        "k0_after_kill",
+        "speculated_before_kill",
+        "missed_at_kill",
+    ):
         assert summary[key] == PIPELINED_DRAFT_TRIALS, (key, outcomes)
     assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
 
@@ -154,12 +184,16 @@ async def test_restarted_draft_worker_is_used_again(
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
         draft.signal(signal.SIGKILL)
         await draft.exit_code(5)
-        down = await client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K)
+        down = await client.generate(
+            token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K
+        )
         assert list(down.token_ids) == reference[:40] and down.stats.draft_tokens == 0
 
         await cluster.restart(draft)
         resumed_after_s = await speculation_resumes(client, prompt_ids)
-        up = await client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K)
+        up = await client.generate(
+            token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K
+        )
     assert list(up.token_ids) == reference[:40]
     assert up.stats.draft_tokens > 0 and up.stats.acceptance_rate == 1.0
     print(
@@ -173,7 +207,10 @@ async def test_frozen_draft_worker_the_stream_goes_on_at_k0_within_the_deadline(
 ):
     deadline_s = 1.0
     stack = await start_stack(
-        cluster, tiny_target_dir, tiny_draft_same_dir, coordinator_args=["--draft-deadline-s", str(deadline_s)]
+        cluster,
+        tiny_target_dir,
+        tiny_draft_same_dir,
+        coordinator_args=["--draft-deadline-s", str(deadline_s)],
     )
     (draft,) = stack.drafts
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
@@ -184,13 +221,18 @@ async def test_frozen_draft_worker_the_stream_goes_on_at_k0_within_the_deadline(
             times.append(time.monotonic())
 
         started = time.monotonic()
-        ids, sizes, _ = await asyncio.wait_for(stream(client, prompt_ids, after_chunk=freeze, at=5), 60)
+        ids, sizes, _ = await asyncio.wait_for(
+            stream(client, prompt_ids, after_chunk=freeze, at=5), 60
+        )
         frozen_stream_s = time.monotonic() - started
 
         # A new request while the draft is still frozen: its open waits one deadline at most.
         started = time.monotonic()
         new = await asyncio.wait_for(
-            client.generate(token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K), 30
+            client.generate(
+                token_ids=prompt_ids, max_new_tokens=40, ignore_eos=True, num_speculative_tokens=K
+            ),
+            30,
         )
         new_request_s = time.monotonic() - started
         draft.signal(signal.SIGCONT)
@@ -198,7 +240,9 @@ async def test_frozen_draft_worker_the_stream_goes_on_at_k0_within_the_deadline(
     assert sizes[:5] == [K + 1] * 5 and set(sizes[5:]) == {1}, "not K=0 after the freeze"
     assert new.stats.draft_tokens == 0
     # One round waits for the draft's deadline; nothing waits longer.
-    k0_stream_s = 2.0 * len(reference) / 400 + 2.0  # ~2 s for 400 target-only rounds on this machine, plus slack
+    k0_stream_s = (
+        2.0 * len(reference) / 400 + 2.0
+    )  # ~2 s for 400 target-only rounds on this machine, plus slack
     assert frozen_stream_s < deadline_s + k0_stream_s
     assert new_request_s < deadline_s + 2.0
     print(
@@ -225,12 +269,16 @@ async def test_one_of_two_target_workers_sigkilled_mid_stream_the_stream_finishe
                 killed.append(busy)
 
             kill_at = rng.randint(1, 40)
-            ids, sizes, _ = await stream(client, prompt_ids, after_chunk=kill_the_busy_target, at=kill_at)
+            ids, sizes, _ = await stream(
+                client, prompt_ids, after_chunk=kill_the_busy_target, at=kill_at
+            )
             assert len(sizes) > kill_at, "the stream had ended before the kill"
             identical += ids == reference
             (busy,) = killed
             survivor = targets[1 - busy]
-            assert await sessions_left([survivor, *stack.drafts]) == {w.name: (0, 0) for w in [survivor, *stack.drafts]}
+            assert await sessions_left([survivor, *stack.drafts]) == {
+                w.name: (0, 0) for w in [survivor, *stack.drafts]
+            }
             targets[busy] = await cluster.restart(targets[busy])
     print(
         f"\none of two targets SIGKILLed mid-stream, {TARGET_TRIALS} trials: {identical} streams finished on the "
@@ -273,7 +321,14 @@ async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_o
         times = []
         try:
             ids, sizes, stats = await asyncio.wait_for(
-                stream(client, prompt_ids, after_chunk=freeze_the_busy_target, at=at, times=times, pipeline=pipeline),
+                stream(
+                    client,
+                    prompt_ids,
+                    after_chunk=freeze_the_busy_target,
+                    at=at,
+                    times=times,
+                    pipeline=pipeline,
+                ),
                 30,
             )
         finally:
@@ -285,7 +340,9 @@ async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_o
     assert stats.pipeline == pipeline
     stall_s = max(b - a for a, b in zip([frozen_at, *times[at:]], times[at:]))
     frozen_to_done_s = times[-1] - frozen_at
-    assert stall_s <= deadline_s + 1.0, f"a {stall_s:.2f} s stall after the freeze (verify deadline {deadline_s:.2f} s)"
+    assert stall_s <= deadline_s + 1.0, (
+        f"a {stall_s:.2f} s stall after the freeze (verify deadline {deadline_s:.2f} s)"
+    )
     # The rest of the stream may run up to twice as slow on a shared machine.
     assert frozen_to_done_s <= deadline_s + 1.0 + 2 * rest_s, (frozen_to_done_s, deadline_s, rest_s)
     # Thawed, the frozen worker finds its session's stream cancelled and frees it.
@@ -312,7 +369,9 @@ async def test_no_target_worker_left_the_stream_ends_unavailable_within_a_bound(
             killed.append(time.monotonic())
 
         with pytest.raises(grpc.aio.AioRpcError) as in_flight:
-            await asyncio.wait_for(stream(client, prompt_ids, after_chunk=kill_the_target, at=3), bound_s)
+            await asyncio.wait_for(
+                stream(client, prompt_ids, after_chunk=kill_the_target, at=3), bound_s
+            )
         in_flight_s = time.monotonic() - killed[0]
 
         started = time.monotonic()

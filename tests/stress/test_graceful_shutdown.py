@@ -34,7 +34,9 @@ class Stream:
         self.task = asyncio.create_task(self._run(client, prompt_ids, kwargs))
 
     async def _run(self, client, prompt_ids, kwargs) -> None:
-        async for chunk in client.stream(token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, **kwargs):
+        async for chunk in client.stream(
+            token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, **kwargs
+        ):
             self.ids.extend(chunk.token_ids)
             self.chunk_times.append(time.monotonic())
             self.first_chunk.set()
@@ -47,11 +49,15 @@ class Stream:
 async def wait_not_serving(service: Service, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while await health(service.address) != NOT_SERVING:
-        assert time.monotonic() < deadline, f"the {service.name} still reports SERVING {timeout_s} s after SIGTERM"
+        assert time.monotonic() < deadline, (
+            f"the {service.name} still reports SERVING {timeout_s} s after SIGTERM"
+        )
         await asyncio.sleep(0.01)
 
 
-async def refusal_of_target_session(service: Service, prompt_ids: list[int]) -> tuple[grpc.StatusCode, str]:
+async def refusal_of_target_session(
+    service: Service, prompt_ids: list[int]
+) -> tuple[grpc.StatusCode, str]:
     """Opens a session on the worker directly, expecting a refusal: the call's
     status and details. A call the server ends at once can fail the client's
     own write locally, and then the call ends INTERNAL ("Failed
@@ -81,7 +87,10 @@ async def test_sigterm_coordinator_finishes_streams_in_flight_refuses_new_ones_a
 ):
     grace_s = 30.0
     stack = await start_stack(
-        cluster, tiny_target_dir, tiny_draft_same_dir, coordinator_args=["--shutdown-grace-s", str(grace_s)]
+        cluster,
+        tiny_target_dir,
+        tiny_draft_same_dir,
+        coordinator_args=["--shutdown-grace-s", str(grace_s)],
     )
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
         streams = [Stream(client, prompt_ids, num_speculative_tokens=k) for k in (0, 0, 4, 4)]
@@ -93,7 +102,10 @@ async def test_sigterm_coordinator_finishes_streams_in_flight_refuses_new_ones_a
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.generate(token_ids=prompt_ids, max_new_tokens=8)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shutting down" in refused.value.details() and "another replica" in refused.value.details()
+        assert (
+            "shutting down" in refused.value.details()
+            and "another replica" in refused.value.details()
+        )
 
         await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), grace_s)
     exit_code = await stack.coordinator.exit_code(grace_s)
@@ -117,7 +129,11 @@ async def test_sigterm_target_worker_finishes_its_sessions_while_new_ones_go_to_
 ):
     grace_s = 30.0
     stack = await start_stack(
-        cluster, tiny_target_dir, tiny_draft_same_dir, targets=2, target_args=["--shutdown-grace-s", str(grace_s)]
+        cluster,
+        tiny_target_dir,
+        tiny_draft_same_dir,
+        targets=2,
+        target_args=["--shutdown-grace-s", str(grace_s)],
     )
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
         in_flight = Stream(client, prompt_ids, num_speculative_tokens=0)
@@ -142,7 +158,9 @@ async def test_sigterm_target_worker_finishes_its_sessions_while_new_ones_go_to_
     assert in_flight.ids == reference and in_flight.chunks_after(signalled) > 0
     assert all(s.ids == reference for s in new)
     assert exit_code == 0, draining.log_tail()
-    assert await sessions_left([other, *stack.drafts]) == {w.name: (0, 0) for w in [other, *stack.drafts]}
+    assert await sessions_left([other, *stack.drafts]) == {
+        w.name: (0, 0) for w in [other, *stack.drafts]
+    }
     print(
         f"\ntarget SIGTERM: in-flight stream finished on the draining target "
         f"({in_flight.chunks_after(signalled)} chunks after the signal), {len(new)} new streams served by the "
@@ -155,7 +173,11 @@ async def test_target_worker_past_its_grace_period_hands_its_sessions_back(
 ):
     grace_s = 0.5
     stack = await start_stack(
-        cluster, tiny_target_dir, tiny_draft_same_dir, targets=2, target_args=["--shutdown-grace-s", str(grace_s)]
+        cluster,
+        tiny_target_dir,
+        tiny_draft_same_dir,
+        targets=2,
+        target_args=["--shutdown-grace-s", str(grace_s)],
     )
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
         stream = Stream(client, prompt_ids, num_speculative_tokens=0)
@@ -167,9 +189,13 @@ async def test_target_worker_past_its_grace_period_hands_its_sessions_back(
         exited = time.monotonic()
         await asyncio.wait_for(stream.task, 60)
     assert exit_code == 0, draining.log_tail()
-    assert stream.chunks_after(exited) > 0, "the stream had finished before the target's grace period ran out"
+    assert stream.chunks_after(exited) > 0, (
+        "the stream had finished before the target's grace period ran out"
+    )
     assert stream.ids == reference
-    assert await sessions_left([other, *stack.drafts]) == {w.name: (0, 0) for w in [other, *stack.drafts]}
+    assert await sessions_left([other, *stack.drafts]) == {
+        w.name: (0, 0) for w in [other, *stack.drafts]
+    }
     print(
         f"\ntarget SIGTERM, grace {grace_s} s: exited {exit_code}, its session went on on the other replica "
         f"({stream.chunks_after(exited)} chunks after the exit), output identical to target-only"

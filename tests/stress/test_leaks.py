@@ -38,7 +38,10 @@ async def cancelled_stream(client: AsyncClient, prompt_ids, rng: random.Random) 
     number of chunks. Returns where it was cancelled."""
     after = rng.randint(0, MAX_CHUNKS)
     stream = client.stream(
-        token_ids=prompt_ids, max_new_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=rng.choice((0, 1, 2, 4))
+        token_ids=prompt_ids,
+        max_new_tokens=MAX_NEW,
+        ignore_eos=True,
+        num_speculative_tokens=rng.choice((0, 1, 2, 4)),
     )
     chunks = 0
 
@@ -98,21 +101,34 @@ async def test_1000_streams_cancelled_at_random_points_leave_no_session_and_memo
     rss = [rss_mib(services)]
     outcomes: dict[str, int] = {}
     for n in BATCHES:
-        for where, count in (await cancel_many(stack.coordinator.address, prompt_ids, n, rng)).items():
+        for where, count in (
+            await cancel_many(stack.coordinator.address, prompt_ids, n, rng)
+        ).items():
             outcomes[where] = outcomes.get(where, 0) + count
         left = await sessions_left(stack.workers)
-        assert left == no_sessions, f"sessions (open, cached tokens) left after {n} cancelled streams: {left}"
+        assert left == no_sessions, (
+            f"sessions (open, cached tokens) left after {n} cancelled streams: {left}"
+        )
         rss.append(rss_mib(services))
 
-    print(f"\n{sum(BATCHES)} streams cancelled: {outcomes}; sessions left (open, cached tokens): {left}")
+    print(
+        f"\n{sum(BATCHES)} streams cancelled: {outcomes}; sessions left (open, cached tokens): {left}"
+    )
     print("RSS MiB after warm-up / first batch / second batch:")
     for s in services:
         print(f"  {s.name:12} " + " / ".join(f"{r[s.name]:.1f}" for r in rss))
     assert not [where for where in outcomes if where.startswith("error")], outcomes
     assert sum(outcomes.values()) == sum(BATCHES)
-    assert outcomes.get("before the first chunk", 0) > 0 and outcomes.get("mid-stream (after a chunk)", 0) > 0
+    assert (
+        outcomes.get("before the first chunk", 0) > 0
+        and outcomes.get("mid-stream (after a chunk)", 0) > 0
+    )
     for worker in stack.workers:
         growth = rss[2][worker.name] - rss[1][worker.name]
-        assert growth <= PLATEAU_MIB, f"the {worker.name}'s RSS grew {growth:.1f} MiB over the second batch"
+        assert growth <= PLATEAU_MIB, (
+            f"the {worker.name}'s RSS grew {growth:.1f} MiB over the second batch"
+        )
         above = rss[2][worker.name] - rss[0][worker.name]
-        assert above <= BASELINE_MIB, f"the {worker.name}'s RSS ends {above:.1f} MiB above its level after warm-up"
+        assert above <= BASELINE_MIB, (
+            f"the {worker.name}'s RSS ends {above:.1f} MiB above its level after warm-up"
+        )

@@ -34,7 +34,9 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     references = [reference_greedy(tiny_target_dir, ids, MAX_NEW, eos=None) for ids in prompts]
-    stack = await start_stack(cluster, tiny_target_dir, tiny_target_dir, draft_args=["--drafter", "prompt-lookup"])
+    stack = await start_stack(
+        cluster, tiny_target_dir, tiny_target_dir, draft_args=["--drafter", "prompt-lookup"]
+    )
     services = [*stack.workers, stack.coordinator]
 
     latencies, ttfts, gaps = [], [], []
@@ -51,7 +53,10 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
             started = time.monotonic()
             try:
                 async for chunk in client.stream(
-                    token_ids=prompts[index], max_new_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=4
+                    token_ids=prompts[index],
+                    max_new_tokens=MAX_NEW,
+                    ignore_eos=True,
+                    num_speculative_tokens=4,
                 ):
                     ids.extend(chunk.token_ids)
                     chunk_times.append(time.monotonic())
@@ -68,7 +73,9 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
             accepted += stats.accepted_tokens
 
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
-        await asyncio.gather(*(lane(client, i, time.monotonic() + 5) for i in range(CONCURRENCY)))  # warm-up
+        await asyncio.gather(
+            *(lane(client, i, time.monotonic() + 5) for i in range(CONCURRENCY))
+        )  # warm-up
         latencies.clear(), ttfts.clear(), gaps.clear()
         tokens = drafted = accepted = 0
         rss_before = {s.name: s.rss_bytes() / 2**20 for s in services}
@@ -86,7 +93,9 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
     print(f"  time to 1st chunk  {percentiles(ttfts)}")
     print(f"  between chunks     {percentiles(gaps)}")
     for s in services:
-        print(f"  RSS {s.name:12} {rss_before[s.name]:.1f} MiB before, {rss_after[s.name]:.1f} MiB after")
+        print(
+            f"  RSS {s.name:12} {rss_before[s.name]:.1f} MiB before, {rss_after[s.name]:.1f} MiB after"
+        )
     assert elapsed >= DURATION_S
     assert errors == [], errors[:5]
     assert mismatches == 0

@@ -60,7 +60,12 @@ def test_prompt_rows_without_category_take_the_file_stem(tmp_path):
 
 @pytest.mark.parametrize(
     ("stem", "category"),
-    [("HumanEval_prompts", "humaneval"), ("my-questions", "my"), ("summaries", "summaries"), ("prompts", "prompts")],
+    [
+        ("HumanEval_prompts", "humaneval"),
+        ("my-questions", "my"),
+        ("summaries", "summaries"),
+        ("prompts", "prompts"),
+    ],
 )
 def test_category_of_file(stem, category):
     assert category_of_file(Path(f"{stem}.jsonl")) == category
@@ -90,7 +95,9 @@ def test_k_list_and_drafters_parse():
     assert parse_drafter("bf16", target_model="/m").draft_args == (
         "--drafter", "model", "--dtype", "bfloat16", "--model", "/m",
     )  # fmt: skip
-    assert parse_drafter("int4", target_model=None) == Drafter("int4", ("--drafter", "int4"), "int4")
+    assert parse_drafter("int4", target_model=None) == Drafter(
+        "int4", ("--drafter", "int4"), "int4"
+    )
     assert parse_drafter("early-exit-8", target_model=None).hf_peer is None
     with pytest.raises(ValueError, match="unknown drafter"):
         parse_drafter("medusa", target_model=None)
@@ -106,7 +113,12 @@ def test_every_drafter_configuration_has_a_pipelined_twin_beside_it():
     ]  # fmt: skip
     assert [v.pipeline for v in variants] == [False, False, True, False, True, False, True]
     twin = variants[-1]
-    assert (twin.coordinator, twin.drafter, twin.k, twin.adaptive) == ("prompt-lookup", "prompt-lookup", None, True)
+    assert (twin.coordinator, twin.drafter, twin.k, twin.adaptive) == (
+        "prompt-lookup",
+        "prompt-lookup",
+        None,
+        True,
+    )
 
 
 def test_no_pipelined_leaves_the_twins_out():
@@ -134,8 +146,17 @@ def test_every_outrider_configuration_sends_pipeline_explicitly():
     prompt = Prompt("q:1", "c", "x")
     for config in configs:
         assert config.run(prompt, 8).pipeline is config.pipeline
-    sent = [(r["num_speculative_tokens"], r["adaptive"], r["pipeline"]) for r in endpoint.client.requests]
-    assert sent == [(0, False, False), (4, False, False), (4, False, True), (None, True, False), (None, True, True)]
+    sent = [
+        (r["num_speculative_tokens"], r["adaptive"], r["pipeline"])
+        for r in endpoint.client.requests
+    ]
+    assert sent == [
+        (0, False, False),
+        (4, False, False),
+        (4, False, True),
+        (None, True, False),
+        (None, True, True),
+    ]
     assert [c.pipeline for c in configs] == [False, False, True, False, True]
 
 
@@ -153,21 +174,39 @@ def test_a_pipelined_configuration_whose_coordinator_did_not_pipeline_is_left_ou
     configs = [
         Config("outrider-pl-k4", "outrider", None, "pl", 4),
         Config("outrider-pl-k4-pipelined", "outrider", None, "pl", 4, pipeline=True),
-        Config("outrider-pl-adaptive-pipelined", "outrider", None, "pl", None, adaptive=True, pipeline=True),
+        Config(
+            "outrider-pl-adaptive-pipelined",
+            "outrider",
+            None,
+            "pl",
+            None,
+            adaptive=True,
+            pipeline=True,
+        ),
     ]
     warm = {
         "outrider-pl-k4": m(4, 1.0, 2),
-        "outrider-pl-k4-pipelined": m(4, 1.0, 2, pipeline=False),  # asked for pipelined rounds, did not get them
+        "outrider-pl-k4-pipelined": m(
+            4, 1.0, 2, pipeline=False
+        ),  # asked for pipelined rounds, did not get them
         "outrider-pl-adaptive-pipelined": m(4, 1.0, 2, adaptive=True, pipeline=True),
     }
-    assert [c.name for c in without_ignored_options(configs, warm)] == ["outrider-pl-k4", "outrider-pl-adaptive-pipelined"]
+    assert [c.name for c in without_ignored_options(configs, warm)] == [
+        "outrider-pl-k4",
+        "outrider-pl-adaptive-pipelined",
+    ]
     err = capsys.readouterr().err
-    assert "ignored `pipeline`" in err and "outrider-pl-k4-pipelined" in err and "adaptive" not in err
+    assert (
+        "ignored `pipeline`" in err and "outrider-pl-k4-pipelined" in err and "adaptive" not in err
+    )
 
 
 def test_bench_has_help_naming_every_flag():
     out = subprocess.run(
-        [sys.executable, "-m", "outrider", "bench", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "outrider", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0
     for flag in (
@@ -211,7 +250,15 @@ def test_rounds_of_prompt_lookup_with_rejections():
 # --- aggregation and the bound -----------------------------------------------------
 
 
-def m(tokens: int, wall: float, rounds: int, drafted: int = 0, accepted: int = 0, per_position=(), **fields) -> Measurement:
+def m(
+    tokens: int,
+    wall: float,
+    rounds: int,
+    drafted: int = 0,
+    accepted: int = 0,
+    per_position=(),
+    **fields,
+) -> Measurement:
     return Measurement(
         token_ids=tuple(range(tokens)), prompt_tokens=10, wall_s=wall, rounds=rounds,
         draft_tokens=drafted, accepted_tokens=accepted, accepted_per_position=tuple(per_position), **fields,
@@ -219,9 +266,42 @@ def m(tokens: int, wall: float, rounds: int, drafted: int = 0, accepted: int = 0
 
 
 def test_aggregate_sums_and_pads_the_histograms():
-    a = m(10, 1.0, 4, 8, 6, (3, 2, 1), draft_time_s=0.1, verify_time_s=0.5, rpc_time_s=0.01, overhead_s=0.001)
-    b = m(30, 2.0, 10, 40, 20, (8, 6, 4, 2), draft_time_s=0.2, verify_time_s=1.0, rpc_time_s=0.02, overhead_s=0.003)
-    c = m(20, 1.0, 5, 20, 15, (5, 5, 3, 2), draft_time_s=0.1, verify_time_s=0.5, rpc_time_s=0.01, overhead_s=0.002)
+    a = m(
+        10,
+        1.0,
+        4,
+        8,
+        6,
+        (3, 2, 1),
+        draft_time_s=0.1,
+        verify_time_s=0.5,
+        rpc_time_s=0.01,
+        overhead_s=0.001,
+    )
+    b = m(
+        30,
+        2.0,
+        10,
+        40,
+        20,
+        (8, 6, 4, 2),
+        draft_time_s=0.2,
+        verify_time_s=1.0,
+        rpc_time_s=0.02,
+        overhead_s=0.003,
+    )
+    c = m(
+        20,
+        1.0,
+        5,
+        20,
+        15,
+        (5, 5, 3, 2),
+        draft_time_s=0.1,
+        verify_time_s=0.5,
+        rpc_time_s=0.01,
+        overhead_s=0.002,
+    )
     t = aggregate([a, b, c])
     assert (t.generated_tokens, t.rounds, t.draft_tokens, t.accepted_tokens) == (60, 19, 68, 41)
     assert t.accepted_per_position == (16, 13, 8, 4)
@@ -240,15 +320,50 @@ def test_aggregate_without_time_split_has_none():
 
 
 def test_aggregate_sums_hits_and_misses_and_takes_the_median_critical_path():
-    a = m(10, 1.0, 4, 8, 6, pipeline=True, speculation_hits=3, speculation_misses=1, critical_path_overhead_s=0.001)
-    b = m(10, 1.0, 4, 8, 6, pipeline=True, speculation_hits=1, speculation_misses=2, critical_path_overhead_s=0.004)
-    c = m(10, 1.0, 4, 8, 6, pipeline=True, speculation_hits=2, speculation_misses=1, critical_path_overhead_s=0.002)
+    a = m(
+        10,
+        1.0,
+        4,
+        8,
+        6,
+        pipeline=True,
+        speculation_hits=3,
+        speculation_misses=1,
+        critical_path_overhead_s=0.001,
+    )
+    b = m(
+        10,
+        1.0,
+        4,
+        8,
+        6,
+        pipeline=True,
+        speculation_hits=1,
+        speculation_misses=2,
+        critical_path_overhead_s=0.004,
+    )
+    c = m(
+        10,
+        1.0,
+        4,
+        8,
+        6,
+        pipeline=True,
+        speculation_hits=2,
+        speculation_misses=1,
+        critical_path_overhead_s=0.002,
+    )
     t = aggregate([a, b, c])
     assert (t.speculation_hits, t.speculation_misses) == (6, 4)
     assert t.speculation_hit_rate == pytest.approx(0.6)
-    assert t.critical_path_overhead_s_p50 == pytest.approx(0.002)  # the median of the per-request medians
+    assert t.critical_path_overhead_s_p50 == pytest.approx(
+        0.002
+    )  # the median of the per-request medians
     synchronous = aggregate([m(10, 1.0, 4)])
-    assert synchronous.speculation_hit_rate is None and synchronous.critical_path_overhead_s_p50 is None
+    assert (
+        synchronous.speculation_hit_rate is None
+        and synchronous.critical_path_overhead_s_p50 is None
+    )
 
 
 def stats(**fields):
@@ -263,7 +378,14 @@ def stats(**fields):
 
 def test_a_measurement_carries_the_pipelined_statistics():
     got = measurement_from_stats(
-        [1, 2, 3], stats(pipeline=True, speculation_hits=3, speculation_misses=1, critical_path_overhead_s_p50=0.0021), 0.1
+        [1, 2, 3],
+        stats(
+            pipeline=True,
+            speculation_hits=3,
+            speculation_misses=1,
+            critical_path_overhead_s_p50=0.0021,
+        ),
+        0.1,
     )
     assert (got.pipeline, got.speculation_hits, got.speculation_misses) == (True, 3, 1)
     assert got.critical_path_overhead_s == pytest.approx(0.0021)
@@ -287,7 +409,20 @@ def test_bound_on_hand_made_numbers():
     # 50 rounds, K=4 drafted in full (200 drafts), 100 accepted, draft 2 ms a token,
     # verify 120 ms a round, rpc 1 ms a round.
     spec = aggregate(
-        [m(150, 7.0, 50, 200, 100, (40, 30, 20, 10), draft_time_s=0.4, verify_time_s=6.0, rpc_time_s=0.05, num_drafts=50)]
+        [
+            m(
+                150,
+                7.0,
+                50,
+                200,
+                100,
+                (40, 30, 20, 10),
+                draft_time_s=0.4,
+                verify_time_s=6.0,
+                rpc_time_s=0.05,
+                num_drafts=50,
+            )
+        ]
     )
     bound = analytic_bound(spec, k0)
     e = 1 + 100 / 50  # the accepted drafts plus the recovered or bonus token
@@ -301,7 +436,22 @@ def test_runs_of_acceptance_give_e_above_the_iid_one():
     # 10 rounds of 4 drafts: half accept all four, half none. α = 0.5, so the
     # i.i.d. formula says 1.94 tokens a round; the rounds committed 3.
     k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
-    spec = aggregate([m(30, 1.0, 10, 40, 20, (5, 5, 5, 5), draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0, num_drafts=10)])
+    spec = aggregate(
+        [
+            m(
+                30,
+                1.0,
+                10,
+                40,
+                20,
+                (5, 5, 5, 5),
+                draft_time_s=0.0,
+                verify_time_s=1.0,
+                rpc_time_s=0.0,
+                num_drafts=10,
+            )
+        ]
+    )
     bound = analytic_bound(spec, k0)
     assert bound.alpha == 0.5
     assert bound.expected_tokens_per_round == pytest.approx(3.0)
@@ -312,24 +462,60 @@ def test_runs_of_acceptance_give_e_above_the_iid_one():
 def test_e_counts_the_rounds_that_drafted_and_the_speedup_every_round():
     # Adaptive K: 6 of 10 rounds drafted (2 tokens each), 9 drafts accepted.
     k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
-    spec = aggregate([m(19, 1.0, 10, 12, 9, (6, 3), draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0, num_drafts=6)])
+    spec = aggregate(
+        [
+            m(
+                19,
+                1.0,
+                10,
+                12,
+                9,
+                (6, 3),
+                draft_time_s=0.0,
+                verify_time_s=1.0,
+                rpc_time_s=0.0,
+                num_drafts=6,
+            )
+        ]
+    )
     bound = analytic_bound(spec, k0)
     assert bound.expected_tokens_per_round == pytest.approx(1 + 9 / 6)
     assert bound.drafting_share == pytest.approx(0.6)
-    assert bound.tokens_per_round == pytest.approx(1 + 9 / 10) == pytest.approx(spec.mean_acceptance_length)
+    assert (
+        bound.tokens_per_round
+        == pytest.approx(1 + 9 / 10)
+        == pytest.approx(spec.mean_acceptance_length)
+    )
     assert bound.speedup == pytest.approx(1.9 * 0.1 / 0.1)
 
 
 def test_e_without_a_count_of_drafting_rounds_takes_every_round():
     k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
-    spec = aggregate([m(19, 1.0, 10, 20, 9, (6, 3), draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)])
+    spec = aggregate(
+        [m(19, 1.0, 10, 20, 9, (6, 3), draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]
+    )
     assert analytic_bound(spec, k0).expected_tokens_per_round == pytest.approx(1.9)
 
 
 def test_bound_uses_the_mean_drafts_per_round():
     # Prompt lookup proposed 2 tokens a round on average, all accepted: E = 3.
     k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
-    spec = aggregate([m(30, 1.0, 10, 20, 20, (10, 10), draft_time_s=0.0, verify_time_s=1.5, rpc_time_s=0.0, num_drafts=10)])
+    spec = aggregate(
+        [
+            m(
+                30,
+                1.0,
+                10,
+                20,
+                20,
+                (10, 10),
+                draft_time_s=0.0,
+                verify_time_s=1.5,
+                rpc_time_s=0.0,
+                num_drafts=10,
+            )
+        ]
+    )
     bound = analytic_bound(spec, k0)
     assert bound.mean_draft_tokens == 2.0
     assert bound.speedup == pytest.approx(3 * 0.1 / 0.15)
@@ -346,8 +532,12 @@ def pipelined_totals(draft_time_s: float, hits: int, misses: int):
 
 
 def test_pipelined_round_time_when_the_verify_is_the_longer():
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, rpc_time_s=0.0)])  # t_target = 80 ms
-    bound = analytic_bound(pipelined_totals(0.4, hits=6, misses=4), k0, pipelined=True)  # t_draft = 10 ms
+    k0 = aggregate(
+        [m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, rpc_time_s=0.0)]
+    )  # t_target = 80 ms
+    bound = analytic_bound(
+        pipelined_totals(0.4, hits=6, misses=4), k0, pipelined=True
+    )  # t_draft = 10 ms
     assert bound.hit_rate == pytest.approx(0.6)
     # The draft's 40 ms a round (d̄) overlap the verify's 100 + 1 ms; a miss (40%) drafts afresh first.
     t = max(0.101, 0.040) + 0.4 * 0.040  # 0.117
@@ -416,7 +606,12 @@ def make_report() -> dict:
 def test_report_has_every_config_with_the_required_keys():
     report = make_report()
     names = [c["name"] for c in report["configs"]]
-    assert names == ["hf-generate", "outrider-k0", "outrider-prompt-lookup-k4", "hf-assisted-prompt-lookup-k4"]
+    assert names == [
+        "hf-generate",
+        "outrider-k0",
+        "outrider-prompt-lookup-k4",
+        "hf-assisted-prompt-lookup-k4",
+    ]
     for config in report["configs"]:
         assert set(REQUIRED_CONFIG_KEYS) <= config.keys()
         assert set(config["by_category"]) == {"writing", "humaneval"}
@@ -429,7 +624,9 @@ def test_report_numbers():
     assert rows["hf-generate"]["tokens_per_s"] == approx4(20 / 3)
     assert rows["hf-generate"]["speedup"] == 1.0
     assert rows["outrider-prompt-lookup-k4"]["tokens_per_s"] == approx4(14 / 1.5)
-    assert rows["outrider-prompt-lookup-k4"]["speedup"] == pytest.approx(round(14 / 1.5 / (20 / 3), 4))
+    assert rows["outrider-prompt-lookup-k4"]["speedup"] == pytest.approx(
+        round(14 / 1.5 / (20 / 3), 4)
+    )
     assert rows["outrider-prompt-lookup-k4"]["accepted_per_position"] == [4, 3, 1]
     assert rows["outrider-prompt-lookup-k4"]["bound_speedup"] is not None
     assert rows["outrider-k0"]["overhead_ms_per_round"] == approx4(0.4)
@@ -458,7 +655,9 @@ def test_headline_compares_best_outrider_with_best_hf_assisted():
     h = make_report()["headline"]
     assert h["best_outrider"] == "outrider-prompt-lookup-k4"
     assert h["best_hf_assisted"] == "hf-assisted-prompt-lookup-k4"
-    assert h["best_outrider_over_best_hf_assisted"] == pytest.approx(round((14 / 1.5) / (20 / 2.3), 4))
+    assert h["best_outrider_over_best_hf_assisted"] == pytest.approx(
+        round((14 / 1.5) / (20 / 2.3), 4)
+    )
     assert h["outrider_k0_over_hf_generate"] == 1.0
     assert h["outrider_k0_within_5pct_of_hf_generate"] is True
 
@@ -466,7 +665,11 @@ def test_headline_compares_best_outrider_with_best_hf_assisted():
 def test_without_hf_speedup_is_against_outrider_k0():
     prompts = [Prompt("q:1", "writing", "a")]
     configs = [Config("outrider-k0", "outrider", None, k=0)]
-    report = build_report(configs, prompts, {"outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]})
+    report = build_report(
+        configs,
+        prompts,
+        {"outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]},
+    )
     assert report["baseline"] == "outrider-k0"
     assert report["configs"][0]["speedup"] == 1.0
 
@@ -488,7 +691,9 @@ def make_pipelined_report() -> dict:
         Config("outrider-pl-k4", "outrider", None, "pl", 4),
         Config("outrider-pl-k4-pipelined", "outrider", None, "pl", 4, pipeline=True),
     ]
-    spec = dict(draft_time_s=0.4, verify_time_s=1.0, rpc_time_s=0.01, overhead_s=0.0005, num_drafts=10)
+    spec = dict(
+        draft_time_s=0.4, verify_time_s=1.0, rpc_time_s=0.01, overhead_s=0.0005, num_drafts=10
+    )
     results = {
         "outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=0.8, rpc_time_s=0.0, overhead_s=0.0004,
                           critical_path_overhead_s=0.0004)],
@@ -507,13 +712,21 @@ def test_report_of_a_pipelined_configuration():
     rows = {c["name"]: c for c in report["configs"]}
     pipelined, synchronous = rows["outrider-pl-k4-pipelined"], rows["outrider-pl-k4"]
     assert set(REQUIRED_CONFIG_KEYS) <= pipelined.keys()
-    assert (pipelined["pipeline"], pipelined["speculation_hits"], pipelined["speculation_misses"]) == (True, 6, 4)
+    assert (
+        pipelined["pipeline"],
+        pipelined["speculation_hits"],
+        pipelined["speculation_misses"],
+    ) == (True, 6, 4)
     assert pipelined["speculation_hit_rate"] == 0.6
     assert synchronous["pipeline"] is False and synchronous["speculation_hit_rate"] is None
-    assert pipelined["critical_path_ms_p50"] == approx4(17.5) and synchronous["critical_path_ms_p50"] == approx4(45.0)
+    assert pipelined["critical_path_ms_p50"] == approx4(17.5) and synchronous[
+        "critical_path_ms_p50"
+    ] == approx4(45.0)
     assert pipelined["expected_tokens_per_round"] == approx4(3.7)
     # t_target 80 ms; pipelined T = max(101, 40) ms + 0.4 × 40 ms = 117 ms; synchronous 141 ms.
-    assert pipelined["bound_round_ms"] == approx4(117.0) and synchronous["bound_round_ms"] == approx4(141.0)
+    assert pipelined["bound_round_ms"] == approx4(117.0) and synchronous[
+        "bound_round_ms"
+    ] == approx4(141.0)
     assert pipelined["bound_speedup"] == approx4(3.7 * 0.080 / 0.117)
     assert pipelined["achieved_speedup_vs_k0"] == approx4((37 / 1.25) / 10)
     assert pipelined["achieved_over_bound"] == approx4((37 / 1.25 / 10) / (3.7 * 0.080 / 0.117))
@@ -530,7 +743,10 @@ def test_render_shows_the_critical_path_and_the_hits():
     text = buffer.getvalue()
     assert "critical path" in text and "hits/misses" in text
     assert ".60 (6/4)" in text and "17.50" in text
-    assert "pipelined ÷ synchronous tokens/s: outrider-pl-k4-pipelined 1.20 (critical path p50 45.00 → 17.50 ms)" in text
+    assert (
+        "pipelined ÷ synchronous tokens/s: outrider-pl-k4-pipelined 1.20 (critical path p50 45.00 → 17.50 ms)"
+        in text
+    )
 
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
@@ -544,4 +760,6 @@ def test_a_failing_run_names_the_configuration_and_the_prompt():
         raise ValueError("the prompt is too long")
 
     with pytest.raises(RuntimeError, match=r"outrider-k0 failed on q:1: the prompt is too long"):
-        run_interleaved([Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False)
+        run_interleaved(
+            [Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False
+        )

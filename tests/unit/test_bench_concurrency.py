@@ -12,7 +12,12 @@ import pytest
 from outrider.bench.command import parse_concurrency_list
 from outrider.bench.concurrency.plot import plot as plot_concurrency
 from outrider.bench.concurrency.render import render as render_concurrency
-from outrider.bench.concurrency.report import REQUIRED_RUN_KEYS, percentile, summarize_batch, with_speedups
+from outrider.bench.concurrency.report import (
+    REQUIRED_RUN_KEYS,
+    percentile,
+    summarize_batch,
+    with_speedups,
+)
 from outrider.bench.concurrency.report import build_report as build_concurrency_report
 from outrider.bench.concurrency.run import run_concurrency
 from outrider.bench.concurrency.streams import (
@@ -49,11 +54,18 @@ def test_a_batch_sends_every_prompt_at_least_once_and_repeats_them_for_more_stre
 def test_closed_loop_sends_each_later_request_when_an_earlier_one_ends():
     # Two streams, four queued requests created at t=0: the third goes out when the
     # first request ends (t=5), the fourth when the second one ends (t=7).
-    assert closed_loop_send_times([0.0, 0.0, 0.0, 0.0], [7.0, 5.0, 12.0, 9.0], 2) == [0.0, 0.0, 5.0, 7.0]
+    assert closed_loop_send_times([0.0, 0.0, 0.0, 0.0], [7.0, 5.0, 12.0, 9.0], 2) == [
+        0.0,
+        0.0,
+        5.0,
+        7.0,
+    ]
 
 
 def test_stream_times_come_from_its_chunks():
-    s = stream_from_arrivals([1, 2, 3, 4, 5, 6], 10.0, [(10.5, 1), (10.6, 0), (10.8, 3), (11.3, 2)], rounds=3)
+    s = stream_from_arrivals(
+        [1, 2, 3, 4, 5, 6], 10.0, [(10.5, 1), (10.6, 0), (10.8, 3), (11.3, 2)], rounds=3
+    )
     assert s.ttft_s == pytest.approx(0.5)
     assert s.chunk_gaps_s == pytest.approx((0.3, 0.5))  # the empty chunk does not count
     assert s.chunk_tokens == (3, 2)
@@ -62,7 +74,13 @@ def test_stream_times_come_from_its_chunks():
 
 @pytest.mark.parametrize(
     ("values", "q", "expected"),
-    [([1, 2, 3, 4], 50, 2.5), ([1, 2, 3, 4], 99, 3.97), ([4, 1, 3, 2], 0, 1), ([7.0], 99, 7.0), ([], 50, None)],
+    [
+        ([1, 2, 3, 4], 50, 2.5),
+        ([1, 2, 3, 4], 99, 3.97),
+        ([4, 1, 3, 2], 0, 1),
+        ([7.0], 99, 7.0),
+        ([], 50, None),
+    ],
 )
 def test_percentile_interpolates_between_order_statistics(values, q, expected):
     assert percentile(values, q) == pytest.approx(expected)
@@ -74,8 +92,24 @@ def stream(tokens, ttft, gaps=(), chunk_tokens=None, **stats) -> Stream:
 
 def test_a_batch_summary_counts_every_stream_over_the_batch_wall_time():
     # Two streams of 6 tokens each over 2 s of wall time: 6 tokens/s in all.
-    a = stream(range(6), 0.1, gaps=(0.2, 0.4), chunk_tokens=(2, 3), rounds=3, draft_tokens=8, accepted_tokens=3)
-    b = stream(range(6), 0.3, gaps=(0.1, 0.1, 0.1), chunk_tokens=(1, 2, 2), rounds=4, draft_tokens=8, accepted_tokens=2)
+    a = stream(
+        range(6),
+        0.1,
+        gaps=(0.2, 0.4),
+        chunk_tokens=(2, 3),
+        rounds=3,
+        draft_tokens=8,
+        accepted_tokens=3,
+    )
+    b = stream(
+        range(6),
+        0.3,
+        gaps=(0.1, 0.1, 0.1),
+        chunk_tokens=(1, 2, 2),
+        rounds=4,
+        draft_tokens=8,
+        accepted_tokens=2,
+    )
     row = summarize_batch(Batch(2, (a, b), 2.0))
     assert (row["concurrency"], row["requests"], row["generated_tokens"]) == (2, 2, 12)
     assert row["tokens_per_s"] == pytest.approx(6.0)
@@ -91,19 +125,31 @@ def test_a_batch_summary_counts_every_stream_over_the_batch_wall_time():
 
 
 def test_speedup_is_against_concurrency_1_of_the_same_configuration():
-    runs = with_speedups([{"concurrency": 1, "tokens_per_s": 10.0}, {"concurrency": 8, "tokens_per_s": 45.0}])
+    runs = with_speedups(
+        [{"concurrency": 1, "tokens_per_s": 10.0}, {"concurrency": 8, "tokens_per_s": 45.0}]
+    )
     assert [r["speedup_vs_concurrency_1"] for r in runs] == [1.0, 4.5]
-    assert with_speedups([{"concurrency": 8, "tokens_per_s": 45.0}])[0]["speedup_vs_concurrency_1"] is None
+    assert (
+        with_speedups([{"concurrency": 8, "tokens_per_s": 45.0}])[0]["speedup_vs_concurrency_1"]
+        is None
+    )
 
 
 def concurrency_report(**batches_by_name) -> dict:
     prompts = [Prompt("q:1", "c", "a"), Prompt("q:2", "c", "b")]
-    configs = [LoadConfig(name, "hf" if name.startswith("hf") else "outrider", None) for name in batches_by_name]
-    return build_concurrency_report(configs, prompts, batches_by_name, {"hf-generate-batch": "RuntimeError: no"}, {"title": "t"})
+    configs = [
+        LoadConfig(name, "hf" if name.startswith("hf") else "outrider", None)
+        for name in batches_by_name
+    ]
+    return build_concurrency_report(
+        configs, prompts, batches_by_name, {"hf-generate-batch": "RuntimeError: no"}, {"title": "t"}
+    )
 
 
 def batch(n: int, *outputs, wall: float = 1.0) -> Batch:
-    return Batch(n, tuple(stream(tokens, 0.1, gaps=[0.01] * (len(tokens) - 1)) for tokens in outputs), wall)
+    return Batch(
+        n, tuple(stream(tokens, 0.1, gaps=[0.01] * (len(tokens) - 1)) for tokens in outputs), wall
+    )
 
 
 def test_concurrency_report_has_a_run_per_concurrency_with_the_required_keys():
@@ -135,18 +181,33 @@ def test_concurrency_mismatches_name_the_reference_and_the_concurrency():
             "outrider-prompt-lookup-k4": {1: batch(1, [1, 2], [3, 4]), 2: batch(2, [1, 7], [3, 4])},
         }
     )
-    found = {(m["config"], m["concurrency"], m["prompt"], m["reference"], m["first_difference_at"]) for m in report["mismatches"]}
+    found = {
+        (m["config"], m["concurrency"], m["prompt"], m["reference"], m["first_difference_at"])
+        for m in report["mismatches"]
+    }
     assert found == {
         ("hf-generate", 2, "q:2", "hf-generate@1", 1),  # padding changed a token
         ("outrider-k0", 1, "q:2", "hf-generate@1", 1),
-        ("outrider-k0", 2, "q:2", "hf-generate@1", 1),  # the same at N=2 as at N=1: no concurrency mismatch
+        (
+            "outrider-k0",
+            2,
+            "q:2",
+            "hf-generate@1",
+            1,
+        ),  # the same at N=2 as at N=1: no concurrency mismatch
         ("outrider-prompt-lookup-k4", 2, "q:1", "hf-generate@1", 1),
         ("outrider-prompt-lookup-k4", 2, "q:1", "outrider-prompt-lookup-k4@1", 1),
     }
     runs = {c["name"]: c["runs"] for c in report["configs"]}
-    assert [(r["mismatches_vs_reference"], r["mismatches_vs_concurrency_1"]) for r in runs["outrider-k0"]] == [(1, 0), (1, 0)]
+    assert [
+        (r["mismatches_vs_reference"], r["mismatches_vs_concurrency_1"])
+        for r in runs["outrider-k0"]
+    ] == [(1, 0), (1, 0)]
     # hf-generate at N=1 is the reference: its difference at N=2 is both.
-    assert [(r["mismatches_vs_reference"], r["mismatches_vs_concurrency_1"]) for r in runs["hf-generate"]] == [(0, 0), (1, 1)]
+    assert [
+        (r["mismatches_vs_reference"], r["mismatches_vs_concurrency_1"])
+        for r in runs["hf-generate"]
+    ] == [(0, 0), (1, 1)]
     buffer = io.StringIO()
     render_concurrency(report, buffer)
     text = buffer.getvalue()
@@ -156,7 +217,9 @@ def test_concurrency_mismatches_name_the_reference_and_the_concurrency():
 @pytest.mark.parametrize("tokens", [[1, 2, 3], [1]])  # [1]: no inter-token gap to plot
 def test_concurrency_plot_is_written(tmp_path, tokens):
     pytest.importorskip("matplotlib")
-    report = concurrency_report(**{"outrider-k0": {1: batch(1, tokens, tokens), 4: batch(4, *[tokens] * 4)}})
+    report = concurrency_report(
+        **{"outrider-k0": {1: batch(1, tokens, tokens), 4: batch(4, *[tokens] * 4)}}
+    )
     plot_concurrency(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
@@ -164,13 +227,17 @@ def test_concurrency_plot_is_written(tmp_path, tokens):
 # --- concurrency: the run ------------------------------------------------------------------
 
 
-def fake_config(name: str, calls: list, *, fail: bool = False, may_fail: bool = False, adaptive: bool = False) -> LoadConfig:
+def fake_config(
+    name: str, calls: list, *, fail: bool = False, may_fail: bool = False, adaptive: bool = False
+) -> LoadConfig:
     def run(requests, n, max_new_tokens, done):
         calls.append((name, n, len(requests), max_new_tokens))
         if fail:
             raise ValueError("not on this machine")
         done(len(requests))
-        return Batch(n, tuple(stream([1] * max_new_tokens, 0.1, adaptive=adaptive) for _ in requests), 1.0)
+        return Batch(
+            n, tuple(stream([1] * max_new_tokens, 0.1, adaptive=adaptive) for _ in requests), 1.0
+        )
 
     return LoadConfig(name, "hf", run, adaptive=adaptive, may_fail=may_fail)
 
@@ -180,27 +247,50 @@ def test_the_run_warms_up_then_rotates_the_configurations_from_one_concurrency_t
     prompts = [Prompt("q:1", "c", "a"), Prompt("q:2", "c", "b"), Prompt("q:3", "c", "c")]
     configs = [fake_config("a", calls), fake_config("b", calls)]
     ran, batches, not_run = run_concurrency(configs, prompts, [1, 4], 32, progress=False)
-    assert calls == [("a", 1, 1, 16), ("b", 1, 1, 16), ("a", 1, 3, 32), ("b", 1, 3, 32), ("b", 4, 4, 32), ("a", 4, 4, 32)]
+    assert calls == [
+        ("a", 1, 1, 16),
+        ("b", 1, 1, 16),
+        ("a", 1, 3, 32),
+        ("b", 1, 3, 32),
+        ("b", 4, 4, 32),
+        ("a", 4, 4, 32),
+    ]
     assert [c.name for c in ran] == ["a", "b"] and not not_run
     assert sorted(batches["a"]) == [1, 4]
 
 
 def test_a_configuration_that_may_fail_is_left_out_with_its_error():
     calls: list = []
-    configs = [fake_config("hf-generate-batch", calls, fail=True, may_fail=True), fake_config("outrider-k0", calls)]
-    ran, batches, not_run = run_concurrency(configs, [Prompt("q:1", "c", "a")], [1, 2], 8, progress=False)
+    configs = [
+        fake_config("hf-generate-batch", calls, fail=True, may_fail=True),
+        fake_config("outrider-k0", calls),
+    ]
+    ran, batches, not_run = run_concurrency(
+        configs, [Prompt("q:1", "c", "a")], [1, 2], 8, progress=False
+    )
     assert [c.name for c in ran] == ["outrider-k0"] and list(batches) == ["outrider-k0"]
     assert not_run == {"hf-generate-batch": "ValueError: not on this machine"}
     assert sum(1 for c in calls if c[0] == "hf-generate-batch") == 1  # tried once, at the warm-up
 
 
 def test_any_other_failure_stops_the_run_naming_the_configuration_and_the_concurrency():
-    with pytest.raises(RuntimeError, match="outrider-k0 failed at concurrency 1: not on this machine"):
-        run_concurrency([fake_config("outrider-k0", [], fail=True)], [Prompt("q:1", "c", "a")], [1], 8, progress=False)
+    with pytest.raises(
+        RuntimeError, match="outrider-k0 failed at concurrency 1: not on this machine"
+    ):
+        run_concurrency(
+            [fake_config("outrider-k0", [], fail=True)],
+            [Prompt("q:1", "c", "a")],
+            [1],
+            8,
+            progress=False,
+        )
 
 
 def test_an_adaptive_configuration_whose_coordinator_fixed_k_is_left_out(capsys):
-    configs = [fake_config("outrider-pl-adaptive", [], adaptive=False), fake_config("outrider-k0", [])]
+    configs = [
+        fake_config("outrider-pl-adaptive", [], adaptive=False),
+        fake_config("outrider-k0", []),
+    ]
     configs[0].adaptive = True  # asked for adaptive K, but its streams say K was fixed
     ran, _, _ = run_concurrency(configs, [Prompt("q:1", "c", "a")], [1], 8, progress=False)
     assert [c.name for c in ran] == ["outrider-k0"]

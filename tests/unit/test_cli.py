@@ -26,7 +26,9 @@ from outrider.cli import build_parser
     ],
 )
 def test_every_command_has_help(command):
-    out = subprocess.run([sys.executable, "-m", "outrider", *command], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "outrider", *command], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "usage: outrider" in out.stdout
 
 
@@ -47,17 +49,28 @@ def test_worker_engine_flags_come_from_the_environment_too(monkeypatch):
     monkeypatch.setenv("OUTRIDER_MAX_TOKENS_PER_STEP", "512")
     monkeypatch.setenv("OUTRIDER_ENFORCE_EAGER", "true")
     args = build_parser().parse_args(["serve", "target"])
-    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == ("cuda:1", "auto", 512, True)
+    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (
+        "cuda:1",
+        "auto",
+        512,
+        True,
+    )
 
 
 @pytest.mark.parametrize(
     "variable, value, message",
     [
-        ("OUTRIDER_MAX_SESSIONS", "abc", "OUTRIDER_MAX_SESSIONS='abc' is not a valid --max-sessions"),
+        (
+            "OUTRIDER_MAX_SESSIONS",
+            "abc",
+            "OUTRIDER_MAX_SESSIONS='abc' is not a valid --max-sessions",
+        ),
         ("OUTRIDER_DEVICE", "gpu", "device 'gpu': use auto, cpu, cuda or cuda:N"),
     ],
 )
-def test_a_bad_environment_value_is_a_usage_error_naming_the_variable(monkeypatch, capsys, variable, value, message):
+def test_a_bad_environment_value_is_a_usage_error_naming_the_variable(
+    monkeypatch, capsys, variable, value, message
+):
     monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exit_:
         build_parser()
@@ -80,7 +93,9 @@ def test_serve_refuses_an_inconsistent_drafter_configuration(capsys):
         (["--drafter", "prompt-lookup"], "cpu", "prompt-lookup"),
     ],
 )
-def test_up_picks_the_measured_default_drafter_for_the_device(monkeypatch, flags, device_type, drafter):
+def test_up_picks_the_measured_default_drafter_for_the_device(
+    monkeypatch, flags, device_type, drafter
+):
     import torch
 
     from outrider.cli import _stack_args
@@ -114,7 +129,20 @@ def test_serve_coordinator_puts_pipeline_into_its_config(monkeypatch):
     configs = []
     monkeypatch.setattr("coordinator.main.main", configs.append)
     monkeypatch.setattr("outrider.logging.configure_logging", lambda level: None)
-    assert main(["serve", "coordinator", "--target", "a:1", "--pipeline", "--num-speculative-tokens", "auto"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "coordinator",
+                "--target",
+                "a:1",
+                "--pipeline",
+                "--num-speculative-tokens",
+                "auto",
+            ]
+        )
+        == 0
+    )
     assert configs[0].pipeline and configs[0].adaptive
 
 
@@ -128,7 +156,9 @@ def test_up_and_demo_pass_pipeline_to_the_coordinator(command):
     assert "--pipeline" not in _stack_args(args)["coordinator_args"]
 
 
-@pytest.mark.parametrize("flags, pipeline", [([], None), (["--pipeline"], True), (["--no-pipeline"], False)])
+@pytest.mark.parametrize(
+    "flags, pipeline", [([], None), (["--pipeline"], True), (["--no-pipeline"], False)]
+)
 def test_generate_sends_pipeline_only_when_given(monkeypatch, flags, pipeline):
     from outrider.cli import main
 
@@ -165,5 +195,7 @@ def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
     )  # fmt: skip
     _print_stats(stats)
     assert "speculation hits" not in capsys.readouterr().out
-    _print_stats(dataclasses.replace(stats, pipeline=True, speculation_hits=2, speculation_misses=1))
+    _print_stats(
+        dataclasses.replace(stats, pipeline=True, speculation_hits=2, speculation_misses=1)
+    )
     assert "speculation hits / misses  2 / 1" in capsys.readouterr().out

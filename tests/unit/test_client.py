@@ -300,9 +300,7 @@ def test_a_lone_stop_string_is_one_stop_string(client: Client, fake: FakeCoordin
     ],
     ids=["dicts", "chat-messages", "mixed"],
 )
-def test_messages_reach_the_server_as_chat(
-    client: Client, fake: FakeCoordinator, messages
-) -> None:
+def test_messages_reach_the_server_as_chat(client: Client, fake: FakeCoordinator, messages) -> None:
     result = client.generate(messages=messages)
     assert fake.last_request.WhichOneof("prompt") == "chat"
     assert [(m.role, m.content) for m in fake.last_request.chat.messages] == [
@@ -411,7 +409,10 @@ def test_a_pipelined_request_reports_its_speculation_hits_and_misses(
 
 async def test_async_stream_sends_pipeline(aclient: AsyncClient, fake: FakeCoordinator) -> None:
     chunks = [chunk async for chunk in aclient.stream("hi", pipeline=True)]
-    assert fake.last_request.speculation.HasField("pipeline") and fake.last_request.speculation.pipeline
+    assert (
+        fake.last_request.speculation.HasField("pipeline")
+        and fake.last_request.speculation.pipeline
+    )
     assert chunks[-1].stats is not None and chunks[-1].stats.speculation_hits == 1
     await aclient.generate("hi", pipeline=False)
     assert fake.last_request.speculation.HasField("pipeline")

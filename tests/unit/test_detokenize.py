@@ -76,7 +76,9 @@ def test_multibyte_characters_split_across_byte_tokens_stream_without_replacemen
     assert detokenizer.text == MULTIBYTE
 
 
-def test_emoji_is_emitted_whole_by_the_token_that_completes_it(byte_level: PreTrainedTokenizerBase) -> None:
+def test_emoji_is_emitted_whole_by_the_token_that_completes_it(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
     prompt = byte_level.encode("I feel ")
     generated = byte_level.encode("🙂")
     assert len(generated) == 4  # one token per UTF-8 byte
@@ -92,7 +94,9 @@ def test_byte_fallback_characters_stream_without_replacement_chars(
     text = "party 🎉 time ✨"  # neither emoji is in the training corpus: byte-fallback tokens
     generated = sentencepiece.encode(text, add_special_tokens=False)
     assert any(sentencepiece.convert_ids_to_tokens(i).startswith("<0x") for i in generated)
-    detokenizer = IncrementalDetokenizer(sentencepiece, sentencepiece.encode("A", add_special_tokens=False))
+    detokenizer = IncrementalDetokenizer(
+        sentencepiece, sentencepiece.encode("A", add_special_tokens=False)
+    )
 
     deltas = _add_all(detokenizer, generated)
 
@@ -100,7 +104,9 @@ def test_byte_fallback_characters_stream_without_replacement_chars(
     assert "".join(deltas) + detokenizer.flush() == " " + text
 
 
-def test_spaces_between_words_are_kept_with_byte_level_spaces(byte_level: PreTrainedTokenizerBase) -> None:
+def test_spaces_between_words_are_kept_with_byte_level_spaces(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
     generated = byte_level.encode(" the quick brown fox jumps over the lazy dog")
     assert byte_level.convert_ids_to_tokens(generated[1]).startswith("Ġ")
 
@@ -142,7 +148,9 @@ def test_special_tokens_are_skipped_unless_asked_for(byte_level: PreTrainedToken
     prompt = _chat_prompt(byte_level)
 
     skipped = _add_all(IncrementalDetokenizer(byte_level, prompt), generated)
-    kept = _add_all(IncrementalDetokenizer(byte_level, prompt, skip_special_tokens=False), generated)
+    kept = _add_all(
+        IncrementalDetokenizer(byte_level, prompt, skip_special_tokens=False), generated
+    )
 
     assert "".join(skipped) == "Done." and skipped[-1] == ""
     assert "".join(kept) == "Done.<|im_end|>"
@@ -268,7 +276,9 @@ def test_stop_string_spanning_two_tokens_cuts_exactly(byte_level: PreTrainedToke
     assert stream.finish() == ""
 
 
-def test_stop_string_inside_a_multi_token_commit_cuts_exactly(byte_level: PreTrainedTokenizerBase) -> None:
+def test_stop_string_inside_a_multi_token_commit_cuts_exactly(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
     # The coordinator commits several tokens per round; the stop string completes mid-commit.
     generated = byte_level.encode(MULTIBYTE + " and more")
     stop = "本"  # one character, three byte-level tokens
@@ -309,7 +319,9 @@ def test_partial_stop_string_that_diverges_is_released_to_the_client(
     assert stream.stopped is None
 
 
-def test_finish_releases_held_bytes_and_held_partial_stop_string(byte_level: PreTrainedTokenizerBase) -> None:
+def test_finish_releases_held_bytes_and_held_partial_stop_string(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
     generated = byte_level.encode("answer: 42 </ans")
     stream = TextStream(byte_level, [], stop=["</answer>"])
 
@@ -334,7 +346,9 @@ def test_eos_is_not_text_and_does_not_trigger_a_stop(byte_level: PreTrainedToken
 def test_special_token_can_be_a_stop_string_when_special_tokens_are_kept(
     byte_level: PreTrainedTokenizerBase,
 ) -> None:
-    stream = TextStream(byte_level, _chat_prompt(byte_level), stop=["<|im_end|>"], skip_special_tokens=False)
+    stream = TextStream(
+        byte_level, _chat_prompt(byte_level), stop=["<|im_end|>"], skip_special_tokens=False
+    )
 
     deltas = _add_all(stream, [*byte_level.encode("Bye."), EOS_TOKEN_ID])
 

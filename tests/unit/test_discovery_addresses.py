@@ -24,7 +24,14 @@ def test_a_service_address_names_service_namespace_and_port(address, expected):
 
 @pytest.mark.parametrize(
     "address",
-    ["k8s://target", "k8s://target.llm", "k8s://Target.llm:grpc", "k8s://target.llm:0", "k8s://:grpc", "k8s://a.b.c:p"],
+    [
+        "k8s://target",
+        "k8s://target.llm",
+        "k8s://Target.llm:grpc",
+        "k8s://target.llm:0",
+        "k8s://:grpc",
+        "k8s://a.b.c:p",
+    ],
 )
 def test_a_malformed_service_address_says_the_form_to_use(address):
     with pytest.raises(ValueError, match=r"k8s://SERVICE\[\.NAMESPACE\]:PORT"):
@@ -32,7 +39,9 @@ def test_a_malformed_service_address_says_the_form_to_use(address):
 
 
 def endpoints_of(endpoint_slice: dict, port: str | int = "grpc") -> dict[str, bool]:
-    watch = EndpointSliceWatch(ServiceRef("target", "llm", port), api=None, on_change=lambda _: None)
+    watch = EndpointSliceWatch(
+        ServiceRef("target", "llm", port), api=None, on_change=lambda _: None
+    )
     return watch._endpoints_of({"metadata": {"name": "target-abc"}, **endpoint_slice})
 
 
@@ -42,12 +51,22 @@ def test_ready_and_not_terminating_takes_sessions_and_a_missing_ready_counts_as_
         {"addresses": ["10.0.0.2"], "conditions": {}},
         {"addresses": ["10.0.0.3"]},
         {"addresses": ["10.0.0.4"], "conditions": {"ready": False}},
-        {"addresses": ["10.0.0.5"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+        {
+            "addresses": ["10.0.0.5"],
+            "conditions": {"ready": False, "serving": True, "terminating": True},
+        },
         # A Service with publishNotReadyAddresses reports ready even while terminating.
-        {"addresses": ["10.0.0.6"], "conditions": {"ready": True, "serving": True, "terminating": True}},
+        {
+            "addresses": ["10.0.0.6"],
+            "conditions": {"ready": True, "serving": True, "terminating": True},
+        },
         {"addresses": []},
     ]
-    endpoint_slice = {"addressType": "IPv4", "ports": [{"name": "grpc", "port": 50052}], "endpoints": endpoints}
+    endpoint_slice = {
+        "addressType": "IPv4",
+        "ports": [{"name": "grpc", "port": 50052}],
+        "endpoints": endpoints,
+    }
     assert endpoints_of(endpoint_slice) == {
         "10.0.0.1:50052": True,
         "10.0.0.2:50052": True,

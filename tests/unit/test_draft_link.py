@@ -49,7 +49,9 @@ class SlowOpenDraft:
 
 
 def link(client: SlowOpenDraft, deadline_s: float) -> DraftLink:
-    return DraftLink(client, request_id="r", target=TARGET, sampling=SamplingParams(), deadline_s=deadline_s)
+    return DraftLink(
+        client, request_id="r", target=TARGET, sampling=SamplingParams(), deadline_s=deadline_s
+    )
 
 
 async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_rounds_run_at_k0():
@@ -60,10 +62,15 @@ async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_
     started = time.monotonic()
     proposal, open_s = await draft.propose(history, 4)
     assert proposal is None  # waited one deadline, not the whole open
-    assert 0.04 < open_s <= time.monotonic() - started < 0.25  # and says so: the round's time went to the draft
+    assert (
+        0.04 < open_s <= time.monotonic() - started < 0.25
+    )  # and says so: the round's time went to the draft
     history.append(4)
     started = time.monotonic()
-    assert await draft.propose(history, 4) == (None, 0.0)  # the open is still running: no wait at all
+    assert await draft.propose(history, 4) == (
+        None,
+        0.0,
+    )  # the open is still running: no wait at all
     assert time.monotonic() - started < 0.02
 
     await asyncio.sleep(0.35)
@@ -124,7 +131,15 @@ class SpeculatingSession:
         self.closed = False
 
     async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
-        self.calls.append(Call(committed_len, list(new_tokens), k, None if assumed is None else list(assumed), round_id))
+        self.calls.append(
+            Call(
+                committed_len,
+                list(new_tokens),
+                k,
+                None if assumed is None else list(assumed),
+                round_id,
+            )
+        )
         if assumed is None:
             return Proposal([7] * k, 0.001, round_id=round_id, follows_len=committed_len)
         try:
@@ -140,7 +155,9 @@ class SpeculatingSession:
             round_id -= 1  # a stale answer, to the round before
         elif self.bad_answer == "follows_len":
             follows_len -= 1
-        return Proposal([8] * k, 0.001, round_id=round_id, follows_len=follows_len, guess=self.guess)
+        return Proposal(
+            [8] * k, 0.001, round_id=round_id, follows_len=follows_len, guess=self.guess
+        )
 
     async def close(self) -> None:
         self.closed = True
@@ -158,11 +175,17 @@ class OneSessionDraft:
         return self.session, 0.0
 
 
-async def speculating(session: SpeculatingSession, history: list[int], **kwargs) -> tuple[DraftLink, OneSessionDraft]:
+async def speculating(
+    session: SpeculatingSession, history: list[int], **kwargs
+) -> tuple[DraftLink, OneSessionDraft]:
     """A link that proposed [7, 7] after ``history`` and speculates 3 drafts after them."""
     client = OneSessionDraft(session)
     draft = DraftLink(
-        client, request_id="r", target=TARGET, sampling=SamplingParams(), **{"deadline_s": 1.0, **kwargs}
+        client,
+        request_id="r",
+        target=TARGET,
+        sampling=SamplingParams(),
+        **{"deadline_s": 1.0, **kwargs},
     )
     proposal, _ = await draft.propose(history, 2)
     assert proposal.draft_tokens == [7, 7]
@@ -196,9 +219,14 @@ async def test_a_speculation_hit_returns_its_proposal_and_the_next_round_syncs_t
 
 @pytest.mark.parametrize(
     "committed",
-    [pytest.param([7, 5], id="a-draft-rejected"), pytest.param([7, 7, 4], id="another-bonus-token")],
+    [
+        pytest.param([7, 5], id="a-draft-rejected"),
+        pytest.param([7, 7, 4], id="another-bonus-token"),
+    ],
 )
-async def test_a_speculation_miss_returns_nothing_and_the_next_propose_syncs_the_real_committed_tokens(committed):
+async def test_a_speculation_miss_returns_nothing_and_the_next_propose_syncs_the_real_committed_tokens(
+    committed,
+):
     session = SpeculatingSession(guess=9)
     history = [1, 2, 3]
     draft, _ = await speculating(session, history)
@@ -223,13 +251,17 @@ async def test_without_a_speculation_speculated_says_so():
 @pytest.mark.parametrize(
     "session",
     [
-        pytest.param(lambda: SpeculatingSession(fail=Unavailable("draft worker gone")), id="unavailable"),
+        pytest.param(
+            lambda: SpeculatingSession(fail=Unavailable("draft worker gone")), id="unavailable"
+        ),
         pytest.param(lambda: SpeculatingSession(stall=asyncio.Event()), id="past-the-deadline"),
         pytest.param(lambda: SpeculatingSession(bad_answer="round_id"), id="wrong-round-id"),
         pytest.param(lambda: SpeculatingSession(bad_answer="follows_len"), id="wrong-follows-len"),
     ],
 )
-async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_back_off_ends(session):
+async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_back_off_ends(
+    session,
+):
     session = session()
     history = [1, 2, 3]
     draft, client = await speculating(session, history, deadline_s=0.1, backoff_s=0.2)

@@ -36,7 +36,9 @@ ARCHITECTURES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
     "qwen2 (q/k/v biases)": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),
     "qwen3 (q/k norms, head_dim 24)": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=24)),
-    "mistral (sliding window 7)": lambda: MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=7)),
+    "mistral (sliding window 7)": lambda: MistralForCausalLM(
+        MistralConfig(**SHAPE, sliding_window=7)
+    ),
 }
 
 
@@ -54,7 +56,9 @@ def paged(model, *, blocks: int = 64, block_size: int = 4) -> PagedRunner:
     return PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(blocks, block_size))
 
 
-@pytest.mark.parametrize("pad_groups", [False, True], ids=["exact groups (CPU)", "padded groups (CUDA)"])
+@pytest.mark.parametrize(
+    "pad_groups", [False, True], ids=["exact groups (CPU)", "padded groups (CUDA)"]
+)
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_groups):
     model = tiny(name)
@@ -69,7 +73,9 @@ def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_g
         for kv, s in zip(caches, sequences):
             kv.reserve(len(s))
         runner.execute([Row(kv, s[:c], 0) for kv, s, c in zip(caches, sequences, cuts)])
-        outputs = runner.execute([Row(kv, s[c:], len(s) - c) for kv, s, c in zip(caches, sequences, cuts)])
+        outputs = runner.execute(
+            [Row(kv, s[c:], len(s) - c) for kv, s, c in zip(caches, sequences, cuts)]
+        )
     for out, logits, cut in zip(outputs, expected, cuts):
         torch.testing.assert_close(out.rows, logits[cut:], rtol=0, atol=1e-12)
         assert out.argmax == logits[cut:].argmax(-1).tolist()
@@ -81,7 +87,9 @@ def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_trans
     runner = paged(llama, blocks=400, block_size=1)  # contexts of 6, 40 | 90 | 200 blocks
     seen = []
     forward = runner.forward.forward
-    runner.forward.forward = lambda batch, cache: seen.append(len(batch.groups)) or forward(batch, cache)
+    runner.forward.forward = lambda batch, cache: (
+        seen.append(len(batch.groups)) or forward(batch, cache)
+    )
     with torch.inference_mode():
         expected = [llama(torch.tensor([s])).logits[0, -1] for s in sequences]
         caches = [runner.new_kv() for _ in sequences]
@@ -106,7 +114,9 @@ def test_a_llama_with_output_and_mlp_biases_is_named_for_the_fallback_and_left_w
     assert unsupported(model) == "its output or MLP projections have biases"
     with pytest.raises(ValueError, match="output or MLP projections have biases"):
         LlamaForward(model)
-    assert model.model.layers[0].self_attn.q_proj.weight is not None  # the fallback can still run it
+    assert (
+        model.model.layers[0].self_attn.q_proj.weight is not None
+    )  # the fallback can still run it
 
 
 def test_rollback_in_one_session_never_touches_another(llama):
@@ -164,15 +174,25 @@ def greedy(kv: KVCache, prompt: list[int], n: int):
 
 def solo(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
     return out[0, len(prompt) :].tolist()
 
 
-async def test_sessions_starting_and_ending_at_different_times_share_steps_and_get_their_solo_tokens(llama):
+async def test_sessions_starting_and_ending_at_different_times_share_steps_and_get_their_solo_tokens(
+    llama,
+):
     spy = Spy(paged(llama, blocks=256))
     engine = Engine(spy, max_tokens_per_step=64, max_rows=16)
     prompts = [[5, 6, 7], list(range(10, 40)), [3], [8, 9, 10, 11, 12, 13], list(range(1, 20))]
-    lengths = [60, 40, 70, 50, 45]  # long enough to overlap however slowly the machine runs the sleeps
+    lengths = [
+        60,
+        40,
+        70,
+        50,
+        45,
+    ]  # long enough to overlap however slowly the machine runs the sleeps
 
     async def session(i: int) -> list[int]:
         await asyncio.sleep(0.01 * i)  # joins mid-flight
@@ -281,7 +301,9 @@ async def test_sessions_whose_rounds_come_back_quickly_stay_in_one_step(llama, w
     rows = [len(step) for step in slow.steps]
     if wait:  # in one step once every session has joined and its round trip is known ...
         first = rows.index(4)
-        assert first <= 4 and set(rows[first:-1]) == {4}, rows  # (the last session to join ends last)
+        assert first <= 4 and set(rows[first:-1]) == {4}, (
+            rows
+        )  # (the last session to join ends last)
     else:  # ... while unheld, the groups take turns
         assert rows.count(4) < len(rows) // 2, rows
 
@@ -353,7 +375,9 @@ async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was
     with pytest.raises(InvalidArgument):
         await engine.run(target.verify, "s", committed, [2], [compact(q_elsewhere)])
     assert len(target.store.get("s").kv) == committed - 1
-    verdict = await engine.run(target.verify, "s", committed, [2], [])  # the same round, well formed
+    verdict = await engine.run(
+        target.verify, "s", committed, [2], []
+    )  # the same round, well formed
     assert verdict.next_token is not None
 
 

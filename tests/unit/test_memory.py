@@ -7,14 +7,22 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider import memory
-from outrider.memory import GPU_FRACTION, MARGIN_BYTES, cache_budget, kv_bytes_per_token, worker_cache_budget
+from outrider.memory import (
+    GPU_FRACTION,
+    MARGIN_BYTES,
+    cache_budget,
+    kv_bytes_per_token,
+    worker_cache_budget,
+)
 
 GIB = 1 << 30
 
 
 def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_two_dtype_size():
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; float32.
-    config = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    config = LlamaConfig(
+        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3
+    )
     assert kv_bytes_per_token(config, torch.float32) == 30 * 3 * 64 * 2 * 4 == 46_080
     assert kv_bytes_per_token(config, torch.bfloat16) == 23_040
 
@@ -27,25 +35,47 @@ def test_kv_bytes_per_token_takes_an_explicit_head_dim_and_defaults_kv_heads_to_
 
 def test_budget_is_a_fraction_of_what_is_free_after_the_margin():
     budget = cache_budget(
-        kv_bytes_per_token=46_080, available_bytes=9 * GIB, on_gpu=False, max_sessions=64, max_context=8192
+        kv_bytes_per_token=46_080,
+        available_bytes=9 * GIB,
+        on_gpu=False,
+        max_sessions=64,
+        max_context=8192,
     )
-    assert budget.max_cached_tokens == int((9 * GIB - MARGIN_BYTES) * memory.CPU_FRACTION // 46_080) == 74_565
+    assert (
+        budget.max_cached_tokens
+        == int((9 * GIB - MARGIN_BYTES) * memory.CPU_FRACTION // 46_080)
+        == 74_565
+    )
     gpu = cache_budget(
-        kv_bytes_per_token=46_080, available_bytes=9 * GIB, on_gpu=True, max_sessions=64, max_context=8192
+        kv_bytes_per_token=46_080,
+        available_bytes=9 * GIB,
+        on_gpu=True,
+        max_sessions=64,
+        max_context=8192,
     )
     assert gpu.max_cached_tokens == int(8 * GIB * GPU_FRACTION // 46_080) > budget.max_cached_tokens
 
 
 def test_budget_is_capped_at_what_the_sessions_can_hold():
     budget = cache_budget(
-        kv_bytes_per_token=1024, available_bytes=64 * GIB, on_gpu=True, max_sessions=4, max_context=512
+        kv_bytes_per_token=1024,
+        available_bytes=64 * GIB,
+        on_gpu=True,
+        max_sessions=4,
+        max_context=512,
     )
     assert budget.max_cached_tokens == budget.cap_tokens == 2048
 
 
 def test_no_free_memory_is_a_clear_error():
     with pytest.raises(ValueError, match="--max-cached-tokens"):
-        cache_budget(kv_bytes_per_token=1024, available_bytes=MARGIN_BYTES // 2, on_gpu=False, max_sessions=1, max_context=8)
+        cache_budget(
+            kv_bytes_per_token=1024,
+            available_bytes=MARGIN_BYTES // 2,
+            on_gpu=False,
+            max_sessions=1,
+            max_context=8,
+        )
 
 
 def test_available_bytes_reads_mem_available_on_the_cpu(tmp_path):
@@ -67,11 +97,21 @@ def tiny_model():
 
 
 def test_an_explicit_budget_wins(tiny_model, monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: pytest.fail("memory was measured"))
-    assert worker_cache_budget(tiny_model, max_sessions=8, max_context=64, max_cached_tokens=100) == 100
+    monkeypatch.setattr(
+        memory, "available_bytes", lambda device: pytest.fail("memory was measured")
+    )
+    assert (
+        worker_cache_budget(tiny_model, max_sessions=8, max_context=64, max_cached_tokens=100)
+        == 100
+    )
 
 
 def test_the_worker_budget_is_sized_from_the_model_and_free_memory(tiny_model, monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: MARGIN_BYTES + 10 * 2 * 8 * 2 * 8 * 1000)
+    monkeypatch.setattr(
+        memory, "available_bytes", lambda device: MARGIN_BYTES + 10 * 2 * 8 * 2 * 8 * 1000
+    )
     # 2 layers x 1 KV head x 8 dims x 2 x 8 bytes = 256 bytes a token; 0.4 of 2,560,000 bytes.
-    assert worker_cache_budget(tiny_model, max_sessions=1000, max_context=64, max_cached_tokens=None) == 4000
+    assert (
+        worker_cache_budget(tiny_model, max_sessions=1000, max_context=64, max_cached_tokens=None)
+        == 4000
+    )

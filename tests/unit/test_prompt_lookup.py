@@ -10,7 +10,9 @@ from outrider.session import Session
 def propose(tokens, k, **kwargs):
     # A job that needs no forward pass: an engine without a model runs it.
     session = Session("s", list(tokens))
-    proposal = InlineEngine().call(PromptLookupDrafter(**kwargs).propose, session, session.tokens, k)
+    proposal = InlineEngine().call(
+        PromptLookupDrafter(**kwargs).propose, session, session.tokens, k
+    )
     assert proposal.probs is None  # deterministic: a point mass
     return proposal.tokens
 

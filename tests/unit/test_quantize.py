@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig, WorkerLimits
+from outrider.config import (
+    DraftWorkerConfig,
+    EngineConfig,
+    ServiceAddress,
+    TargetWorkerConfig,
+    WorkerLimits,
+)
 from outrider.engine.build import build_runner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
@@ -31,13 +37,19 @@ def test_int4_levels_are_within_half_a_step_of_the_weight(group_size):
     weight = torch.randn(96, 512)
     dequantized = Int4Weight.quantize(weight, group_size).dequantize()
     groups = weight.reshape(-1, group_size)
-    half_step = ((groups.amax(1) - groups.amin(1)) / 15 / 2).repeat_interleave(group_size).reshape(weight.shape)
+    half_step = (
+        ((groups.amax(1) - groups.amin(1)) / 15 / 2)
+        .repeat_interleave(group_size)
+        .reshape(weight.shape)
+    )
     error = (dequantized - weight).abs()
     assert (error <= half_step * 1.05 + 0.01).all()  # bfloat16 scales and zeros: a little more
     assert error.mean() > 0.01  # it is not the float weight
 
 
-@pytest.mark.parametrize("shape", [(48, 64), (10, 40), (33, 100)], ids=["aligned", "padded rows", "padded both"])
+@pytest.mark.parametrize(
+    "shape", [(48, 64), (10, 40), (33, 100)], ids=["aligned", "padded rows", "padded both"]
+)
 def test_int4_linear_is_the_product_with_its_levels_at_any_shape(shape):
     torch.manual_seed(1)
     weight, bias = torch.randn(shape), torch.randn(shape[0])
@@ -87,7 +99,9 @@ def test_quantize_linears_gives_every_projection_4_bits_and_the_head_8(llama):
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj.quantized, Int4Weight)
     assert isinstance(layer.mlp.down_proj.quantized, Int4Weight)
-    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.lm_head.quantized, Int8Weight)
+    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(
+        model.lm_head.quantized, Int8Weight
+    )
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
@@ -111,7 +125,13 @@ def test_the_paged_int4_forward_equals_transformers_on_the_same_4_bit_weights(ll
 def test_int4_needs_the_llama_family_forward():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     with pytest.raises(ValueError, match="int4 drafter runs the Llama-family forward only"):
-        build_runner(model, limits=WorkerLimits(max_cached_tokens=64), engine=EngineConfig(), max_context=64, int4_group_size=32)
+        build_runner(
+            model,
+            limits=WorkerLimits(max_cached_tokens=64),
+            engine=EngineConfig(),
+            max_context=64,
+            int4_group_size=32,
+        )
 
 
 def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_dir):
@@ -123,10 +143,24 @@ def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_
     limits = WorkerLimits(max_cached_tokens=1024)
     engine = EngineConfig(dtype="float64")
     address = ServiceAddress(host="127.0.0.1", port=0)
-    draft = build_sessions(DraftWorkerConfig(address=address, drafter="int4", model=str(tiny_target_dir), engine=engine, limits=limits))
-    target = build_target(TargetWorkerConfig(address=address, model=str(tiny_target_dir), engine=engine, limits=limits))
+    draft = build_sessions(
+        DraftWorkerConfig(
+            address=address,
+            drafter="int4",
+            model=str(tiny_target_dir),
+            engine=engine,
+            limits=limits,
+        )
+    )
+    target = build_target(
+        TargetWorkerConfig(
+            address=address, model=str(tiny_target_dir), engine=engine, limits=limits
+        )
+    )
     layer = draft.runner.forward.layers[0]
-    assert isinstance(layer.qkv, Int4Weight) and isinstance(draft.runner.forward.lm_head, Int8Weight)
+    assert isinstance(layer.qkv, Int4Weight) and isinstance(
+        draft.runner.forward.lm_head, Int8Weight
+    )
     torch.manual_seed(4)
     sequence = torch.randint(0, draft.runner.vocab_size, (200,)).tolist()
     logits = []

@@ -16,9 +16,16 @@ from tests.integration.harness import reference_greedy
 @pytest.fixture
 async def clients(tiny_target_dir, tiny_draft_other_dir):
     address, engine = ServiceAddress(), EngineConfig(dtype="float64")
-    target = build_target_sessions(TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine))
-    draft = build_draft_sessions(DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), engine=engine))
-    target_engine, draft_engine = start_engine(target, engine, max_rows=8), start_engine(draft, engine, max_rows=8)
+    target = build_target_sessions(
+        TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine)
+    )
+    draft = build_draft_sessions(
+        DraftWorkerConfig(address, drafter="model", model=str(tiny_draft_other_dir), engine=engine)
+    )
+    target_engine, draft_engine = (
+        start_engine(target, engine, max_rows=8),
+        start_engine(draft, engine, max_rows=8),
+    )
     yield InProcessTargetClient(target, target_engine), InProcessDraftClient(draft, draft_engine)
     target_engine.shutdown()
     draft_engine.shutdown()
@@ -34,13 +41,18 @@ async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     prompt = tokenizer("Once upon a time")["input_ids"]
     models = Models(tokenizer, frozenset(), await target.info())
-    request = GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=24, num_speculative_tokens=k)
+    request = GenerationRequest(
+        prompt_ids=tuple(prompt), max_new_tokens=24, num_speculative_tokens=k
+    )
     deltas = await run(request, models, target, draft)
     ids = [t for d in deltas for t in d.token_ids]
     assert ids == reference_greedy(tiny_target_dir, prompt, 24, eos=None)
     final = deltas[-1]
     assert final.finish_reason == "length" and final.stats.generated_tokens == 24
-    assert "".join(d.text for d in deltas) == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+    assert (
+        "".join(d.text for d in deltas)
+        == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+    )
     # Closes are queued on the engines; once a later call has run, they have too.
     await target.engine.run(lambda: None)
     await draft.engine.run(lambda: None)

@@ -112,11 +112,15 @@ def test_temperature_zero_is_a_point_mass_on_the_first_argmax():
 
 
 def test_top_k_keeps_the_k_most_likely_and_renormalises():
-    assert_probs(probabilities(logits_of(0.1, 0.4, 0.2, 0.3), sampled(top_k=2)), [0, 4 / 7, 0, 3 / 7])
+    assert_probs(
+        probabilities(logits_of(0.1, 0.4, 0.2, 0.3), sampled(top_k=2)), [0, 4 / 7, 0, 3 / 7]
+    )
 
 
 def test_top_k_keeps_every_token_tied_at_the_boundary():
-    assert_probs(probabilities(torch.tensor([0.0, 1.0, 1.0, -1.0]), sampled(top_k=1)), [0, 0.5, 0.5, 0])
+    assert_probs(
+        probabilities(torch.tensor([0.0, 1.0, 1.0, -1.0]), sampled(top_k=1)), [0, 0.5, 0.5, 0]
+    )
 
 
 def test_top_k_at_least_the_vocabulary_is_off():
@@ -147,7 +151,9 @@ def test_top_p_applies_to_what_top_k_left():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
     # 0.6 * 0.4 = 0.24: 0.2 and 0.1 go.
-    assert_probs(probabilities(logits_of(0.1, 0.4, 0.2, 0.3), sampled(min_p=0.6)), [0, 4 / 7, 0, 3 / 7])
+    assert_probs(
+        probabilities(logits_of(0.1, 0.4, 0.2, 0.3), sampled(min_p=0.6)), [0, 4 / 7, 0, 3 / 7]
+    )
 
 
 def test_min_p_one_keeps_only_the_most_likely():
@@ -167,7 +173,11 @@ def test_all_filters_together():
 
 def test_rows_are_processed_independently_and_as_single_rows():
     rows = torch.stack(
-        [logits_of(0.1, 0.4, 0.2, 0.3), logits_of(0.25, 0.25, 0.4, 0.1), logits_of(0.7, 0.1, 0.1, 0.1)]
+        [
+            logits_of(0.1, 0.4, 0.2, 0.3),
+            logits_of(0.25, 0.25, 0.4, 0.1),
+            logits_of(0.7, 0.1, 0.1, 0.1),
+        ]
     )
     params = sampled(temperature=0.8, top_k=3, top_p=0.8, min_p=0.1)
     batched = probabilities(rows, params)
@@ -229,7 +239,12 @@ def test_gumbel_noise_follows_the_documented_construction():
 
 def test_uniform_is_deterministic_and_differs_across_seeds_positions_and_streams():
     assert uniform(7, Stream.ACCEPT, 3) == uniform(7, Stream.ACCEPT, 3)
-    values = {uniform(seed, stream, position) for seed in (0, 1) for stream in Stream for position in range(3)}
+    values = {
+        uniform(seed, stream, position)
+        for seed in (0, 1)
+        for stream in Stream
+        for position in range(3)
+    }
     assert len(values) == 2 * len(Stream) * 3
 
 
@@ -353,8 +368,14 @@ def test_quantize_is_idempotent_so_the_wire_carries_exactly_the_sampled_q(seed):
     [
         (CompactProbs(None, b"\x00"), "float16"),
         (CompactProbs(None, np.ones(3, "<f2").tobytes()), "4 entries"),
-        (CompactProbs(np.array([1], "<i4").tobytes(), np.ones(2, "<f2").tobytes()), "one int32 per prob"),
-        (CompactProbs(np.array([1, 4], "<i4").tobytes(), np.ones(2, "<f2").tobytes()), r"in \[0, 4\)"),
+        (
+            CompactProbs(np.array([1], "<i4").tobytes(), np.ones(2, "<f2").tobytes()),
+            "one int32 per prob",
+        ),
+        (
+            CompactProbs(np.array([1, 4], "<i4").tobytes(), np.ones(2, "<f2").tobytes()),
+            r"in \[0, 4\)",
+        ),
         (CompactProbs(np.array([1, 1], "<i4").tobytes(), np.ones(2, "<f2").tobytes()), "ascending"),
         (CompactProbs(None, np.array([1, -1, 0, 0], "<f2").tobytes()), "non-negative"),
         (CompactProbs(None, np.array([1, np.inf, 0, 0], "<f2").tobytes()), "finite"),

@@ -9,7 +9,9 @@ from coordinator.service import CoordinatorService, SpeculationPolicy, stats_to_
 from coordinator.workers import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 
-TARGET = WorkerInfo(model="target", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64)
+TARGET = WorkerInfo(
+    model="target", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64
+)
 NO_DRAFT = None
 SOME_DRAFT = object()  # request_from_pb only asks whether there is one
 
@@ -24,7 +26,9 @@ def service(*, draft=SOME_DRAFT, default_k: int = 4, **policy) -> CoordinatorSer
 
 
 def request(**speculation) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), speculation=pb.SpeculationParams(**speculation))
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3]), speculation=pb.SpeculationParams(**speculation)
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,7 +41,9 @@ def request(**speculation) -> pb.GenerateRequest:
         (False, {"pipeline": True, "adaptive": True}, True),
     ],
 )
-def test_a_request_pipelines_as_it_asks_else_as_the_server_defaults(default_pipeline, speculation, expected):
+def test_a_request_pipelines_as_it_asks_else_as_the_server_defaults(
+    default_pipeline, speculation, expected
+):
     mapped = service(default_pipeline=default_pipeline).request_from_pb(request(**speculation))
     assert mapped.pipeline is expected
 
@@ -50,8 +56,12 @@ def test_a_request_pipelines_as_it_asks_else_as_the_server_defaults(default_pipe
         (NO_DRAFT, 4, {"pipeline": True}),
     ],
 )
-def test_a_request_without_drafts_runs_unpipelined_rather_than_being_refused(draft, default_k, speculation):
-    mapped = service(draft=draft, default_k=default_k, default_pipeline=True).request_from_pb(request(**speculation))
+def test_a_request_without_drafts_runs_unpipelined_rather_than_being_refused(
+    draft, default_k, speculation
+):
+    mapped = service(draft=draft, default_k=default_k, default_pipeline=True).request_from_pb(
+        request(**speculation)
+    )
     assert mapped.num_speculative_tokens == 0 and mapped.pipeline is False
 
 
@@ -65,5 +75,7 @@ def test_stats_carry_the_pipeline_counts_and_the_critical_path_overhead():
 
 
 async def test_model_info_reports_the_default_pipeline():
-    assert (await service(default_pipeline=True).GetModelInfo(pb.GetModelInfoRequest(), None)).default_pipeline
+    assert (
+        await service(default_pipeline=True).GetModelInfo(pb.GetModelInfoRequest(), None)
+    ).default_pipeline
     assert not (await service().GetModelInfo(pb.GetModelInfoRequest(), None)).default_pipeline

@@ -21,7 +21,10 @@ def test_a_new_session_gets_room_for_its_whole_history_or_is_refused():
     pool = BlockPool(num_blocks=3, block_size=4)
     store = SessionStore(max_sessions=8, pool=pool)
     store.create("a", [1] * 6, kv=KVCache(pool))  # 2 blocks
-    with pytest.raises(ResourceExhausted, match="cache is full: the session needs 5 cached tokens, 4 of 12 are free"):
+    with pytest.raises(
+        ResourceExhausted,
+        match="cache is full: the session needs 5 cached tokens, 4 of 12 are free",
+    ):
         store.create("b", [1] * 5, kv=KVCache(pool))
     assert len(store) == 1 and pool.free_blocks == 1
     store.create("b", [1] * 4, kv=KVCache(pool))

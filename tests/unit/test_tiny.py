@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from tests.tiny import (
     EOS_TOKEN_ID,
@@ -38,7 +43,8 @@ def _prompt_ids(model_dir: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("builder", [build_tiny_tokenizer, build_tiny_sentencepiece_tokenizer])
 def test_tokenizer_builder_writes_identical_files_every_call(
-    builder: Callable[[Path], PreTrainedTokenizerBase], tmp_path: Path,
+    builder: Callable[[Path], PreTrainedTokenizerBase],
+    tmp_path: Path,
 ) -> None:
     builder(tmp_path / "a")
     builder(tmp_path / "b")
@@ -53,7 +59,8 @@ def test_llama_builder_writes_identical_files_every_call(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("builder", [build_tiny_tokenizer, build_tiny_sentencepiece_tokenizer])
 def test_tokenizer_round_trips_non_ascii_text_with_multi_token_characters(
-    builder: Callable[[Path], PreTrainedTokenizerBase], tmp_path: Path,
+    builder: Callable[[Path], PreTrainedTokenizerBase],
+    tmp_path: Path,
 ) -> None:
     builder(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
@@ -64,7 +71,11 @@ def test_tokenizer_round_trips_non_ascii_text_with_multi_token_characters(
 
 def test_tokenizer_has_chatml_special_tokens_and_template(tiny_tokenizer_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+        0,
+        1,
+        2,
+    ]
     assert tokenizer.eos_token_id == EOS_TOKEN_ID
     assert tokenizer.bos_token_id is None
     text = tokenizer.apply_chat_template(
@@ -89,7 +100,9 @@ def test_same_seed_gives_identical_logits(tiny_target_dir: Path, tiny_draft_same
     assert torch.equal(target, draft)
 
 
-def test_different_seeds_give_different_argmaxes(tiny_target_dir: Path, tiny_draft_other_dir: Path) -> None:
+def test_different_seeds_give_different_argmaxes(
+    tiny_target_dir: Path, tiny_draft_other_dir: Path
+) -> None:
     ids = _prompt_ids(tiny_target_dir)
     with torch.no_grad():
         target = _load(tiny_target_dir)(ids).logits.argmax(-1)
@@ -99,7 +112,9 @@ def test_different_seeds_give_different_argmaxes(tiny_target_dir: Path, tiny_dra
 
 def test_greedy_generation_does_not_collapse_into_one_token(tiny_target_dir: Path) -> None:
     ids = _prompt_ids(tiny_target_dir)
-    out = _load(tiny_target_dir).generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    out = _load(tiny_target_dir).generate(
+        ids, max_new_tokens=30, do_sample=False, eos_token_id=None
+    )
     generated = out[0, ids.shape[1] :].tolist()
     assert len(generated) == 30
     assert len(set(generated)) >= 5

@@ -51,7 +51,9 @@ def test_target_tokens_must_number_one_more_than_drafts(n):
 
 
 def test_greedy_verify_takes_the_argmax_of_each_logits_row():
-    verdict = verify([3, 4, 5], None, logits_preferring(3, 4, 7, 1), SamplingParams(), start_position=0)
+    verdict = verify(
+        [3, 4, 5], None, logits_preferring(3, 4, 7, 1), SamplingParams(), start_position=0
+    )
     assert (verdict.num_accepted, verdict.next_token) == (2, 7)
 
 

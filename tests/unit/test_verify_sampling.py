@@ -50,11 +50,15 @@ def one_thread():
 
 
 def rejection(seed: int = 0, **kwargs) -> SamplingParams:
-    return SamplingParams(**{"temperature": 1.0, **kwargs}, seed=seed, verification=Verification.REJECTION)
+    return SamplingParams(
+        **{"temperature": 1.0, **kwargs}, seed=seed, verification=Verification.REJECTION
+    )
 
 
 def gumbel(seed: int = 0, **kwargs) -> SamplingParams:
-    return SamplingParams(**{"temperature": 1.0, **kwargs}, seed=seed, verification=Verification.GUMBEL)
+    return SamplingParams(
+        **{"temperature": 1.0, **kwargs}, seed=seed, verification=Verification.GUMBEL
+    )
 
 
 def rows(*rows) -> torch.Tensor:
@@ -68,7 +72,9 @@ def chi_square(name: str, counts: list[int], expected_probs) -> float:
     """
     expected_probs = torch.as_tensor(expected_probs, dtype=torch.float64).flatten()
     counts = torch.tensor(counts)
-    assert counts[expected_probs == 0].sum() == 0, f"{name}: draws outside the support: {counts.tolist()}"
+    assert counts[expected_probs == 0].sum() == 0, (
+        f"{name}: draws outside the support: {counts.tolist()}"
+    )
     support = expected_probs > 0
     n = int(counts.sum())
     expected_counts = n * expected_probs[support] / expected_probs[support].sum()
@@ -79,7 +85,9 @@ def chi_square(name: str, counts: list[int], expected_probs) -> float:
 
 def binomial(name: str, successes: int, n: int, prob: float) -> float:
     pvalue = stats.binomtest(successes, n, prob).pvalue
-    print(f"\n{name}: {successes}/{n} = {successes / n:.4f} vs {prob:.4f}, binomial p = {pvalue:.3f}")
+    print(
+        f"\n{name}: {successes}/{n} = {successes / n:.4f} vs {prob:.4f}, binomial p = {pvalue:.3f}"
+    )
     return pvalue
 
 
@@ -143,7 +151,9 @@ def test_an_empty_residual_falls_back_to_p():
 
 def test_a_draft_token_the_draft_could_not_have_sampled_is_rejected_as_bad_input():
     with pytest.raises(ValueError, match="draft probability 0"):
-        verify_rejection([2], rows([0.5, 0.5, 0.0]), rows([0.2, 0.3, 0.5], [1, 0, 0]), rejection(), START)
+        verify_rejection(
+            [2], rows([0.5, 0.5, 0.0]), rows([0.2, 0.3, 0.5], [1, 0, 0]), rejection(), START
+        )
 
 
 def test_the_randomness_is_keyed_by_seed_and_position():
@@ -231,7 +241,9 @@ GUMBEL_LOGITS = rows(
     draft_tokens=st.lists(st.integers(0, 3), min_size=0, max_size=3),
     num_right=st.integers(0, 3),
 )
-def test_gumbel_commits_a_prefix_of_the_target_only_draws_whatever_the_draft(seed, draft_tokens, num_right):
+def test_gumbel_commits_a_prefix_of_the_target_only_draws_whatever_the_draft(
+    seed, draft_tokens, num_right
+):
     k = len(draft_tokens)
     params = gumbel(seed)
     target_only = [gumbel_draw(GUMBEL_LOGITS[t], params, START + t) for t in range(k + 1)]
@@ -249,7 +261,9 @@ def test_gumbel_commits_a_prefix_of_the_target_only_draws_whatever_the_draft(see
 def test_gumbel_draws_are_distributed_as_p():
     p = [0.1, 0.4, 0.2, 0.3]
     draws = [gumbel_draw(GUMBEL_LOGITS[0], gumbel(seed), START) for seed in seeds(9)]
-    assert chi_square("gumbel draw ~ [.1, .4, .2, .3]", [draws.count(t) for t in range(4)], p) > 0.01
+    assert (
+        chi_square("gumbel draw ~ [.1, .4, .2, .3]", [draws.count(t) for t in range(4)], p) > 0.01
+    )
 
 
 def test_gumbel_draws_follow_the_processed_p():

@@ -11,7 +11,13 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from outrider.bench.concurrency.streams import Batch, LoadConfig, Stream, closed_loop_send_times, stream_from_arrivals
+from outrider.bench.concurrency.streams import (
+    Batch,
+    LoadConfig,
+    Stream,
+    closed_loop_send_times,
+    stream_from_arrivals,
+)
 from outrider.bench.configs import BASELINE
 from outrider.bench.hf import HuggingFace
 from outrider.bench.prompts import Prompt
@@ -40,7 +46,11 @@ class _StepClock:
 
 
 def padded_batches(
-    hf: HuggingFace, requests: Sequence[Prompt], concurrency: int, max_new_tokens: int, done: Callable[[int], None]
+    hf: HuggingFace,
+    requests: Sequence[Prompt],
+    concurrency: int,
+    max_new_tokens: int,
+    done: Callable[[int], None],
 ) -> Batch:
     """``generate`` on batches of N requests, left-padded with an attention mask, one batch after the other.
 
@@ -57,7 +67,9 @@ def padded_batches(
         rows = [hf.prompt_ids(p) for p in requests[first : first + concurrency]]
         width = max(map(len, rows))
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=hf.device)
-        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=hf.device)
+        attention_mask = torch.tensor(
+            [[0] * (width - len(r)) + [1] * len(r) for r in rows], device=hf.device
+        )
         clock = _StepClock()
         started = time.perf_counter()
         with torch.inference_mode():
@@ -71,13 +83,20 @@ def padded_batches(
                 **hf.stop_kwargs,
             )
         wall_s += time.perf_counter() - started
-        streams += [_one_token_a_step(hf.cut_at_eos(row), started, clock.times[1:]) for row in out[:, width:].tolist()]
+        streams += [
+            _one_token_a_step(hf.cut_at_eos(row), started, clock.times[1:])
+            for row in out[:, width:].tolist()
+        ]
         done(len(rows))
     return Batch(concurrency, tuple(streams), wall_s)
 
 
 def continuous_batching(
-    hf: HuggingFace, requests: Sequence[Prompt], concurrency: int, max_new_tokens: int, done: Callable[[int], None]
+    hf: HuggingFace,
+    requests: Sequence[Prompt],
+    concurrency: int,
+    max_new_tokens: int,
+    done: Callable[[int], None],
 ) -> Batch:
     """``model.generate_batch`` on all the requests at once, at most N of them in a forward pass.
 
@@ -94,7 +113,11 @@ def continuous_batching(
     rows = [hf.prompt_ids(p) for p in requests]
     pages = math.ceil((max(map(len, rows)) + max_new_tokens) / 32) + 1
     # transformers 5.17 names the cache unit block_size; later releases, page_size.
-    unit = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    unit = (
+        "page_size"
+        if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        else "block_size"
+    )
     batching = ContinuousBatchingConfig(
         **{unit: 32},
         num_blocks=concurrency * pages,
@@ -110,18 +133,24 @@ def continuous_batching(
     )
     with _kept_log() as errors:
         outputs = hf.model.generate_batch(
-            inputs=rows, generation_config=generation, continuous_batching_config=batching, record_timestamps=True
+            inputs=rows,
+            generation_config=generation,
+            continuous_batching_config=batching,
+            record_timestamps=True,
         )
     results = list(outputs.values())  # in the order of the inputs
     failed = [r.error for r in results if r.error is not None]
     if len(results) != len(rows) or failed or any(not r.timestamps for r in results):
-        logged = next((m for m in errors if m.startswith("Error during")), errors[-1] if errors else None)
+        logged = next(
+            (m for m in errors if m.startswith("Error during")), errors[-1] if errors else None
+        )
         raise RuntimeError(failed[0] if failed else logged or "a request came back without tokens")
     done(len(rows))
     ends = [r.timestamps[-1] for r in results]
     sent = closed_loop_send_times([r.created_time for r in results], ends, concurrency)
     streams = [
-        _one_token_a_step(hf.cut_at_eos(list(r.generated_tokens)), s, r.timestamps) for r, s in zip(results, sent)
+        _one_token_a_step(hf.cut_at_eos(list(r.generated_tokens)), s, r.timestamps)
+        for r, s in zip(results, sent)
     ]
     return Batch(concurrency, tuple(streams), max(ends) - min(r.created_time for r in results))
 
@@ -134,7 +163,11 @@ def _one_token_a_step(token_ids: list[int], sent_s: float, step_times: Sequence[
 
 def _pad_token_id(hf: HuggingFace) -> int:
     """The tokenizer's pad token, else the model's, else an end-of-sequence token (masked out either way)."""
-    for candidate in (hf.tokenizer.pad_token_id, hf.model.generation_config.pad_token_id, *sorted(hf.eos_token_ids)):
+    for candidate in (
+        hf.tokenizer.pad_token_id,
+        hf.model.generation_config.pad_token_id,
+        *sorted(hf.eos_token_ids),
+    ):
         if isinstance(candidate, int):
             return candidate
     return 0

@@ -19,18 +19,24 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         runs = config["runs"]
         n = [r["concurrency"] for r in runs]
         style = "--" if config["family"] == "hf" else "-"
-        (line,) = top.plot(n, _values(runs, "tokens_per_s"), style, marker="o", label=config["name"])
+        (line,) = top.plot(
+            n, _values(runs, "tokens_per_s"), style, marker="o", label=config["name"]
+        )
         for panel, key in ((middle, "ttft_ms"), (bottom, "itl_per_token_ms")):
             panel.plot(n, _values(runs, f"{key}_p50"), style, marker="o", color=line.get_color())
             panel.plot(n, _values(runs, f"{key}_p99"), ":", marker="x", color=line.get_color())
 
     top.set_ylabel("total tokens/s (all streams)")
     top.set_title(f"Throughput and latency by concurrency — {report.get('title', '')}".rstrip(" —"))
-    top.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small", title="configuration")
+    top.legend(
+        loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small", title="configuration"
+    )
     middle.set_ylabel("TTFT ms (o p50, x p99)")
     bottom.set_ylabel("inter-token latency per token ms (o p50, x p99)")
     for panel in (middle, bottom):
-        if not any(v > 0 for line in panel.get_lines() for v in line.get_ydata()):  # NaN > 0 is False
+        if not any(
+            v > 0 for line in panel.get_lines() for v in line.get_ydata()
+        ):  # NaN > 0 is False
             continue  # nothing to put on a log axis (streams of one chunk have no gap)
         panel.set_yscale("log")
         panel.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -41,7 +47,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     bottom.set_xticks(report["concurrency"])
     bottom.set_xticklabels([str(n) for n in report["concurrency"]])
     bottom.set_xlabel("concurrent streams N")
-    fig.text(0.01, 0.01, "Hugging Face dashed, Outrider solid; p99 dotted.", fontsize=8, color="0.3")
+    fig.text(
+        0.01, 0.01, "Hugging Face dashed, Outrider solid; p99 dotted.", fontsize=8, color="0.3"
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

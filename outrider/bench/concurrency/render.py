@@ -68,4 +68,8 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
 
 
 def render(report: Mapping[str, Any], out=None) -> None:
-    print_tables([("per configuration and concurrency", HEADER, table_rows(report))], headline_lines(report), out or sys.stdout)
+    print_tables(
+        [("per configuration and concurrency", HEADER, table_rows(report))],
+        headline_lines(report),
+        out or sys.stdout,
+    )

@@ -80,7 +80,10 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
 def with_speedups(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs of one configuration, each with ``speedup_vs_concurrency_1`` (None without a run at 1)."""
     one = next((r["tokens_per_s"] for r in runs if r["concurrency"] == 1), None)
-    return [{**r, "speedup_vs_concurrency_1": round_or_none(ratio(r["tokens_per_s"], one))} for r in runs]
+    return [
+        {**r, "speedup_vs_concurrency_1": round_or_none(ratio(r["tokens_per_s"], one))}
+        for r in runs
+    ]
 
 
 def find_mismatches(
@@ -129,9 +132,17 @@ def build_report(
     for config in (c for c in configs if c.name in batches):
         runs = with_speedups([summarize_batch(b) for _, b in sorted(batches[config.name].items())])
         for run in runs:
-            mine = [m for m in mismatches if m["config"] == config.name and m["concurrency"] == run["concurrency"]]
-            run["mismatches_vs_reference"] = sum(1 for m in mine if m["reference"] == f"{reference}@1")
-            run["mismatches_vs_concurrency_1"] = sum(1 for m in mine if m["reference"] == f"{config.name}@1")
+            mine = [
+                m
+                for m in mismatches
+                if m["config"] == config.name and m["concurrency"] == run["concurrency"]
+            ]
+            run["mismatches_vs_reference"] = sum(
+                1 for m in mine if m["reference"] == f"{reference}@1"
+            )
+            run["mismatches_vs_concurrency_1"] = sum(
+                1 for m in mine if m["reference"] == f"{config.name}@1"
+            )
         rows.append(
             {"name": config.name, "family": config.family, "drafter": config.drafter, "k": config.k,
              "adaptive": config.adaptive, "pipeline": config.pipeline, "runs": runs}

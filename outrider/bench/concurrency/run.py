@@ -48,7 +48,9 @@ def run_concurrency(
     return ran, {c.name: batches[c.name] for c in ran}, not_run
 
 
-def _run_batch(config, requests, concurrency, max_new_tokens, not_run, done=lambda n: None) -> Batch | None:
+def _run_batch(
+    config, requests, concurrency, max_new_tokens, not_run, done=lambda n: None
+) -> Batch | None:
     """``config.run``; a failure names the configuration and N, and stops the run unless the
     configuration may fail: then it lands in ``not_run`` and None comes back."""
     try:
@@ -57,6 +59,8 @@ def _run_batch(config, requests, concurrency, max_new_tokens, not_run, done=lamb
         raise
     except Exception as exc:
         if not config.may_fail:
-            raise RuntimeError(f"{config.name} failed at concurrency {concurrency}: {failure_detail(exc)}") from exc
+            raise RuntimeError(
+                f"{config.name} failed at concurrency {concurrency}: {failure_detail(exc)}"
+            ) from exc
         not_run[config.name] = f"{type(exc).__name__}: {failure_detail(exc)}"
         return None

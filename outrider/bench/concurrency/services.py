@@ -32,10 +32,20 @@ class Replicas:
     ) -> Batch:
         """N streams at once; stream s sends requests s, s + N, … and uses replica s mod replicas."""
         return asyncio.run(
-            self._run(requests, concurrency, max_new_tokens, done, k=k, adaptive=adaptive, pipeline=pipeline)
+            self._run(
+                requests,
+                concurrency,
+                max_new_tokens,
+                done,
+                k=k,
+                adaptive=adaptive,
+                pipeline=pipeline,
+            )
         )
 
-    async def _run(self, requests, concurrency, max_new_tokens, done, *, k, adaptive, pipeline) -> Batch:
+    async def _run(
+        self, requests, concurrency, max_new_tokens, done, *, k, adaptive, pipeline
+    ) -> Batch:
         from outrider.client import AsyncClient
 
         clients = [AsyncClient(address) for address in self.addresses]
@@ -48,7 +58,12 @@ class Replicas:
                 client = clients[s % len(clients)]
                 for j in range(s, len(requests), concurrency):
                     streams[j] = await self._request(
-                        client, requests[j], max_new_tokens, k=k, adaptive=adaptive, pipeline=pipeline
+                        client,
+                        requests[j],
+                        max_new_tokens,
+                        k=k,
+                        adaptive=adaptive,
+                        pipeline=pipeline,
                     )
                     done(1)
 
@@ -60,7 +75,14 @@ class Replicas:
         return Batch(concurrency, tuple(streams), wall_s)  # type: ignore[arg-type]
 
     async def _request(
-        self, client, prompt: Prompt, max_new_tokens: int, *, k: int | None, adaptive: bool, pipeline: bool
+        self,
+        client,
+        prompt: Prompt,
+        max_new_tokens: int,
+        *,
+        k: int | None,
+        adaptive: bool,
+        pipeline: bool,
     ) -> Stream:
         """One streamed request; a failure names the prompt."""
         token_ids: list[int] = []
@@ -96,11 +118,15 @@ def outrider_load_configs(
     synchronous and pipelined), N streams at once."""
     return [
         LoadConfig(
-            v.name, "outrider",
+            v.name,
+            "outrider",
             lambda r, n, t, d, e=replicas[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.run(
                 r, n, t, d, k=k, adaptive=a, pipeline=pl
             ),
-            v.drafter, v.k, v.adaptive, v.pipeline,
+            v.drafter,
+            v.k,
+            v.adaptive,
+            v.pipeline,
         )  # fmt: skip
         for v in outrider_variants(list(replicas), ks, adaptive=adaptive, pipelined=pipelined)
     ]

@@ -16,12 +16,16 @@ def batch_requests(prompts: Sequence[Prompt], concurrency: int) -> list[Prompt]:
     return [prompts[j % len(prompts)] for j in range(max(concurrency, len(prompts)))]
 
 
-def closed_loop_send_times(created_s: Sequence[float], ended_s: Sequence[float], concurrency: int) -> list[float]:
+def closed_loop_send_times(
+    created_s: Sequence[float], ended_s: Sequence[float], concurrency: int
+) -> list[float]:
     """When N closed-loop streams would have sent each of a queue's requests: the first N at once
     (their creation), each later one when a request before it ended — request j when the
     (j − N + 1)-th to end ended, as a first-come-first-served server with N slots admits it."""
     ends = sorted(ended_s)
-    return [c if j < concurrency else max(c, ends[j - concurrency]) for j, c in enumerate(created_s)]
+    return [
+        c if j < concurrency else max(c, ends[j - concurrency]) for j, c in enumerate(created_s)
+    ]
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,10 @@ class Stream:
 
 
 def stream_from_arrivals(
-    token_ids: Sequence[int], sent_s: float, arrivals: Sequence[tuple[float, int]], **stats: int | bool
+    token_ids: Sequence[int],
+    sent_s: float,
+    arrivals: Sequence[tuple[float, int]],
+    **stats: int | bool,
 ) -> Stream:
     """A :class:`Stream` from when its request was sent and each chunk's (arrival time, tokens);
     chunks without tokens do not count."""
