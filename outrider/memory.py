@@ -7,6 +7,7 @@ once, after the model is loaded, from the memory that is still free
     kv_bytes_per_token = layers × kv heads × head dim × 2 (K and V) × dtype size
     max_cached_tokens  = (available − margin) × fraction ÷ kv_bytes_per_token,
                          capped at max_sessions × max_context
+                         (and on the CPU at 4 GiB ÷ kv_bytes_per_token)
 
 * available — ``torch.cuda.mem_get_info``'s free bytes for a model on a GPU,
   ``MemAvailable`` of ``/proc/meminfo`` on the CPU;
@@ -14,7 +15,11 @@ once, after the model is loaded, from the memory that is still free
   ``gpu_memory_utilization``); 0.4 on the CPU, whose memory the draft worker,
   the target worker and the coordinator often share;
 * margin — 1 GiB for a forward pass's activations and allocator slack;
-* the cap — no more can ever be cached, so reserving more says nothing.
+* the cap — no more can ever be cached, so reserving more says nothing; on
+  the CPU also 4 GiB (vLLM's default CPU KV cache space), which holds a few
+  full-length sessions of a small model. A CPU pool is mapped, not touched
+  (:meth:`outrider.engine.llama.LlamaForward.allocate_cache`), so it becomes
+  resident only as sessions fill it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ log = get_logger(__name__)
 GPU_FRACTION = 0.9
 CPU_FRACTION = 0.4
 MARGIN_BYTES = 1 << 30
+CPU_MAX_BYTES = 4 << 30
 MIB = 1 << 20
 
 
@@ -81,6 +87,8 @@ def cache_budget(
     memory cannot hold even one token."""
     fraction = GPU_FRACTION if on_gpu else CPU_FRACTION
     usable = max(0, available_bytes - MARGIN_BYTES) * fraction
+    if not on_gpu:
+        usable = min(usable, CPU_MAX_BYTES)
     cap = max_sessions * max_context
     tokens = min(int(usable // kv_bytes_per_token), cap)
     if tokens < 1:
@@ -116,7 +124,8 @@ def worker_cache_budget(
     log.info(
         "kv cache budget sized from free memory",
         max_cached_tokens=budget.max_cached_tokens,
-        rule="min((available - margin) * fraction / kv_bytes_per_token, max_sessions * max_context)",
+        rule="min((available - margin) * fraction [at most 4 GiB on the CPU] / kv_bytes_per_token, "
+        "max_sessions * max_context)",
         available_mib=round(budget.available_bytes / MIB, 1),
         margin_mib=round(budget.margin_bytes / MIB, 1),
         fraction=budget.fraction,

@@ -22,6 +22,8 @@ same forward runs eagerly on any device and inside a captured CUDA graph.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -204,9 +206,16 @@ class LlamaForward:
     def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """Keys and values of ``num_blocks`` blocks (and the null block 0),
         ``[layers, 2, num_blocks + 1, block_size, kv heads, head dim]``,
-        zeroed so that padding never reads NaN."""
+        zeroed so that padding never reads NaN.
+
+        On the CPU the memory is an anonymous mapping: the kernel hands out
+        zeroed pages as they are first written, so the pool is reserved at
+        start but becomes resident only as sessions fill it."""
         shape = (self.num_layers, 2, num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Writes the batch's keys and values into ``cache`` and returns the

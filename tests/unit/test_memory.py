@@ -115,3 +115,32 @@ def test_the_worker_budget_is_sized_from_the_model_and_free_memory(tiny_model, m
         worker_cache_budget(tiny_model, max_sessions=1000, max_context=64, max_cached_tokens=None)
         == 4000
     )
+
+
+def test_a_cpu_budget_is_capped_at_four_gib():
+    budget = cache_budget(
+        kv_bytes_per_token=46_080,
+        available_bytes=64 * GIB,
+        on_gpu=False,
+        max_sessions=64,
+        max_context=8192,
+    )
+    assert budget.max_cached_tokens == memory.CPU_MAX_BYTES // 46_080
+
+
+def test_a_cpu_cache_is_zeroed_and_resident_only_where_written(tiny_target_dir):
+    from outrider.engine.llama import LlamaForward
+    from outrider.models import load_causal_lm
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096 / (1 << 20)
+
+    forward = LlamaForward(load_causal_lm(str(tiny_target_dir), dtype=torch.float32))
+    before = resident_mib()
+    cache = forward.allocate_cache(num_blocks=200_000, block_size=16)  # ~ GiBs of address space
+    assert cache.nbytes > 1 << 30
+    assert resident_mib() - before < 64
+    assert not cache[:, :, :4].any()
+    cache[:, :, 1:3] = 1.0
+    assert resident_mib() - before < 64
