@@ -13,9 +13,8 @@ and saves an ordinary safetensors checkpoint (weights, config, generation
 config, tokenizer with its chat template) under :func:`cache_dir`, so every
 later load is a plain ``from_pretrained`` that takes about a second.
 
-Loading also applies the CPU trap fix of DESIGN §8 (1): linears over 2–16 rows
-are computed as ``W @ x.T``, which this machine's BLAS does several times
-faster than ``x @ W.T`` (see :func:`use_small_batch_linears`).
+Loading also makes the model's linears over 2–16 rows compute as ``W @ x.T``
+on the CPU (:func:`outrider.engine.ops.use_small_batch_linears`).
 """
 
 from __future__ import annotations
@@ -35,14 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from outrider.engine.ops import use_small_batch_linears
 
-# Linears whose flattened input has 2 to this many rows take the W @ x.T path.
-SMALL_BATCH_ROWS = 16
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _MARKER = ".outrider-fetched.json"  # written last: its presence means the directory is complete
 _COPY_CHUNK = 1 << 20
@@ -428,45 +425,6 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
         ):
             setattr(config, key, type(value)(value[:num_layers]))
     config.num_hidden_layers = num_layers
-
-
-# --------------------------------------------------------------------------- small-batch linears
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that CPU inputs of 2 to 16 rows are computed as
-    ``(W @ x.T).T`` (made contiguous): same results to float rounding,
-    several times faster on this CPU's BLAS (DESIGN §8). A single row (a decode step) is a
-    matrix-vector product either way and stays on ``F.linear``, which is a
-    few microseconds cheaper there; so do more rows, where the BLAS is fast."""
-    in_features = weight.shape[1]
-    rows = x.numel() // in_features if in_features else 0
-    if not 2 <= rows <= SMALL_BATCH_ROWS or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    x2d = x.reshape(rows, in_features)
-    out = torch.mm(weight, x2d.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2d.T)
-    # Contiguous, as F.linear's would be: a transposed result carries its
-    # layout into q and k, and attention then takes the slow path (copies of
-    # every key and value) instead of the fused kernel.
-    return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
-
-
-class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` computed by :func:`linear` (same parameters)."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
-
-
-def use_small_batch_linears(model: nn.Module) -> None:
-    """Make every plain ``nn.Linear`` in ``model`` a :class:`SmallBatchLinear`, in place.
-
-    Only the class changes: weights are not copied. Subclasses of ``nn.Linear``
-    (quantized or otherwise customised layers) are left alone.
-    """
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = SmallBatchLinear
 
 
 # --------------------------------------------------------------------------- facts

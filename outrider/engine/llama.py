@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from outrider import models
+from outrider.engine import ops
 from outrider.quantize import QuantizedWeight, quantize_weight
 
 Weight = torch.Tensor | QuantizedWeight
@@ -325,7 +325,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     """``F.linear`` of a float or quantized weight."""
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
-    return models.linear(x, weight, bias)
+    return ops.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from outrider import models
+from outrider.engine import ops
 
 
 @pytest.fixture
@@ -149,8 +150,8 @@ def test_small_batch_linear_matches_f_linear(rows, bias):
     layer = nn.Linear(24, 40, bias=bias)
     x = torch.randn(1, rows, 24)
     expected = F.linear(x, layer.weight, layer.bias)
-    models.use_small_batch_linears(layer)
-    assert isinstance(layer, models.SmallBatchLinear)
+    ops.use_small_batch_linears(layer)
+    assert isinstance(layer, ops.SmallBatchLinear)
     out = layer(x)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected)
@@ -161,7 +162,7 @@ def test_small_batch_linear_matches_f_linear(rows, bias):
 def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype):
     stock = tiny_llama(dtype)
     fast = copy.deepcopy(stock)
-    models.use_small_batch_linears(fast)
+    ops.use_small_batch_linears(fast)
     ids = torch.randint(0, 300, (1, rows), generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         expected, out = stock(ids).logits, fast(ids).logits
@@ -173,10 +174,10 @@ def test_small_batch_linears_swap_every_linear_in_place():
     model = tiny_llama()
     head = model.lm_head.weight
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    models.use_small_batch_linears(model)
-    models.use_small_batch_linears(model)  # idempotent
-    assert linears and all(type(m) is models.SmallBatchLinear for m in linears)
-    assert type(model.lm_head) is models.SmallBatchLinear
+    ops.use_small_batch_linears(model)
+    ops.use_small_batch_linears(model)  # idempotent
+    assert linears and all(type(m) is ops.SmallBatchLinear for m in linears)
+    assert type(model.lm_head) is ops.SmallBatchLinear
     assert model.lm_head.weight is head  # nothing copied
 
 
@@ -194,7 +195,7 @@ def test_load_causal_lm_from_directory_is_frozen_and_fast(saved_tiny_llama):
     model = models.load_causal_lm(str(saved_tiny_llama))
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
-    assert type(model.lm_head) is models.SmallBatchLinear
+    assert type(model.lm_head) is ops.SmallBatchLinear
     plain = models.load_causal_lm(str(saved_tiny_llama), fast_small_batch=False)
     assert type(plain.lm_head) is nn.Linear
 
