@@ -1,15 +1,15 @@
-"""The speculative round loop.
+"""The speculative round loop (docs/design.md#the-round).
 
 Each round: the draft proposes K tokens after the committed history, the
 target scores them in one forward pass and returns how many it accepts plus
 its recovered or bonus token, and the coordinator commits those tokens,
 checks the stop conditions token by token, and streams the new text.
 
-Pipelined (DESIGN §5), the draft drafts round i + 1 while the target
-verifies round i, assuming round i commits its drafts and the draft's guess
-of the bonus token; when the verdict matches, round i + 1 starts with its
-drafts in hand, otherwise it drafts afresh. The target only ever verifies
-drafts made in the committed context, so the output is the same.
+Pipelined (docs/design.md#pipelined-rounds), the draft drafts round i + 1
+while the target verifies round i, assuming round i commits its drafts and
+the draft's guess of the bonus token; when the verdict matches, round i + 1
+starts with its drafts in hand, otherwise it drafts afresh. The target only
+ever verifies drafts made in the committed context, so the output is the same.
 
 The coordinator's ``history`` is the source of truth; the workers' caches
 follow it (the draft syncs on the next propose, the target commits the same
@@ -18,17 +18,19 @@ tokens itself and says so through the committed length of the next round).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from coordinator.policy import AdaptiveK, CostModel
 from coordinator.recovery import DraftLink, TargetLink
+from coordinator.stats import RoundTimes, Stats
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
+from outrider.config import Recovery
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
 from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
 
@@ -48,85 +50,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     request_id: str = ""
     pipeline: bool = False
-    """Draft round i + 1 while the target verifies round i (DESIGN §5)."""
-
-
-@dataclass
-class Stats:
-    """Per-request statistics, in vLLM's vocabulary."""
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    num_drafts: int = 0
-    """Rounds that verified at least one draft token (vLLM's drafts)."""
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    rpc_time_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    total_time_s: float = 0.0
-    num_speculative_tokens: int = 0
-    seed: int = 0
-    verification: str = "greedy"
-    draft_probs_bytes: int = 0
-    """Bytes of q relayed from draft to target (rejection mode)."""
-    adaptive: bool = False
-    pipeline: bool = False
-    speculation_hits: int = 0
-    """Pipelined rounds whose drafts were drafted while the previous round was verified."""
-    speculation_misses: int = 0
-    """Pipelined rounds whose speculation was discarded (the verdict differed from its assumption)."""
-    overheads_s: list[float] = field(default_factory=list, repr=False)
-    """Per round: wall time outside the workers' compute (RPC + coordinator)."""
-    critical_path_overheads_s: list[float] = field(default_factory=list, repr=False)
-    """Per round: wall time beyond the target's compute (what a round costs
-    beyond the verify itself: waiting for drafts, RPCs, the coordinator)."""
-
-    def record_round(
-        self,
-        draft_tokens: Sequence[int],
-        draft_probs: Sequence,
-        num_accepted: int,
-        *,
-        draft_s: float,
-        verify_s: float,
-        overhead_s: float,
-    ) -> None:
-        self.rounds += 1
-        self.num_drafts += bool(draft_tokens)
-        self.draft_tokens += len(draft_tokens)
-        self.accepted_tokens += num_accepted
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
-        self.draft_probs_bytes += sum(q.nbytes for q in draft_probs)
-        self.draft_time_s += draft_s
-        self.verify_time_s += verify_s
-        self.rpc_time_s += overhead_s
-        self.overheads_s.append(overhead_s)
-
-    @property
-    def overhead_s_p50(self) -> float:
-        return statistics.median(self.overheads_s) if self.overheads_s else 0.0
-
-    @property
-    def critical_path_overhead_s_p50(self) -> float:
-        return (
-            statistics.median(self.critical_path_overheads_s)
-            if self.critical_path_overheads_s
-            else 0.0
-        )
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens committed per round, the recovered or bonus token included."""
-        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+    """Draft round i + 1 while the target verifies round i."""
 
 
 @dataclass
@@ -137,37 +61,6 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """How the loop rides out worker loss (``coordinator.recovery``)."""
-
-    draft_deadline_s: float = 5.0
-    """A draft answer later than this drops the round to K = 0."""
-    draft_backoff_s: float = 0.5
-    """First wait before a lost draft is reopened (doubling, up to 8 s)."""
-    target_attempts: int = 6
-    """Opens of a target session (with back-off) before a request fails."""
-    verify_deadline_factor: float = 10.0
-    verify_deadline_floor_s: float = 2.0
-    """A verify with no verdict within max(floor, factor × its measured cost)
-    reopens the session on another replica, like a lost one (a frozen
-    target). Before any verify was measured, the session's prefill stands
-    in for its cost. Opening a session is held to the same rule, from the
-    measured prefill cost per token."""
-    open_deadline_unmeasured_s: float = 60.0
-    """How long an open may take while no prefill has been measured."""
-
-    def verify_deadline_s(self, expected_s: float) -> float:
-        return max(self.verify_deadline_floor_s, self.verify_deadline_factor * expected_s)
-
-    def open_deadline_s(self, expected_s: float | None) -> float:
-        return (
-            self.open_deadline_unmeasured_s
-            if expected_s is None
-            else self.verify_deadline_s(expected_s)
-        )
 
 
 @dataclass(frozen=True)
@@ -187,162 +80,199 @@ async def generate(
     costs: CostModel | None = None,
     recovery: Recovery = Recovery(),
 ) -> AsyncIterator[Delta]:
-    started = time.perf_counter()
-    costs = costs if costs is not None else CostModel()
-    history = list(request.prompt_ids)
-    max_len = min(len(history) + request.max_new_tokens, models.target.max_context)
-    k_max = request.num_speculative_tokens if draft is not None else 0
-    stats = Stats(
-        prompt_tokens=len(history),
-        accepted_per_position=[0] * k_max,
-        num_speculative_tokens=k_max,
-        seed=request.sampling.seed,
-        verification=request.sampling.verification.value,
-        adaptive=request.adaptive and k_max > 0,
-        pipeline=request.pipeline and k_max > 0,
-    )
-    policy = AdaptiveK(k_max, costs, pipeline=stats.pipeline) if stats.adaptive else None
-    stop_ids = request.stop_token_ids | (
-        frozenset() if request.ignore_eos else models.eos_token_ids
-    )
-    text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
-
-    # 1. Open the target session: it prefills the prompt. The draft session
-    #    opens at the first round that drafts.
-    target_link = TargetLink(
-        target,
-        request_id=request.request_id,
-        sampling=request.sampling,
-        attempts=recovery.target_attempts,
-        open_deadline_s=lambda tokens: recovery.open_deadline_s(costs.prefill_cost(tokens)),
-    )
-    draft_link = (
-        DraftLink(
-            draft,
-            request_id=request.request_id,
-            target=models.target,
-            sampling=request.sampling,
-            deadline_s=recovery.draft_deadline_s,
-            backoff_s=recovery.draft_backoff_s,
-        )
-        if k_max > 0
-        else None
-    )
-    prefill_s = await target_link.open(history)
-    stats.verify_time_s += prefill_s
-    costs.observe_prefill(len(history), prefill_s)
-
-    def choose_k(history_len: int) -> int:
-        # Never draft past the length limit: a round commits up to K + 1.
-        room = max_len - history_len - 1
-        return policy.choose(room) if policy else max(0, min(k_max, room))
-
+    """Runs ``request`` round by round, yielding what each round streams."""
+    generation = Generation(request, models, target, draft, costs or CostModel(), recovery)
     try:
-        finish_reason = None
-        while finish_reason is None:
-            round_started = time.perf_counter()
-
-            # 2. Draft. A pipelined round's drafts may be ready: drafted while
-            #    the last round was verified, on the assumption that it would
-            #    commit what it did (a hit). Otherwise sync the tokens
-            #    committed since the last propose and propose up to k tokens
-            #    (with q, when the draft sampled them). A lost draft proposes
-            #    nothing: the round is target-only. Time spent opening a
-            #    session (a prefill) is the draft's, but not what a round of
-            #    K drafts costs, so the costs leave it out.
-            proposal, hit, open_s = None, None, 0.0
-            if draft_link is not None:
-                proposal, hit = await draft_link.speculated(history)
-                if hit is not None:
-                    stats.speculation_hits += hit
-                    stats.speculation_misses += not hit
-                if proposal is None and (k := choose_k(len(history))) > 0:
-                    proposal, open_s = await draft_link.propose(history, k)
-            draft_tokens = proposal.draft_tokens if proposal else []
-            draft_probs = proposal.draft_probs if proposal else []
-            draft_s = proposal.compute_s if proposal else 0.0
-            drafted_s = time.perf_counter() - round_started
-
-            # 3. Verify all drafts in one target pass of len(drafts) + 1
-            #    positions. Pipelined, the draft meanwhile drafts the next
-            #    round as if these drafts were accepted whole — unless the
-            #    round ends the stream if they are.
-            if stats.pipeline:
-                assumed_len = len(history) + len(draft_tokens) + 1
-                if assumed_len < max_len and not stop_ids.intersection(draft_tokens):
-                    if (k_next := choose_k(assumed_len)) > 0:
-                        draft_link.speculate(history, draft_tokens, k_next)
-            expected_s = costs.verify_cost(len(draft_tokens)) or prefill_s
-            verdict, reopen_s = await target_link.verify(
-                history, draft_tokens, draft_probs, recovery.verify_deadline_s(expected_s)
-            )
-            stats.verify_time_s += reopen_s
-
-            # 4. Commit the accepted drafts and the recovered/bonus token;
-            #    learn from the round. On the critical path the draft cost
-            #    what the round waited for it: all of its compute when it
-            #    drafted now, only what outlasted the last verify on a hit.
-            committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
-            round_s = time.perf_counter() - round_started
-            waited_s = min(drafted_s, draft_s) if hit else draft_s
-            overhead_s = max(0.0, round_s - open_s - waited_s - verdict.compute_s - reopen_s)
-            stats.critical_path_overheads_s.append(round_s - verdict.compute_s)
-            stats.record_round(
-                draft_tokens,
-                draft_probs,
-                verdict.num_accepted,
-                draft_s=open_s + draft_s,
-                verify_s=verdict.compute_s,
-                overhead_s=overhead_s,
-            )
-            costs.observe(
-                num_drafts=len(draft_tokens),
-                draft_s=draft_s,
-                draft_steps=len(draft_tokens) + bool(proposal and proposal.guess is not None),
-                num_accepted=verdict.num_accepted,
-                verify_s=verdict.compute_s,
-                overhead_s=overhead_s,
-                drafted=proposal is not None and not hit,
-            )
-            if policy:
-                policy.observe(len(draft_tokens), verdict.num_accepted)
-
-            # 5. Stop conditions, token by token: nothing after a stop is emitted.
-            new_text, new_ids = [], []
-            for token in committed:
-                history.append(token)
-                new_ids.append(token)
-                new_text.append(text.add(token))
-                if token in stop_ids or text.stopped is not None:
-                    finish_reason = "stop"
-                elif len(history) >= max_len:
-                    finish_reason = "length"
-                if finish_reason is not None:
-                    break
-
-            # 6. Stream.
-            if finish_reason is not None and text.stopped is None:
-                new_text.append(text.finish())
-            if stats.rounds == 1:
-                stats.time_to_first_token_s = time.perf_counter() - started
-            stats.generated_tokens = len(history) - stats.prompt_tokens
-            if finish_reason is None:
-                yield Delta("".join(new_text), new_ids)
-            else:
-                stats.total_time_s = time.perf_counter() - started
-                log.info(
-                    "generation finished",
-                    finish_reason=finish_reason,
-                    generated_tokens=stats.generated_tokens,
-                    rounds=stats.rounds,
-                    mean_acceptance_length=round(stats.mean_acceptance_length, 3),
-                )
-                yield Delta("".join(new_text), new_ids, finish_reason, stats)
+        await generation.open()  # 1. open the target session: it prefills the prompt
+        while generation.finish_reason is None:
+            times = RoundTimes()
+            proposal = await generation.draft(times)  # 2. draft, or take the speculation
+            generation.speculate(proposal)  # (pipelined: draft the next round meanwhile)
+            verdict = await generation.verify(proposal, times)  # 3. verify in one target pass
+            delta = generation.commit(proposal, verdict)  # 4. commit; stop token by token
+            generation.account(proposal, verdict, times, delta)  # 5. learn from the round
+            yield generation.finish(delta)  # 6. stream (the last delta carries the outcome)
     finally:
-        # 7. Close both sessions: the workers free their caches at once.
-        await target_link.close()
-        if draft_link is not None:
-            await draft_link.close()
+        await generation.close()  # 7. close both sessions: the workers free their caches
+
+
+class Generation:
+    """One request's run through the round loop: its history, its worker
+    sessions, its speculation policy and its statistics."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        models: Models,
+        target: TargetClient,
+        draft: DraftClient | None,
+        costs: CostModel,
+        recovery: Recovery,
+    ) -> None:
+        self.request = request
+        self.costs = costs
+        self.recovery = recovery
+        self.started = time.perf_counter()
+        self.history = list(request.prompt_ids)
+        self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
+        k_max = request.num_speculative_tokens if draft is not None else 0
+        self.k_max = k_max
+        self.stats = Stats(
+            prompt_tokens=len(self.history),
+            accepted_per_position=[0] * k_max,
+            num_speculative_tokens=k_max,
+            seed=request.sampling.seed,
+            verification=request.sampling.verification.value,
+            adaptive=request.adaptive and k_max > 0,
+            pipeline=request.pipeline and k_max > 0,
+        )
+        self.policy = (
+            AdaptiveK(k_max, costs, pipeline=self.stats.pipeline) if self.stats.adaptive else None
+        )
+        eos = frozenset() if request.ignore_eos else models.eos_token_ids
+        self.stop_ids = request.stop_token_ids | eos
+        self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
+        self.finish_reason: str | None = None
+        self.prefill_s: float = 0.0
+        self.target = TargetLink(
+            target,
+            request_id=request.request_id,
+            sampling=request.sampling,
+            attempts=recovery.target_attempts,
+            open_deadline_s=lambda tokens: recovery.open_deadline_s(costs.prefill_cost(tokens)),
+        )
+        self.drafts = (
+            DraftLink(
+                draft,
+                request_id=request.request_id,
+                target=models.target,
+                sampling=request.sampling,
+                deadline_s=recovery.draft_deadline_s,
+                backoff_s=recovery.draft_backoff_s,
+            )
+            if draft is not None and k_max > 0
+            else None
+        )
+
+    async def open(self) -> None:
+        """Opens the target session on the prompt (its prefill). The draft
+        session opens at the first round that drafts."""
+        self.prefill_s = await self.target.open(self.history)
+        self.stats.verify_time_s += self.prefill_s
+        self.costs.observe_prefill(len(self.history), self.prefill_s)
+
+    def choose_k(self, history_len: int) -> int:
+        """K for a round after ``history_len`` tokens: never past the length
+        limit (a round commits up to K + 1)."""
+        room = max(0, self.max_len - history_len - 1)
+        return self.policy.choose(room) if self.policy else min(self.k_max, room)
+
+    async def draft(self, times: RoundTimes) -> Proposal | None:
+        """This round's proposal: the speculation's when it holds (a hit),
+        else a fresh one (syncing the tokens committed since the last round).
+        None when the round does not draft: K = 0, or the draft is lost."""
+        if self.drafts is None:
+            return None
+        reply, times.hit = await self.drafts.speculated(self.history)
+        if times.hit is not None:
+            self.stats.speculation_hits += times.hit
+            self.stats.speculation_misses += not times.hit
+        if reply is None and (k := self.choose_k(len(self.history))) > 0:
+            reply, times.open_s = await self.drafts.propose(self.history, k)
+        times.draft_s = reply.compute_s if reply else 0.0
+        times.drafted()
+        return reply.value if reply else None
+
+    def speculate(self, proposal: Proposal | None) -> None:
+        """Pipelined: asks the draft for the next round as if this round's
+        drafts were accepted whole — unless the round ends the stream if they
+        are (a stop or EOS among them, or the length limit)."""
+        if not self.stats.pipeline or self.drafts is None:
+            return
+        drafts = proposal.tokens if proposal else []
+        assumed_len = len(self.history) + len(drafts) + 1
+        if assumed_len < self.max_len and not self.stop_ids.intersection(drafts):
+            if (k := self.choose_k(assumed_len)) > 0:
+                self.drafts.speculate(self.history, drafts, k)
+
+    async def verify(self, proposal: Proposal | None, times: RoundTimes) -> Verdict:
+        """The target's verdict on the drafts (none: a target-only round),
+        reopening a lost or frozen target session on the history."""
+        drafts = proposal or Proposal([])
+        expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
+        reply, times.reopen_s = await self.target.verify(
+            self.history, drafts, self.recovery.verify_deadline_s(expected_s)
+        )
+        times.verify_s = reply.compute_s
+        self.stats.verify_time_s += times.reopen_s
+        return reply.value
+
+    def commit(self, proposal: Proposal | None, verdict: Verdict) -> Delta:
+        """Appends the accepted drafts and the recovered or bonus token to the
+        history, checking the stop conditions token by token: nothing after a
+        stop is committed or streamed."""
+        drafts = proposal.tokens if proposal else []
+        delta = Delta("", [])
+        text = []
+        for token in [*drafts[: verdict.num_accepted], verdict.next_token]:
+            self.history.append(token)
+            delta.token_ids.append(token)
+            text.append(self.text.add(token))
+            if token in self.stop_ids or self.text.stopped is not None:
+                delta.finish_reason = "stop"
+            elif len(self.history) >= self.max_len:
+                delta.finish_reason = "length"
+            if delta.finish_reason is not None:
+                break
+        if delta.finish_reason is not None and self.text.stopped is None:
+            text.append(self.text.finish())
+        delta.text = "".join(text)
+        self.finish_reason = delta.finish_reason
+        return delta
+
+    def account(
+        self, proposal: Proposal | None, verdict: Verdict, times: RoundTimes, delta: Delta
+    ) -> None:
+        """Records the round in the statistics, as far as the client got its
+        tokens, and teaches the cost model and the policy what it cost and
+        what it accepted."""
+        drafts = proposal.tokens if proposal else []
+        times.ended()
+        self.stats.record_round(proposal, verdict, times, streamed=len(delta.token_ids))
+        self.costs.observe(
+            num_drafts=len(drafts),
+            draft_s=times.draft_s,
+            draft_steps=len(drafts) + bool(proposal and proposal.guess is not None),
+            num_accepted=verdict.num_accepted,
+            verify_s=times.verify_s,
+            overhead_s=times.overhead_s,
+            drafted=proposal is not None and not times.hit,
+        )
+        if self.policy:
+            self.policy.observe(len(drafts), verdict.num_accepted)
+
+    def finish(self, delta: Delta) -> Delta:
+        """The round's delta, with the statistics when it is the last."""
+        stats = self.stats
+        if stats.rounds == 1:
+            stats.time_to_first_token_s = time.perf_counter() - self.started
+        if delta.finish_reason is None:
+            return delta
+        stats.total_time_s = time.perf_counter() - self.started
+        log.info(
+            "generation finished",
+            finish_reason=delta.finish_reason,
+            generated_tokens=stats.generated_tokens,
+            rounds=stats.rounds,
+            mean_acceptance_length=round(stats.mean_acceptance_length, 3),
+        )
+        delta.stats = stats
+        return delta
+
+    async def close(self) -> None:
+        await self.target.close()
+        if self.drafts is not None:
+            await self.drafts.close()
 
 
 def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:

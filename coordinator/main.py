@@ -6,7 +6,7 @@ import asyncio
 
 from transformers import GenerationConfig
 
-from coordinator.loop import Models, Recovery, eos_token_ids
+from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
@@ -14,6 +14,7 @@ from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
+from outrider.security import load_tokens
 from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -35,7 +36,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     target = GrpcTargetClient(config.target, credentials=worker_credentials)
     draft = GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None
     policy = SpeculationPolicy(
-        default_k=config.num_speculative_tokens if draft else 0,
+        default_k=config.default_k if draft else 0,
         max_k=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,
         default_adaptive=config.adaptive and draft is not None,
@@ -55,10 +56,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             draft,
             policy,
             draft_info=draft_info,
-            recovery=Recovery(
-                draft_deadline_s=config.draft_deadline_s,
-                verify_deadline_floor_s=config.verify_deadline_floor_s,
-            ),
+            recovery=config.recovery,
             metrics=CoordinatorMetrics(
                 metrics.registry,
                 model_name=target_info.model,
@@ -78,14 +76,14 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         running = await start_server(
             lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
             [SERVICE_NAME],
-            host=config.address.host,
-            port=config.address.port,
-            credentials=config.address.tls.credentials() if config.address.tls else None,
-            tokens=config.auth_tokens,
+            host=config.service.host,
+            port=config.service.port,
+            credentials=tls.credentials() if (tls := config.service.tls) else None,
+            tokens=load_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset(),
             metrics=RpcMetrics(metrics.registry) if metrics else None,
         )
         await serve_until_signalled(
-            running, ready_file=config.address.ready_file, grace_s=config.address.shutdown_grace_s
+            running, ready_file=config.service.ready_file, grace_s=config.service.shutdown_grace_s
         )
     finally:
         await target.close()
@@ -94,5 +92,5 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
 
 
 def main(config: CoordinatorConfig) -> None:
-    with serving_metrics(config.address) as metrics:
+    with serving_metrics(config.service) as metrics:
         run_service(serve(config, metrics))

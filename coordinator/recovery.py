@@ -1,7 +1,7 @@
 """The round loop's worker sessions, with recovery.
 
 The coordinator's history is the truth and a worker's cache only a cache of
-it (DESIGN §2, invariant 1), so a lost session is rebuilt by opening a new one
+it (docs/design.md#protocol), so a lost session is rebuilt by opening a new one
 on the history:
 
 * **draft** — a failure, or no answer within the per-round deadline, costs
@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.workers import DraftClient, Proposal, TargetClient, VerifyResult, WorkerInfo
+from coordinator.workers import DraftClient, Reply, TargetClient, WorkerInfo
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
-from outrider.sampling import CompactProbs, SamplingParams
+from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
 
@@ -38,7 +39,7 @@ class Speculation:
     """The history's length when it started."""
     assumed: list[int]
     """The drafts it assumes follow; then the draft's guess of the bonus token."""
-    task: asyncio.Future[Proposal]
+    task: asyncio.Future[Reply[Proposal]]
 
 
 class DraftLink:
@@ -76,7 +77,7 @@ class DraftLink:
         self.speculation: Speculation | None = None
         """At most one speculation in flight."""
 
-    async def propose(self, history: list[int], k: int) -> tuple[Proposal | None, float]:
+    async def propose(self, history: list[int], k: int) -> tuple[Reply[Proposal] | None, float]:
         """Syncs and proposes: the proposal (None when the draft is lost:
         draft nothing), and the seconds this round spent opening the session.
 
@@ -126,7 +127,7 @@ class DraftLink:
         return proposal, open_s
 
     def speculate(self, history: list[int], drafts: list[int], k: int) -> None:
-        """Starts a speculation (DESIGN §5): while the target verifies
+        """Starts a speculation (docs/design.md#pipelined-rounds): while the target verifies
         ``drafts``, the draft proposes the next round of ``k`` drafts as if
         it accepted them whole and committed the draft's guess of its bonus
         token. A lost draft speculates nothing."""
@@ -135,13 +136,13 @@ class DraftLink:
         drafts = list(drafts)
         round_ = self._round(history)  # now: the loop's history grows while this runs
 
-        async def ask() -> Proposal:
+        async def ask() -> Reply[Proposal]:
             async with asyncio.timeout(self.deadline_s):
                 return await self._ask(*round_, k, drafts)
 
         self.speculation = Speculation(len(history), drafts, asyncio.ensure_future(ask()))
 
-    async def speculated(self, history: list[int]) -> tuple[Proposal | None, bool | None]:
+    async def speculated(self, history: list[int]) -> tuple[Reply[Proposal] | None, bool | None]:
         """The proposal of the speculation in flight, if the history is what
         it assumed: ``(proposal, True)`` (a hit); ``(None, False)`` when it is
         not (a miss: the round drafts afresh); ``(None, None)`` without one.
@@ -150,14 +151,15 @@ class DraftLink:
         if speculation is None:
             return None, None
         try:
-            proposal = await speculation.task
+            reply = await speculation.task
         except (OutriderError, TimeoutError) as exc:
             await self.close()
             self._lost(exc)
             return None, False
         committed = history[speculation.committed_len :]  # since the speculation started
-        hit = proposal.guess is not None and committed == [*speculation.assumed, proposal.guess]
-        return (proposal, True) if hit else (None, False)
+        guess = reply.value.guess
+        hit = guess is not None and committed == [*speculation.assumed, guess]
+        return (reply, True) if hit else (None, False)
 
     def _round(self, history: list[int]) -> tuple[int, list[int], int]:
         """The next round's committed length, the tokens committed since the
@@ -173,19 +175,18 @@ class DraftLink:
         round_id: int,
         k: int,
         assumed: list[int] | None,
-    ) -> Proposal:
+    ) -> Reply[Proposal]:
         """One round on the session: propose after the committed history (or
         after ``assumed``, when given), and check the answer is that round's."""
-        proposal = await self.session.propose(committed_len, new_tokens, k, assumed, round_id)
+        reply = await self.session.propose(committed_len, new_tokens, k, assumed, round_id)
+        proposal = reply.value
         follows = committed_len if assumed is None else committed_len + len(assumed) + 1
-        if proposal.round_id != round_id or (
-            proposal.draft_tokens and proposal.follows_len != follows
-        ):
+        if proposal.round_id != round_id or (proposal.tokens and proposal.follows_len != follows):
             raise FailedPrecondition(
                 f"the draft answered round {proposal.round_id} after {proposal.follows_len} tokens "
                 f"where round {round_id} after {follows} was asked for"
             )
-        return proposal
+        return reply
 
     async def _open(self, history: Sequence[int]) -> None:
         self.session, _ = await self.client.open(
@@ -255,10 +256,9 @@ class TargetLink:
     async def verify(
         self,
         history: list[int],
-        draft_tokens: list[int],
-        draft_probs: Sequence[CompactProbs],
+        proposal: Proposal,
         deadline_s: float | None = None,
-    ) -> tuple[VerifyResult, float]:
+    ) -> tuple[Reply[Verdict], float]:
         """Verifies, reopening the session on the history after a failure or
         after no answer within ``deadline_s`` (a frozen or overloaded worker:
         the reopen goes to another replica while there is one). Returns the
@@ -270,9 +270,7 @@ class TargetLink:
                 log.info("target session reopened", committed_len=len(history))
             try:
                 async with asyncio.timeout(deadline_s):
-                    return await self.session.verify(
-                        len(history), draft_tokens, draft_probs
-                    ), reopen_s
+                    return await self.session.verify(len(history), proposal), reopen_s
             except Unavailable as exc:
                 log.warning(
                     "target lost: reopening on the history", error=str(exc), attempt=attempt

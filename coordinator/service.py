@@ -9,10 +9,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from coordinator.loop import Delta, GenerationRequest, Models, Recovery, Stats, generate
+from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.policy import CostModel
+from coordinator.stats import Stats
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
+from outrider.config import Recovery
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.sampling import SamplingParams, Verification
@@ -264,7 +266,7 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         acceptance_rate=stats.acceptance_rate,
         draft_time_s=stats.draft_time_s,
         verify_time_s=stats.verify_time_s,
-        rpc_time_s=stats.rpc_time_s,
+        overhead_time_s=stats.overhead_time_s,
         time_to_first_token_s=stats.time_to_first_token_s,
         total_time_s=stats.total_time_s,
         num_speculative_tokens=stats.num_speculative_tokens,

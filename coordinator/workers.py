@@ -1,29 +1,31 @@
 """How the coordinator talks to its workers.
 
-The round loop sees only the small protocols below. Two implementations:
-gRPC (one bidirectional stream per session, the production path) and
-in-process (the engines called directly, so the whole speculative loop runs
-in one process in unit tests) — the same loop code either way.
+The round loop sees only the small protocols below; this module implements
+them over gRPC (one bidirectional stream per session). The test suite has an
+in-process implementation (``tests/inprocess.py``) that calls the workers'
+engines directly, so the whole speculative loop also runs in one process —
+the same loop code either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
 from coordinator.replicas import Replicas
-from outrider.engine import Engine, InlineEngine
 from outrider.errors import SessionExpired, Unavailable
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
-from outrider.sampling import CompactProbs, SamplingParams
+from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal, Verdict
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import probs_from_pb, probs_to_pb, sampling_to_pb
+from outrider.wire import proposal_from_pb, sampling_to_pb, verdict_from_pb, verify_round_to_pb
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,23 +40,11 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
-class Proposal:
-    draft_tokens: list[int]
-    compute_s: float
-    draft_probs: list[CompactProbs] = field(default_factory=list)
-    """q of each draft token (rejection mode with a sampling draft), else empty."""
-    round_id: int = 0
-    """The round it answers (echoed)."""
-    follows_len: int = 0
-    """The length of the history the drafts follow."""
-    guess: int | None = None
-    """A speculation's guess of the bonus token after the assumed drafts."""
+class Reply(Generic[T]):
+    """A worker's answer and the compute it took there (its engine's steps,
+    shared with other sessions, included)."""
 
-
-@dataclass(frozen=True)
-class VerifyResult:
-    num_accepted: int
-    next_token: int
+    value: T
     compute_s: float
 
 
@@ -66,7 +56,7 @@ class DraftSession(Protocol):
         k: int,
         assumed: Sequence[int] | None = None,
         round_id: int = 0,
-    ) -> Proposal:
+    ) -> Reply[Proposal]:
         """Syncs the new committed tokens and proposes up to k drafts after
         the history; given ``assumed`` drafts (even none), a speculation:
         a guess of the bonus token after them, then the drafts after that."""
@@ -76,12 +66,8 @@ class DraftSession(Protocol):
 
 
 class TargetSession(Protocol):
-    async def verify(
-        self,
-        committed_len: int,
-        draft_tokens: Sequence[int],
-        draft_probs: Sequence[CompactProbs] = (),
-    ) -> VerifyResult: ...
+    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]: ...
+
     def failing(self) -> None:
         """Says the session's worker stopped answering: new sessions go to
         other replicas for a while."""
@@ -91,6 +77,7 @@ class TargetSession(Protocol):
 
 class DraftClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
+
     async def open(
         self,
         tokens: Sequence[int],
@@ -103,6 +90,7 @@ class DraftClient(Protocol):
 
 class TargetClient(Protocol):
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
+
     async def open(
         self,
         tokens: Sequence[int],
@@ -133,22 +121,16 @@ class _GrpcSession:
     response per step. A worker's error status becomes the domain error of
     the same meaning, so the coordinator passes it on to its client."""
 
-    role = "worker"
-
-    def __init__(
-        self,
-        call: grpc.aio.StreamStreamCall,
-        address: str,
-        release: Callable[[], None],
-        failed: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, role: str, call: grpc.aio.StreamStreamCall, replica: Any) -> None:
+        self.role = role
         self._call = call
-        self.address = address
-        self._release = release
-        self._failed = failed
+        self.address = replica.address
+        self._replica = replica
+        replica.load += 1
+        self._open = True
 
     def failing(self) -> None:
-        self._failed()
+        self._replica.failed()
 
     async def exchange(self, request):
         try:
@@ -161,13 +143,13 @@ class _GrpcSession:
         code, details = await self._call.code(), await self._call.details()
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
         if isinstance(error, Unavailable) and not isinstance(error, SessionExpired):
-            self._failed()
+            self._replica.failed()
         raise error
 
     async def close(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
+        if self._open:
+            self._replica.load -= 1
+            self._open = False
         # Half-close, then cancel: the worker frees the session either way.
         if not self._call.done():
             try:
@@ -178,9 +160,7 @@ class _GrpcSession:
 
 
 class GrpcDraftSession(_GrpcSession):
-    role = "draft"
-
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
         response = await self.exchange(
             pb.DraftRequest(
                 round=pb.DraftRound(
@@ -193,71 +173,34 @@ class GrpcDraftSession(_GrpcSession):
                 )
             )
         )
-        p = response.proposal
-        return Proposal(
-            list(p.draft_token_ids),
-            p.compute_s,
-            probs_from_pb(p.draft_probs),
-            round_id=p.round_id,
-            follows_len=p.follows_len,
-            guess=p.guess_token_id if p.HasField("guess_token_id") else None,
-        )
+        return Reply(proposal_from_pb(response.proposal), response.proposal.compute_s)
 
 
 class GrpcTargetSession(_GrpcSession):
-    role = "target"
-
-    async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
+    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]:
         response = await self.exchange(
-            pb.VerifyRequest(
-                round=pb.VerifyRound(
-                    committed_len=committed_len,
-                    draft_token_ids=draft_tokens,
-                    draft_probs=probs_to_pb(draft_probs),
-                )
-            )
+            pb.VerifyRequest(round=verify_round_to_pb(committed_len, proposal))
         )
-        verdict = response.verdict
-        return VerifyResult(verdict.num_accepted, verdict.next_token_id, verdict.compute_s)
+        return Reply(verdict_from_pb(response.verdict), response.verdict.compute_s)
 
 
-async def _open(
-    replicas: Replicas, session_class, request, *, request_id: str, deadline_s: float | None = None
-):
-    """Opens a session on a replica; one that does not answer within
-    ``deadline_s`` (frozen) counts as failed: Unavailable."""
-    replica = await replicas.choose()
-    replica.load += 1
+class GrpcWorkerClient:
+    """The replicas of one worker role, and sessions opened on them."""
 
-    def release() -> None:
-        replica.load -= 1
-
-    call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
-    session = session_class(call, replica.address, release, replica.failed)
-    try:
-        async with asyncio.timeout(deadline_s):
-            response = await session.exchange(request)
-    except TimeoutError:
-        await session.close()
-        replica.failed()
-        raise Unavailable(
-            f"{session.role} worker {replica.address} did not open the session within {deadline_s:.3g} s"
-        ) from None
-    except BaseException:
-        await session.close()
-        raise
-    replica.opened()
-    return session, response.opened.compute_s
-
-
-class GrpcDraftClient:
-    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        stub_class: Callable[[grpc.aio.Channel], Any],
+        session_class: type[_GrpcSession],
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        kube_api=None,
+    ) -> None:
+        self.role = role
+        self.session_class = session_class
         self.replicas = Replicas(
-            "draft",
-            addresses,
-            worker_pb2_grpc.DraftWorkerStub,
-            credentials=credentials,
-            kube_api=kube_api,
+            role, addresses, stub_class, credentials=credentials, kube_api=kube_api
         )
 
     async def start(self) -> None:
@@ -267,6 +210,43 @@ class GrpcDraftClient:
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
         return _info_from_pb(await self.replicas.wait_ready(timeout_s))
+
+    async def close(self) -> None:
+        await self.replicas.close()
+
+    async def _open(self, request, *, request_id: str, deadline_s: float | None = None):
+        """Opens a session on a replica; one that does not answer within
+        ``deadline_s`` (frozen) counts as failed: Unavailable."""
+        replica = await self.replicas.choose()
+        call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
+        session = self.session_class(self.role, call, replica)
+        try:
+            async with asyncio.timeout(deadline_s):
+                response = await session.exchange(request)
+        except TimeoutError:
+            await session.close()
+            replica.failed()
+            raise Unavailable(
+                f"{self.role} worker {replica.address} did not open the session "
+                f"within {deadline_s:.3g} s"
+            ) from None
+        except BaseException:
+            await session.close()
+            raise
+        replica.opened()
+        return session, response.opened.compute_s
+
+
+class GrpcDraftClient(GrpcWorkerClient):
+    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+        super().__init__(
+            "draft",
+            addresses,
+            worker_pb2_grpc.DraftWorkerStub,
+            GrpcDraftSession,
+            credentials=credentials,
+            kube_api=kube_api,
+        )
 
     async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
         request = pb.DraftRequest(
@@ -278,143 +258,31 @@ class GrpcDraftClient:
                 sampling=sampling_to_pb(sampling),
             )
         )
-        return await _open(self.replicas, GrpcDraftSession, request, request_id=request_id)
-
-    async def close(self) -> None:
-        await self.replicas.close()
+        return await self._open(request, request_id=request_id)
 
 
-class GrpcTargetClient:
+class GrpcTargetClient(GrpcWorkerClient):
     def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
-        self.replicas = Replicas(
+        super().__init__(
             "target",
             addresses,
             worker_pb2_grpc.TargetWorkerStub,
+            GrpcTargetSession,
             credentials=credentials,
             kube_api=kube_api,
         )
 
-    async def start(self) -> None:
-        """Starts discovering the replicas of ``k8s://`` addresses."""
-        await self.replicas.start()
-
-    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        """Waits up to ``timeout_s`` for a replica that takes sessions to answer."""
-        return _info_from_pb(await self.replicas.wait_ready(timeout_s))
-
     async def open(
-        self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
+        self,
+        tokens,
+        *,
+        request_id: str,
+        sampling: SamplingParams,
+        deadline_s: float | None = None,
     ):
         request = pb.VerifyRequest(
             open=pb.SessionOpen(
                 token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling)
             )
         )
-        return await _open(
-            self.replicas, GrpcTargetSession, request, request_id=request_id, deadline_s=deadline_s
-        )
-
-    async def close(self) -> None:
-        await self.replicas.close()
-
-
-# --- in-process ---------------------------------------------------------------
-
-
-class InProcessTargetClient:
-    """Runs a worker's TargetSessions jobs on its engine directly (tests, one-process use)."""
-
-    def __init__(self, sessions, engine: Engine | InlineEngine) -> None:
-        self.sessions = sessions
-        self.engine = engine
-
-    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        i = self.sessions.info
-        return WorkerInfo(
-            i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype
-        )
-
-    async def open(
-        self, tokens, *, request_id: str, sampling: SamplingParams, deadline_s: float | None = None
-    ):
-        session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.engine.timed(
-            self.sessions.open, session_id, list(tokens), sampling
-        )
-        return _InProcessTargetSession(self, session_id), compute_s
-
-
-class _InProcessTargetSession:
-    def __init__(self, client: InProcessTargetClient, session_id: str) -> None:
-        self.client = client
-        self.session_id = session_id
-
-    async def verify(self, committed_len, draft_tokens, draft_probs=()) -> VerifyResult:
-        v, compute_s = await self.client.engine.timed(
-            self.client.sessions.verify,
-            self.session_id,
-            committed_len,
-            list(draft_tokens),
-            list(draft_probs),
-        )
-        return VerifyResult(v.num_accepted, v.next_token, compute_s)
-
-    def failing(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        self.client.engine.submit(self.client.sessions.close, self.session_id)
-
-
-class InProcessDraftClient:
-    """Runs a worker's DraftSessions jobs on its engine directly."""
-
-    def __init__(self, sessions, engine: Engine | InlineEngine) -> None:
-        self.sessions = sessions
-        self.engine = engine
-
-    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
-        d, i = self.sessions.drafter, self.sessions.info
-        return WorkerInfo(
-            d.model_name,
-            d.kind,
-            d.vocab_size or 0,
-            i.vocab_fingerprint,
-            i.max_context,
-            i.device,
-            i.dtype,
-        )
-
-    async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
-        session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.engine.timed(
-            self.sessions.open,
-            session_id,
-            list(tokens),
-            target.vocab_size,
-            target.vocab_fingerprint,
-            sampling,
-        )
-        return _InProcessDraftSession(self, session_id), compute_s
-
-
-class _InProcessDraftSession:
-    def __init__(self, client: InProcessDraftClient, session_id: str) -> None:
-        self.client = client
-        self.session_id = session_id
-
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
-        drafts, compute_s = await self.client.engine.timed(
-            self.client.sessions.propose,
-            self.session_id,
-            committed_len,
-            list(new_tokens),
-            k,
-            assumed,
-        )
-        return Proposal(
-            drafts.tokens, compute_s, drafts.probs, round_id, drafts.follows_len, drafts.guess
-        )
-
-    async def close(self) -> None:
-        self.client.engine.submit(self.client.sessions.close, self.session_id)
+        return await self._open(request, request_id=request_id, deadline_s=deadline_s)

@@ -21,7 +21,7 @@ from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import load_model, serve_worker
+from outrider.worker import WorkerRole, load_model, serve_worker
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -35,8 +35,8 @@ GRAPH_TOKENS_PER_ROW = 3
 
 def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     drafter: Drafter
-    limits = config.limits
-    if config.drafter == "prompt-lookup":
+    limits, kind = config.limits, config.drafter_kind
+    if kind == "prompt-lookup":
         drafter = PromptLookupDrafter(max_ngram=config.max_ngram)
         info = DraftInfo(
             vocab_fingerprint="",
@@ -54,7 +54,7 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         device=device,
         dtype=dtype,
     )
-    int4 = config.drafter == "int4"
+    int4 = kind == "int4"
     runner = build_runner(
         model,
         limits=limits,
@@ -63,7 +63,7 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         int4_group_size=config.int4_group_size if int4 else None,
     )
     name = config.model or models.DEFAULT_MODEL
-    if config.drafter == "early-exit":
+    if kind == "early-exit":
         drafter = EarlyExitDrafter(runner, model_name=f"{name}[:{config.draft_layers}]")
     elif int4:
         drafter = Int4Drafter(runner, model_name=f"{name}[int4-g{config.int4_group_size}]")
@@ -92,28 +92,22 @@ async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
 async def serve(config: DraftWorkerConfig) -> None:
     log.info(
         "loading drafter",
-        drafter=config.drafter,
+        drafter=config.drafter_kind,
         model=config.model,
         device=config.engine.device,
         dtype=config.engine.dtype,
     )
-    await serve_worker(
-        config,
-        module=__name__,
-        add_servicer=lambda draft, engine, server, metrics: (
-            worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-                DraftWorkerService(
-                    draft,
-                    engine,
-                    idle_timeout_s=config.limits.session_idle_timeout_s,
-                    metrics=metrics,
-                ),
-                server,
-            )
-        ),
-        service_name=SERVICE_NAME,
-        role="draft",
-    )
+    await serve_worker(ROLE, config)
+
+
+ROLE = WorkerRole(
+    name="draft",
+    service_name=SERVICE_NAME,
+    build_sessions=build_sessions,
+    warm_up=warm_up,
+    servicer=DraftWorkerService,
+    add_to_server=worker_pb2_grpc.add_DraftWorkerServicer_to_server,
+)
 
 
 def main(config: DraftWorkerConfig) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import probs_to_pb, sampling_from_pb
+from outrider.wire import proposal_to_pb, sampling_from_pb
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
@@ -26,7 +28,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
-        drafts, compute_s = await self.engine.timed(
+        proposal, compute_s = await self.engine.timed(
             self.sessions.propose,
             session_id,
             request.committed_len,
@@ -34,16 +36,8 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             request.num_draft_tokens,
             list(request.assumed_token_ids) if request.speculate else None,
         )
-        return pb.DraftResponse(
-            proposal=pb.DraftProposal(
-                draft_token_ids=drafts.tokens,
-                draft_probs=probs_to_pb(drafts.probs),
-                compute_s=compute_s,
-                round_id=request.round_id,
-                follows_len=drafts.follows_len,
-                guess_token_id=drafts.guess,
-            )
-        )
+        answer = replace(proposal, round_id=request.round_id)
+        return pb.DraftResponse(proposal=proposal_to_pb(answer, compute_s=compute_s))
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         drafter, info = self.sessions.drafter, self.sessions.info

@@ -8,28 +8,15 @@ other sessions drafting."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from outrider.drafters import Drafter
 from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.sampling import CompactProbs, SamplingParams, compact
+from outrider.sampling import SamplingParams
 from outrider.session import SessionStore
+from outrider.speculation import Proposal
 from outrider.validation import check_context, check_token_ids
-
-
-@dataclass(frozen=True)
-class Drafts:
-    """A proposal, its q in wire form (empty: point masses)."""
-
-    tokens: list[int]
-    probs: list[CompactProbs]
-    follows_len: int
-    """The length of the history the tokens follow."""
-    guess: int | None = None
-    """A speculation's guess of the bonus token after the assumed ones (the
-    tokens follow it); None for a proposal after the committed history, or a
-    speculation that had no guess."""
 
 
 @dataclass(frozen=True)
@@ -145,17 +132,21 @@ class DraftSessions:
         history = [*session.tokens, *assumed] if guessing else session.tokens
         k = min(num_draft_tokens + guessing, self.info.max_context - len(history))
         if k <= 0:
-            return Drafts([], [], len(history))
+            return Proposal([], follows_len=len(history))
         if kv is not None:
             kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
             kv.reserve(len(history) + k - 1)
         proposal = yield from self.drafter.propose(session, history, k)
-        tokens, probs = proposal.tokens, [compact(q) for q in proposal.probs or ()]
-        if not guessing:
-            return Drafts(tokens, probs, len(history))
-        if not tokens:
-            return Drafts([], [], len(history))  # no guess: nothing to speculate on
-        return Drafts(tokens[1:], probs[1:], len(history) + 1, guess=tokens[0])
+        if not guessing or not proposal.tokens:  # (no guess: nothing to speculate on)
+            return proposal
+        guess, *tokens = proposal.tokens
+        return replace(
+            proposal,
+            tokens=tokens,
+            probs=proposal.probs[1:],
+            follows_len=len(history) + 1,
+            guess=guess,
+        )
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)

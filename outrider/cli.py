@@ -19,168 +19,42 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from outrider.config import DEFAULT_INT4_GROUP_SIZE, DRAFTERS, default_drafter
+from outrider import flags
+from outrider.config import (
+    DEFAULT_PORTS,
+    DRAFTERS,
+    CoordinatorConfig,
+    DraftWorkerConfig,
+    EngineConfig,
+    TargetWorkerConfig,
+    default_drafter,
+    num_speculative_tokens,
+)
+from outrider.device import check_device, check_dtype
 
-DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+ROLE_CONFIGS = {
+    "coordinator": CoordinatorConfig,
+    "target": TargetWorkerConfig,
+    "draft": DraftWorkerConfig,
+}
 
 
-# --- flags that also come from OUTRIDER_* variables ------------------------------
+def _checked(check):
+    """An argparse type from a config check: its ValueError is the usage error."""
+
+    def convert(text: str):
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
-class _EnvFlags:
-    """Adds flags whose default comes from ``OUTRIDER_<FLAG>`` (read when the
-    parser is built, in ``main``), and says so in ``--help``."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-    def add(self, flag: str, *, default=None, type=str, help: str, **kwargs) -> None:
-        env = "OUTRIDER_" + flag.lstrip("-").upper().replace("-", "_")
-        if env in os.environ:
-            raw = os.environ[env]
-            try:
-                default = _parse_bool(raw) if kwargs.get("action") == "store_true" else type(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                self.parser.error(f"{env}={raw!r} is not a valid {flag}: {exc}")
-        if kwargs.get("action") == "store_true":
-            self.parser.add_argument(
-                flag, default=bool(default), help=f"{help} [env {env}]", **kwargs
-            )
-        else:
-            self.parser.add_argument(
-                flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs
-            )
-
-
-def _parse_bool(raw: str) -> bool:
-    return raw.strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _k_value(raw: str | int) -> int | str:
-    """A K: a non-negative integer, or "auto" (adaptive)."""
-    if str(raw).strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"K must be a non-negative integer or 'auto', not {raw!r}"
-        ) from None
-    if k < 0:
-        raise argparse.ArgumentTypeError(f"K must be non-negative, not {k}")
-    return k
-
-
-def _device(raw: str) -> str:
-    from outrider.device import check_device
-
-    try:
-        return check_device(raw.strip().lower())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _dtype(raw: str) -> str:
-    from outrider.device import check_dtype
-
-    try:
-        return check_dtype(raw.strip().lower())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _addresses(raw: str) -> tuple[str, ...]:
-    return tuple(a.strip() for a in raw.split(",") if a.strip())
-
-
-def _add_common_service_flags(flags: _EnvFlags, role: str) -> None:
-    flags.add(
-        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 or [::] for all interfaces)"
-    )
-    flags.add(
-        "--port", default=DEFAULT_PORTS[role], type=int, help="port to bind (0: any free port)"
-    )
-    flags.add("--ready-file", type=Path, help="write the bound port to this file once SERVING")
-    flags.add(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics over HTTP at /metrics on --host at this port "
-        "(0: any free port, written to the --ready-file's name with .metrics-port; unset: no metrics)",
-    )
-    flags.add(
-        "--shutdown-grace-s",
-        default=10.0,
-        type=float,
-        help="on SIGTERM: report NOT_SERVING, refuse new calls with UNAVAILABLE, give calls in flight "
-        "this many seconds to finish, then cancel the rest and exit",
-    )
-    flags.add("--log-level", default="info", help="debug, info, warning or error")
-    flags.add("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
-    flags.add("--tls-key", type=Path, help="private key of --tls-cert (PEM)")
-    flags.add(
-        "--tls-client-ca",
-        type=Path,
-        help="require client certificates signed by this CA (mutual TLS)",
-    )
-
-
-def _add_worker_flags(flags: _EnvFlags) -> None:
-    from outrider.config import default_threads
-
-    flags.add(
-        "--device",
-        default="auto",
-        type=_device,
-        help="where the model runs: auto (the first CUDA device if there is one, else the CPU), cpu, cuda or cuda:N",
-    )
-    flags.add(
-        "--dtype",
-        default="auto",
-        type=_dtype,
-        help="weights dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16 or float64",
-    )
-    flags.add(
-        "--threads",
-        default=default_threads(),
-        type=int,
-        help="torch threads for forward passes on the CPU",
-    )
-    flags.add(
-        "--max-tokens-per-step",
-        type=int,
-        help="tokens one batched forward pass may hold: rounds run whole, prompts are prefilled in chunks of "
-        "what is left (default: 256 on the CPU, 2048 on CUDA)",
-    )
-    flags.add(
-        "--enforce-eager",
-        action="store_true",
-        help="never capture CUDA graphs (every step runs eagerly)",
-    )
-    flags.add(
-        "--max-batch-wait",
-        default=0.25,
-        type=float,
-        help="how long a step may wait for the sessions the previous step answered, so they stay in one batch, "
-        "as a share of a forward pass (0: never wait)",
-    )
-    flags.add("--max-sessions", default=64, type=int, help="most sessions open at once")
-    flags.add(
-        "--max-cached-tokens",
-        type=int,
-        help="most tokens cached over all sessions (default: sized from the memory free once the model is loaded)",
-    )
-    flags.add(
-        "--session-idle-timeout-s",
-        default=300.0,
-        type=float,
-        help="close a session (and free its KV cache) whose stream brings no message for this many seconds",
-    )
-    flags.add(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow model code from the checkpoint (off by default)",
-    )
+device, dtype, k_value = (
+    _checked(check) for check in (check_device, check_dtype, num_speculative_tokens)
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    # up / demo
+    # up / demo: their defaults are the services' own
+    engine, coordinator = flags.flag_defaults(EngineConfig), flags.flag_defaults(CoordinatorConfig)
     up = commands.add_parser(
         "up", help="start coordinator, draft and target workers on this machine"
     )
@@ -215,26 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-layers", type=int, help="layers kept by the early-exit drafter")
         p.add_argument(
             "--device",
-            type=_device,
-            default=os.environ.get("OUTRIDER_DEVICE", "auto"),
-            help="where both workers run their models: auto, cpu, cuda or cuda:N [env OUTRIDER_DEVICE]",
+            type=device,
+            default=os.environ.get("OUTRIDER_DEVICE", engine["device"]),
+            help="where both workers run their models: auto, cpu, cuda or cuda:N "
+            "[env OUTRIDER_DEVICE]",
         )
         p.add_argument(
             "--dtype",
-            type=_dtype,
-            default="auto",
+            type=dtype,
+            default=engine["dtype"],
             help="dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)",
         )
         p.add_argument(
             "--draft-dtype",
-            type=_dtype,
-            default="auto",
+            type=dtype,
+            default=engine["dtype"],
             help="dtype of the draft model (auto: as the target's default)",
         )
         p.add_argument(
             "--k",
-            type=_k_value,
-            default=4,
+            type=k_value,
+            default=coordinator["num_speculative_tokens"],
             help="default draft tokens per round, or 'auto' (adaptive)",
         )
         p.add_argument(
@@ -265,116 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
 
-    coordinator = roles.add_parser("coordinator", help="the public gRPC API and the round loop")
-    flags = _EnvFlags(coordinator)
-    _add_common_service_flags(flags, "coordinator")
-    flags.add(
-        "--target",
-        type=_addresses,
-        help="target workers, comma-separated (required): HOST:PORT, or k8s://SERVICE[.NAMESPACE]:PORT to route to "
-        "the ready pods of a Kubernetes Service's EndpointSlices (PORT: their port name or number; NAMESPACE: "
-        "default the coordinator's own); sessions stay on the pod they opened on",
-    )
-    flags.add(
-        "--draft",
-        type=_addresses,
-        default=(),
-        help="draft workers, comma-separated, in the same forms as --target; none: target-only decoding",
-    )
-    flags.add(
-        "--tokenizer",
-        help="tokenizer: embedded name, directory or hub id (default: the default model's)",
-    )
-    flags.add(
-        "--num-speculative-tokens",
-        default=4,
-        type=_k_value,
-        help="default draft tokens per round (K), or 'auto': choose K per round from acceptance and costs",
-    )
-    flags.add(
-        "--pipeline",
-        action="store_true",
-        help="draft the next round while the target verifies this one (requests may override)",
-    )
-    flags.add(
-        "--max-num-speculative-tokens", default=16, type=int, help="largest K a request may ask for"
-    )
-    flags.add(
-        "--default-max-new-tokens",
-        default=256,
-        type=int,
-        help="max_new_tokens when a request leaves it unset",
-    )
-    flags.add(
-        "--worker-wait-s",
-        default=300.0,
-        type=float,
-        help="how long to wait at start for a target (and draft) worker to answer; with k8s:// addresses, for a ready endpoint",
-    )
-    flags.add(
-        "--worker-tls-ca", type=Path, help="reach the workers over TLS, trusting this CA (PEM)"
-    )
-    flags.add(
-        "--worker-tls-cert",
-        type=Path,
-        help="client certificate to present to workers that require one",
-    )
-    flags.add("--worker-tls-key", type=Path, help="private key of --worker-tls-cert")
-    flags.add(
-        "--auth-tokens-file", type=Path, help="require a bearer token from this file (one per line)"
-    )
-    flags.add(
-        "--draft-deadline-s",
-        default=5.0,
-        type=float,
-        help="a draft worker that has not answered a round within this many seconds is skipped: "
-        "the stream goes on at K=0 and the draft session is reopened later",
-    )
-    flags.add(
-        "--verify-deadline-floor-s",
-        default=2.0,
-        type=float,
-        help="a target worker that gives no verdict within max(this, 10 x the measured verify time) "
-        "counts as lost (frozen or stalled): the session is reopened on another replica",
-    )
-
-    target = roles.add_parser(
-        "target", help="the target model: verifies K drafts in one forward pass"
-    )
-    flags = _EnvFlags(target)
-    _add_common_service_flags(flags, "target")
-    flags.add(
-        "--model",
-        help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
-    )
-    _add_worker_flags(flags)
-
-    draft = roles.add_parser("draft", help="the drafter: proposes K tokens a round")
-    flags = _EnvFlags(draft)
-    _add_common_service_flags(flags, "draft")
-    flags.add(
-        "--drafter",
-        default=None,
-        help="model (a small model), int4 (the checkpoint in 4 bits), prompt-lookup or early-exit "
-        "(default: model if --model is given, else int4 on the CPU and prompt-lookup on CUDA)",
-    )
-    flags.add(
-        "--model",
-        help="draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter cuts "
-        "(default: the default model)",
-    )
-    flags.add("--draft-layers", type=int, help="layers kept by the early-exit drafter")
-    flags.add(
-        "--int4-group-size",
-        default=DEFAULT_INT4_GROUP_SIZE,
-        type=int,
-        help="weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256",
-    )
-    flags.add("--max-draft-tokens", default=16, type=int, help="largest K a round may ask for")
-    flags.add(
-        "--max-ngram", default=3, type=int, help="longest n-gram the prompt-lookup drafter matches"
-    )
-    _add_worker_flags(flags)
+    descriptions = {
+        "coordinator": "the public gRPC API and the round loop",
+        "target": "the target model: verifies K drafts in one forward pass",
+        "draft": "the drafter: proposes K tokens a round",
+    }
+    for role, config in ROLE_CONFIGS.items():
+        flags.add_flags(roles.add_parser(role, help=descriptions[role]), config)
 
     # generate
     gen = commands.add_parser(
@@ -396,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--k",
-        type=_k_value,
+        type=k_value,
         help="draft tokens per round (0: target only; 'auto': adaptive; default: the server's)",
     )
     gen.add_argument(
@@ -459,86 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from outrider import config as cfg
-    from outrider import security
     from outrider.logging import configure_logging
 
     try:
-        address = cfg.ServiceAddress(
-            host=args.host,
-            port=args.port,
-            ready_file=args.ready_file,
-            tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
-            metrics_port=args.metrics_port,
-            shutdown_grace_s=args.shutdown_grace_s,
-        )
-        if args.role == "coordinator":
-            if not args.target:
-                raise ValueError("--target HOST:PORT is required (or OUTRIDER_TARGET)")
-            config = cfg.CoordinatorConfig(
-                address=address,
-                target=args.target,
-                draft=args.draft,
-                tokenizer=args.tokenizer,
-                num_speculative_tokens=0
-                if args.num_speculative_tokens == "auto"
-                else args.num_speculative_tokens,
-                adaptive=args.num_speculative_tokens == "auto",
-                pipeline=args.pipeline,
-                max_num_speculative_tokens=args.max_num_speculative_tokens,
-                default_max_new_tokens=args.default_max_new_tokens,
-                worker_wait_s=args.worker_wait_s,
-                worker_tls=security.ClientTls(
-                    args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key
-                )
-                if args.worker_tls_ca or args.worker_tls_cert
-                else None,
-                auth_tokens=security.load_tokens(args.auth_tokens_file)
-                if args.auth_tokens_file
-                else frozenset(),
-                draft_deadline_s=args.draft_deadline_s,
-                verify_deadline_floor_s=args.verify_deadline_floor_s,
-            )
-            from coordinator.main import main as run
-        else:
-            limits = cfg.WorkerLimits(
-                max_sessions=args.max_sessions,
-                max_cached_tokens=args.max_cached_tokens,
-                session_idle_timeout_s=args.session_idle_timeout_s,
-            )
-            engine = cfg.EngineConfig(
-                device=args.device,
-                dtype=args.dtype,
-                threads=args.threads,
-                max_tokens_per_step=args.max_tokens_per_step,
-                enforce_eager=args.enforce_eager,
-                max_batch_wait=args.max_batch_wait,
-            )
-            common = dict(
-                address=address,
-                model=args.model,
-                engine=engine,
-                limits=limits,
-                trust_remote_code=args.trust_remote_code,
-            )
-            if args.role == "target":
-                config = cfg.TargetWorkerConfig(**common)
-                from target_worker.main import main as run
-            else:
-                drafter = args.drafter or cfg.default_drafter(args.device, draft_model=args.model)
-                config = cfg.DraftWorkerConfig(
-                    **common,
-                    drafter=drafter,
-                    draft_layers=args.draft_layers,
-                    int4_group_size=args.int4_group_size,
-                    max_draft_tokens=args.max_draft_tokens,
-                    max_ngram=args.max_ngram,
-                )
-                from draft_worker.main import main as run
-    except (ValueError, OSError) as exc:
+        config = flags.build(ROLE_CONFIGS[args.role], args)
+    except ValueError as exc:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level)
+    configure_logging(config.service.log_level)
+    if args.role == "coordinator":
+        from coordinator.main import main as run
+    elif args.role == "target":
+        from target_worker.main import main as run
+    else:
+        from draft_worker.main import main as run
     run(config)
     return 0
 
@@ -645,8 +352,8 @@ def _print_stats(stats) -> None:
         ("mean acceptance length", f"{stats.mean_acceptance_length:.2f} tokens/round"),
         ("time to first token", f"{stats.time_to_first_token_s * 1000:.0f} ms"),
         (
-            "draft / verify / rpc",
-            f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.rpc_time_s:.3f} s",
+            "draft / verify / overhead",
+            f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.overhead_time_s:.3f} s",
         ),
         *(_pipeline_rows(stats) if stats.pipeline else []),
         (
@@ -811,7 +518,7 @@ def _add_bench_parser(commands) -> None:
         help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
     )  # fmt: skip
     bench.add_argument(
-        "--device", type=_device, default="auto",
+        "--device", type=device, default="auto",
         help="where both workers and the Hugging Face configurations run: auto (the first CUDA device if there "
         "is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
     )  # fmt: skip

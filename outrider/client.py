@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import grpc
 import grpc.aio
@@ -52,6 +52,7 @@ __all__ = [
     "Chunk",
     "Client",
     "Generation",
+    "GenerateOptions",
     "GenerationStats",
     "ModelInfo",
 ]
@@ -92,7 +93,7 @@ class GenerationStats:
     """``accepted_tokens / draft_tokens`` (0 when nothing was drafted)."""
     draft_time_s: float
     verify_time_s: float
-    rpc_time_s: float
+    overhead_time_s: float
     time_to_first_token_s: float
     total_time_s: float
     num_speculative_tokens: int
@@ -191,6 +192,62 @@ class ModelInfo:
 
 
 # ---------------------------------------------------------------------------
+# Requests
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of ``generate`` and ``stream`` (both clients).
+
+    The prompt is exactly one of the positional ``prompt`` (raw text,
+    tokenized as ``tokenizer(text)`` does), ``messages`` or ``token_ids``.
+    """
+
+    messages: Sequence[ChatMessage | Mapping[str, str]]
+    """Chat messages (``ChatMessage`` or ``{"role", "content"}``), rendered
+    with the target's chat template."""
+    token_ids: Sequence[int]
+    """Prompt token ids, used as they are."""
+    max_new_tokens: int | None
+    """Upper bound on generated tokens (``None``: the server default)."""
+    stop: Sequence[str]
+    """Stop strings; the one that matched is not part of the text."""
+    stop_token_ids: Sequence[int]
+    """Stop tokens; the one that matched is part of ``token_ids``."""
+    ignore_eos: bool
+    """Keep generating past the model's end-of-sequence tokens."""
+    num_speculative_tokens: int | None
+    """Draft tokens per round (``None``: the server default; ``0``: plain
+    target decoding)."""
+    adaptive: bool
+    """Choose K each round from the running acceptance and the measured
+    costs (down to 0 when drafting does not pay); a ``num_speculative_tokens``
+    that is given wins."""
+    pipeline: bool | None
+    """Pipelined rounds (``None``: the server's default): the draft worker
+    drafts the next round while the target verifies this one; the output is
+    the same either way."""
+    temperature: float
+    """``0`` (the default) is greedy decoding."""
+    top_k: int
+    """Keep the ``top_k`` most likely tokens (``0``: off)."""
+    top_p: float | None
+    """Nucleus sampling mass in ``(0, 1]`` (``None``: off)."""
+    min_p: float
+    """Drop tokens below ``min_p`` times the top probability."""
+    seed: int | None
+    """Seed of the request's draws (``None``: a fresh one, reported as
+    ``stats.seed``); a seeded request reproduces."""
+    verification: str | None
+    """``"greedy"``, ``"rejection"`` (default when sampling) or ``"gumbel"``
+    (output independent of the drafter and K for a given seed)."""
+    request_id: str | None
+    """Id bound into the server's log lines for this request."""
+    timeout: float | None
+    """Deadline in seconds (of the whole stream, for ``stream``); ``None``
+    uses the client's default."""
+
+
+# ---------------------------------------------------------------------------
 # Translation to and from protobuf (shared by both clients)
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -206,25 +263,27 @@ _VERIFICATION_NAMES = {v: k for k, v in _VERIFICATIONS.items()}
 
 def _build_request(
     prompt: str | None,
-    messages: Sequence[ChatMessage | Mapping[str, str]] | None,
-    token_ids: Sequence[int] | None,
     *,
-    max_new_tokens: int | None,
-    stop: Sequence[str],
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
-    num_speculative_tokens: int | None,
-    adaptive: bool,
-    pipeline: bool | None,
-    temperature: float,
-    top_k: int,
-    top_p: float | None,
-    min_p: float,
-    seed: int | None,
-    verification: str | None,
-    request_id: str | None,
-) -> pb.GenerateRequest:
-    """The ``GenerateRequest`` for the arguments of ``generate``/``stream``.
+    messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    num_speculative_tokens: int | None = None,
+    adaptive: bool = False,
+    pipeline: bool | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    verification: str | None = None,
+    request_id: str | None = None,
+    timeout: float | None = None,
+) -> tuple[pb.GenerateRequest, float | None]:
+    """The ``GenerateRequest`` for the arguments of ``generate``/``stream``
+    (:class:`GenerateOptions`), and the call's timeout.
 
     Checks only the shape (exactly one prompt kind); the server validates values.
     """
@@ -278,7 +337,7 @@ def _build_request(
     # Explicit presence: unset means the server's default.
     if pipeline is not None:
         request.speculation.pipeline = pipeline
-    return request
+    return request, timeout
 
 
 def _chat_message(message: ChatMessage | Mapping[str, str]) -> ChatMessage:
@@ -367,109 +426,26 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        num_speculative_tokens: int | None = None,
-        adaptive: bool = False,
-        pipeline: bool | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        verification: str | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> Generation:
-        """Generates a whole completion (the ``Complete`` RPC).
-
-        Args:
-            prompt: Raw text, tokenized as ``tokenizer(text)`` does.
-            messages: Chat messages (``ChatMessage`` or ``{"role", "content"}``),
-                rendered with the target's chat template.
-            token_ids: Prompt token ids, used as they are.
-            max_new_tokens: Upper bound on generated tokens (``None``: the server default).
-            stop: Stop strings; the one that matched is not part of the text.
-            stop_token_ids: Stop tokens; the one that matched is part of ``token_ids``.
-            ignore_eos: Keep generating past the model's end-of-sequence tokens.
-            num_speculative_tokens: Draft tokens per round (``None``: the
-                server default; ``0``: plain target decoding).
-            adaptive: Choose K each round from the running acceptance and
-                the measured costs (down to 0 when drafting does not pay);
-                a ``num_speculative_tokens`` that is given wins.
-            pipeline: Pipelined rounds (``None``: the server's default): the
-                draft worker drafts the next round while the target verifies
-                this one; the output is the same either way.
-            temperature: ``0`` (the default) is greedy decoding.
-            top_k: Keep the ``top_k`` most likely tokens (``0``: off).
-            top_p: Nucleus sampling mass in ``(0, 1]`` (``None``: off).
-            min_p: Drop tokens below ``min_p`` times the top probability.
-            seed: Seed of the request's draws (``None``: a fresh one,
-                reported as ``stats.seed``); a seeded request reproduces.
-            verification: ``"greedy"``, ``"rejection"`` (default when
-                sampling) or ``"gumbel"`` (output independent of the drafter
-                and K for a given seed).
-            request_id: Id bound into the server's log lines for this request.
-            timeout: Deadline in seconds; ``None`` uses the client's default.
+        """Generates a whole completion (the ``Complete`` RPC); the options are
+        :class:`GenerateOptions`.
 
         Raises:
             ValueError: Not exactly one of ``prompt``, ``messages``, ``token_ids``.
             grpc.RpcError: The call failed; see ``.code()``.
         """
-        request = _build_request(
-            prompt,
-            messages,
-            token_ids,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            num_speculative_tokens=num_speculative_tokens,
-            adaptive=adaptive,
-            pipeline=pipeline,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            verification=verification,
-            request_id=request_id,
-        )
+        request, timeout = _build_request(prompt, **options)
         response = self._stub.Complete(
             request, metadata=self._metadata, timeout=self._deadline(timeout)
         )
         return _generation_from_pb(response)
 
     def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        num_speculative_tokens: int | None = None,
-        adaptive: bool = False,
-        pipeline: bool | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        verification: str | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> Generator[Chunk, None, None]:
-        """Streams the generation (the ``Generate`` RPC); arguments as for :meth:`generate`.
+        """Streams the generation (the ``Generate`` RPC); the options are
+        :class:`GenerateOptions`.
 
         The arguments are checked now; the RPC starts on the first ``next()``.
         The last chunk carries ``finish_reason`` and ``stats``. Closing the
@@ -480,25 +456,7 @@ class Client:
             ValueError: Not exactly one of ``prompt``, ``messages``, ``token_ids`` (at the call).
             grpc.RpcError: The call failed (while iterating); see ``.code()``.
         """
-        request = _build_request(
-            prompt,
-            messages,
-            token_ids,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            num_speculative_tokens=num_speculative_tokens,
-            adaptive=adaptive,
-            pipeline=pipeline,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            verification=verification,
-            request_id=request_id,
-        )
+        request, timeout = _build_request(prompt, **options)
         return self._stream(request, self._deadline(timeout))
 
     def _stream(
@@ -563,47 +521,10 @@ class AsyncClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        num_speculative_tokens: int | None = None,
-        adaptive: bool = False,
-        pipeline: bool | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        verification: str | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> Generation:
         """Generates a whole completion; see :meth:`Client.generate`."""
-        request = _build_request(
-            prompt,
-            messages,
-            token_ids,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            num_speculative_tokens=num_speculative_tokens,
-            adaptive=adaptive,
-            pipeline=pipeline,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            verification=verification,
-            request_id=request_id,
-        )
+        request, timeout = _build_request(prompt, **options)
         return _generation_from_pb(
             await self._stub.Complete(
                 request, metadata=self._metadata, timeout=self._deadline(timeout)
@@ -611,51 +532,14 @@ class AsyncClient:
         )
 
     def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        num_speculative_tokens: int | None = None,
-        adaptive: bool = False,
-        pipeline: bool | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        verification: str | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> AsyncGenerator[Chunk, None]:
         """Streams the generation; see :meth:`Client.stream`. Use with ``async for``.
 
         Closing the async generator (``aclose()``, ``contextlib.aclosing``, or
         dropping it after ``break``) cancels the RPC.
         """
-        request = _build_request(
-            prompt,
-            messages,
-            token_ids,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            num_speculative_tokens=num_speculative_tokens,
-            adaptive=adaptive,
-            pipeline=pipeline,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            verification=verification,
-            request_id=request_id,
-        )
+        request, timeout = _build_request(prompt, **options)
         return self._stream(request, self._deadline(timeout))
 
     async def _stream(

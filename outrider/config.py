@@ -1,32 +1,31 @@
-"""Configuration: one frozen dataclass per service, built once in the CLI
-from flags and ``OUTRIDER_*`` environment variables, validated once, and
-passed down. Nothing here reads the environment at import time.
+"""Configuration: one frozen dataclass per service, built once from flags and
+``OUTRIDER_*`` environment variables, validated once, and passed down.
+Nothing here reads the environment at import time.
 
-Every flag ``--some-flag`` of ``outrider serve ROLE`` can also be given as
-``OUTRIDER_SOME_FLAG``; a flag on the command line wins.
+Each field is a flag of ``outrider serve ROLE`` (``outrider.flags``): its
+name, type, default and help (the docstring under it) are written here and
+nowhere else, and ``--some-flag`` can also be given as ``OUTRIDER_SOME_FLAG``.
+Validation errors name the flag, so the CLI can print them as they are.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from outrider.device import check_device, check_dtype
-from outrider.security import ClientTls, ServerTls
+from outrider.device import DTYPES, check_device, check_dtype
+from outrider.security import ClientTls, ServerTls, server_tls
 
 DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
 """model: a small model of its own; int4: the target's checkpoint in 4 bits
 (``outrider.quantize``); prompt-lookup: n-grams of the history, no model;
 early-exit: the target's first L layers."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
-"""The drafter a draft worker runs when none is named (nor a draft model),
-by device type, from measurements (README, "The default drafter"). On the
-CPU the target's step is bound by reading its weights, so its 4-bit copy
-costs ~0.4 of a step and agrees on ~93% of drafts. On CUDA the default
-model's step is bound by kernel launches, not bytes (3.6 ms a graphed step
-on an H100, GPU.md), so a 4-bit copy would cost about a target step, and
-prompt lookup costs nothing (the int4 drafter was not measured on a GPU)."""
+"""The drafter a draft worker runs when none is named (nor a draft model), by
+device type (docs/benchmark.md#the-default-drafter): on the CPU a step reads
+weights, so the target's 4-bit copy is cheap and agrees; on CUDA the default
+model's step is launch-bound, so a 4-bit copy costs about a target step."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -34,10 +33,13 @@ DEFAULT_INT4_GROUP_SIZE = 32
 4-bit in groups of 32, so requantizing them in the same groups loses little."""
 CPU_TOKENS_PER_STEP = 256
 CUDA_TOKENS_PER_STEP = 2048
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 
 
 def default_drafter(device: str, *, draft_model: str | None = None) -> str:
-    """``model`` when a draft model is named, else the default for ``device``'s type (``auto``: as resolved)."""
+    """``model`` when a draft model is named, else the default for
+    ``device``'s type (``auto``: as resolved)."""
     if draft_model:
         return "model"
     from outrider.device import resolve_device
@@ -45,66 +47,134 @@ def default_drafter(device: str, *, draft_model: str | None = None) -> str:
     return DEFAULT_DRAFTERS.get(resolve_device(device).type, "prompt-lookup")
 
 
-def default_threads() -> int:
-    """Torch threads per worker: every core. The draft and the target take
-    turns (a round drafts, then verifies), so two workers on one machine do
-    not compete for cores."""
+def all_cores() -> int:
     return os.cpu_count() or 1
+
+
+def _device(text: str) -> str:
+    return check_device(text.strip().lower())
+
+
+def _dtype(text: str) -> str:
+    return check_dtype(text.strip().lower())
+
+
+def num_speculative_tokens(text: str | int) -> int | str:
+    """A K: a non-negative integer, or "auto" (adaptive)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"K must be a non-negative integer or 'auto', not {text!r}") from None
+    if k < 0:
+        raise ValueError(f"K must be non-negative, not {k}")
+    return k
+
+
+def _positive(value: float, flag: str) -> None:
+    if not value > 0:
+        raise ValueError(f"{flag} {value}: must be positive")
+
+
+def _at_least(value: int, least: int, flag: str) -> None:
+    if value < least:
+        raise ValueError(f"{flag} {value}: must be at least {least}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What every service has: where it listens, how it shows itself, how it stops."""
+
+    host: str = "127.0.0.1"
+    """address to bind (0.0.0.0 or [::] for all interfaces)"""
+    port: int = 0
+    """port to bind (0: any free port)"""
+    ready_file: Path | None = None
+    """write the bound port to this file once SERVING"""
+    metrics_port: int | None = None
+    """serve Prometheus metrics over HTTP at /metrics on --host at this port (0: any free
+    port, written to the --ready-file's name with .metrics-port; unset: no metrics)"""
+    shutdown_grace_s: float = 10.0
+    """on SIGTERM: report NOT_SERVING, refuse new calls with UNAVAILABLE, give calls in
+    flight this many seconds to finish, then cancel the rest and exit"""
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
+    """least level of the log lines written"""
+    tls_cert: Path | None = None
+    """serve TLS with this certificate (PEM)"""
+    tls_key: Path | None = None
+    """private key of --tls-cert (PEM)"""
+    tls_client_ca: Path | None = None
+    """require client certificates signed by this CA (mutual TLS)"""
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace-s {self.shutdown_grace_s}: must be 0 or more")
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
+        if self.metrics_port not in (None, 0) and self.metrics_port == self.port:
+            raise ValueError(
+                f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC port (--port)"
+            )
+        server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)  # checks them together
+
+    @property
+    def tls(self) -> ServerTls | None:
+        """The TLS settings, checked; None for plaintext."""
+        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 @dataclass(frozen=True)
 class WorkerLimits:
+    """How much a worker takes on."""
+
     max_sessions: int = 64
+    """most sessions open at once"""
     max_cached_tokens: int | None = None
-    """None: sized from the memory free once the model is loaded (``outrider.memory``)."""
+    """most tokens cached over all sessions (default: sized from the memory free once the
+    model is loaded, outrider.memory)"""
     session_idle_timeout_s: float = 300.0
-    """A session whose stream brings no message for this long is closed and its KV freed."""
+    """close a session (and free its KV cache) whose stream brings no message for this many
+    seconds"""
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
-        if self.max_cached_tokens is not None and self.max_cached_tokens < 1:
-            raise ValueError(f"max_cached_tokens must be at least 1, got {self.max_cached_tokens}")
-        if not self.session_idle_timeout_s > 0:
-            raise ValueError(
-                f"session_idle_timeout_s must be positive, got {self.session_idle_timeout_s}"
-            )
+        _at_least(self.max_sessions, 1, "--max-sessions")
+        if self.max_cached_tokens is not None:
+            _at_least(self.max_cached_tokens, 1, "--max-cached-tokens")
+        _positive(self.session_idle_timeout_s, "--session-idle-timeout-s")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How a worker runs its model (``outrider.engine``)."""
 
-    device: str = "auto"
-    """auto, cpu, cuda or cuda:N (``outrider.device``)."""
-    dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on the CPU) or a dtype by name."""
-    threads: int = 1
-    """Torch threads of the engine (CPU forward passes)."""
+    device: str = field(default="auto", metadata={"parse": _device, "metavar": "DEVICE"})
+    """where the model runs: auto (the first CUDA device if there is one, else the CPU), cpu,
+    cuda or cuda:N"""
+    dtype: str = field(default="auto", metadata={"parse": _dtype, "choices": DTYPES})
+    """weights dtype (auto: bfloat16 on CUDA, float32 on the CPU)"""
+    threads: int = field(default_factory=all_cores)
+    """torch threads for forward passes on the CPU (default: all cores)"""
     max_tokens_per_step: int | None = None
-    """Tokens one forward pass may hold (vLLM's ``max_num_batched_tokens``):
-    rounds run whole, prefills in chunks of what they leave. None: 256 on
-    the CPU, where a 256-token chunk costs a few round steps, 2048 on CUDA."""
+    """tokens one batched forward pass may hold: rounds run whole, prompts are prefilled in
+    chunks of what is left (default: 256 on the CPU, 2048 on CUDA)"""
     enforce_eager: bool = False
-    """Never capture CUDA graphs (vLLM's ``--enforce-eager``)."""
+    """never capture CUDA graphs (every step runs eagerly)"""
     max_batch_wait: float = 0.25
-    """How long a step may wait for the sessions the previous one answered,
-    as a share of a forward pass, so they stay in one batch (0: never wait;
-    ``outrider.engine.core._Returns``)."""
+    """how long a step may wait for the sessions the previous step answered, so they stay in
+    one batch, as a share of a forward pass (0: never wait)"""
 
     def __post_init__(self) -> None:
         check_device(self.device)
         check_dtype(self.dtype)
-        if self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        _at_least(self.threads, 1, "--threads")
         if not 0 <= self.max_batch_wait <= 1:
             raise ValueError(
-                f"max_batch_wait is a share of a forward pass, from 0 to 1; got {self.max_batch_wait}"
+                f"--max-batch-wait {self.max_batch_wait}: a share of a forward pass, 0 to 1"
             )
-        if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
-            raise ValueError(
-                f"max_tokens_per_step must be at least 1, got {self.max_tokens_per_step}"
-            )
+        if self.max_tokens_per_step is not None:
+            _at_least(self.max_tokens_per_step, 1, "--max-tokens-per-step")
 
     def tokens_per_step(self, device_type: str) -> int:
         if self.max_tokens_per_step is not None:
@@ -113,107 +183,180 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class ServiceAddress:
-    host: str = "127.0.0.1"
-    port: int = 0
-    ready_file: Path | None = None
-    """Where to write the bound port once the service is SERVING."""
-    tls: ServerTls | None = None
-    """None: plaintext."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics over HTTP at ``/metrics`` on ``host`` at this
-    port (0: any free one); None: no metrics."""
-    shutdown_grace_s: float = 10.0
-    """On SIGTERM: how long calls in flight may take to finish (new ones are
-    refused) before the rest are cancelled and the service exits."""
-
-    def __post_init__(self) -> None:
-        if not self.shutdown_grace_s >= 0:
-            raise ValueError(f"shutdown_grace_s must be 0 or more, got {self.shutdown_grace_s}")
-        if self.metrics_port is not None:
-            if not 0 <= self.metrics_port <= 65535:
-                raise ValueError(
-                    f"metrics port {self.metrics_port} is not a port number (0 to 65535)"
-                )
-            if self.metrics_port != 0 and self.metrics_port == self.port:
-                raise ValueError(f"the metrics port must differ from the gRPC port ({self.port})")
-
-
-@dataclass(frozen=True)
 class TargetWorkerConfig:
-    address: ServiceAddress
+    """``outrider serve target``."""
+
+    service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["target"])
     model: str | None = None
+    """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
     engine: EngineConfig = EngineConfig()
     limits: WorkerLimits = WorkerLimits()
     trust_remote_code: bool = False
+    """allow model code from the checkpoint"""
 
 
 @dataclass(frozen=True)
 class DraftWorkerConfig:
-    address: ServiceAddress
-    drafter: str = "prompt-lookup"
+    """``outrider serve draft``."""
+
+    service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["draft"])
+    drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
+    """model (a small model), int4 (the checkpoint in 4 bits), prompt-lookup or early-exit
+    (default: model if --model is given, else int4 on the CPU and prompt-lookup on CUDA)"""
     model: str | None = None
-    """Draft model (drafter "model"), checkpoint to quantize ("int4") or to cut ("early-exit"); None: the default model."""
+    """draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter
+    cuts (default: the default model)"""
     engine: EngineConfig = EngineConfig()
-    draft_layers: int | None = None
-    int4_group_size: int = DEFAULT_INT4_GROUP_SIZE
-    """Weights sharing a scale and zero in the int4 drafter."""
-    max_draft_tokens: int = 16
-    max_ngram: int = 3
     limits: WorkerLimits = WorkerLimits()
+    draft_layers: int | None = None
+    """layers kept by the early-exit drafter"""
+    int4_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    """weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256"""
+    max_draft_tokens: int = 16
+    """largest K a round may ask for"""
+    max_ngram: int = 3
+    """longest n-gram the prompt-lookup drafter matches"""
     trust_remote_code: bool = False
+    """allow model code from the checkpoint"""
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}")
         if self.drafter == "early-exit" and not self.draft_layers:
-            raise ValueError("the early-exit drafter needs --draft-layers L (L >= 1)")
+            raise ValueError("--drafter early-exit needs --draft-layers L (L >= 1)")
         if self.drafter != "early-exit" and self.draft_layers is not None:
             raise ValueError("--draft-layers only applies to --drafter early-exit")
-        if self.max_draft_tokens < 1:
-            raise ValueError("max_draft_tokens must be at least 1")
+        _at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
+        _at_least(self.max_ngram, 1, "--max-ngram")
         if self.int4_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
-                f"--int4-group-size {self.int4_group_size}: use one of {', '.join(map(str, INT4_GROUP_SIZES))}"
+                f"--int4-group-size {self.int4_group_size}: use one of "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}"
             )
+
+    @property
+    def drafter_kind(self) -> str:
+        """The drafter it runs: the one named, else the default for its model and device."""
+        return self.drafter or default_drafter(self.engine.device, draft_model=self.model)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How the round loop rides out worker loss (``coordinator.recovery``)."""
+
+    draft_deadline_s: float = 5.0
+    """a draft worker that has not answered a round within this many seconds is skipped: the
+    stream goes on at K=0 and the draft session is reopened later"""
+    draft_backoff_s: float = 0.5
+    """first wait before a lost draft session is reopened (doubling, up to 8 s)"""
+    target_attempts: int = 6
+    """opens of a target session (with back-off) before a request fails"""
+    verify_deadline_factor: float = 10.0
+    """a verify counts as lost after this many times its measured cost (or the floor)"""
+    verify_deadline_floor_s: float = 2.0
+    """a target worker that gives no verdict within max(this, --verify-deadline-factor x the
+    measured verify time) counts as lost (frozen or stalled): the session is reopened on
+    another replica; opening a session is held to the same rule, from the measured prefill
+    cost per token"""
+    open_deadline_unmeasured_s: float = 60.0
+    """how long opening a target session may take while no prefill has been measured"""
+
+    def __post_init__(self) -> None:
+        _positive(self.draft_deadline_s, "--draft-deadline-s")
+        _positive(self.draft_backoff_s, "--draft-backoff-s")
+        _at_least(self.target_attempts, 1, "--target-attempts")
+        _positive(self.verify_deadline_factor, "--verify-deadline-factor")
+        _positive(self.verify_deadline_floor_s, "--verify-deadline-floor-s")
+        _positive(self.open_deadline_unmeasured_s, "--open-deadline-unmeasured-s")
+
+    def verify_deadline_s(self, expected_s: float) -> float:
+        return max(self.verify_deadline_floor_s, self.verify_deadline_factor * expected_s)
+
+    def open_deadline_s(self, expected_s: float | None) -> float:
+        if expected_s is None:
+            return self.open_deadline_unmeasured_s
+        return self.verify_deadline_s(expected_s)
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    address: ServiceAddress
-    target: tuple[str, ...]
-    draft: tuple[str, ...] = ()
+    """``outrider serve coordinator``."""
+
+    service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["coordinator"])
+    target: tuple[str, ...] = field(default=(), metadata={"metavar": "ADDRESSES"})
+    """target workers, comma-separated (required): HOST:PORT, or
+    k8s://SERVICE[.NAMESPACE]:PORT to route to the ready pods of a Kubernetes Service's
+    EndpointSlices (PORT: their port name or number; NAMESPACE: default the coordinator's
+    own); sessions stay on the pod they opened on"""
+    draft: tuple[str, ...] = field(default=(), metadata={"metavar": "ADDRESSES"})
+    """draft workers, comma-separated, in the same forms as --target; none: target-only
+    decoding"""
     tokenizer: str | None = None
-    """Tokenizer (model id or directory); None: the default model's."""
-    num_speculative_tokens: int = 4
-    adaptive: bool = False
-    """Requests that leave K unset choose it per round (up to the maximum)."""
+    """tokenizer: embedded name, directory or hub id (default: the default model's)"""
+    num_speculative_tokens: int | str = field(
+        default=4, metadata={"parse": num_speculative_tokens, "metavar": "K"}
+    )
+    """draft tokens per round (K) for requests that leave it unset, or 'auto': choose K per
+    round from acceptance and costs"""
     pipeline: bool = False
-    """Requests that leave pipeline unset draft the next round while the target verifies this one."""
+    """draft the next round while the target verifies this one (requests may override)"""
     max_num_speculative_tokens: int = 16
+    """largest K a request may ask for"""
     default_max_new_tokens: int = 256
+    """max_new_tokens when a request leaves it unset"""
     worker_wait_s: float = 300.0
-    """How long to wait for a target worker at start-up."""
-    worker_tls: ClientTls | None = None
-    """How to reach TLS workers; None: plaintext."""
-    auth_tokens: frozenset[str] = frozenset()
-    """Bearer tokens clients must present; empty: no authentication."""
-    draft_deadline_s: float = 5.0
-    """A draft answer later than this drops the round to K = 0 (the stream goes on)."""
-    verify_deadline_floor_s: float = 2.0
-    """A verify with no verdict within max(this, 10 × its measured cost)
-    reopens the session on another target replica."""
+    """how long to wait at start for a target (and draft) worker to answer; with k8s://
+    addresses, for a ready endpoint"""
+    worker_tls_ca: Path | None = None
+    """reach the workers over TLS, trusting this CA (PEM)"""
+    worker_tls_cert: Path | None = None
+    """client certificate to present to workers that require one"""
+    worker_tls_key: Path | None = None
+    """private key of --worker-tls-cert"""
+    auth_tokens_file: Path | None = None
+    """require a bearer token from this file (one per line)"""
+    recovery: Recovery = Recovery()
 
     def __post_init__(self) -> None:
-        if not self.draft_deadline_s > 0:
-            raise ValueError(f"draft_deadline_s must be positive, got {self.draft_deadline_s}")
-        if not self.verify_deadline_floor_s > 0:
-            raise ValueError(
-                f"verify_deadline_floor_s must be positive, got {self.verify_deadline_floor_s}"
-            )
         if not self.target:
-            raise ValueError("the coordinator needs at least one target worker address (--target)")
-        if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
-            raise ValueError("need 0 <= num_speculative_tokens <= max_num_speculative_tokens")
-        if self.default_max_new_tokens < 1:
-            raise ValueError("default_max_new_tokens must be at least 1")
+            raise ValueError(
+                "--target HOST:PORT is required (or OUTRIDER_TARGET): at least one target worker"
+            )
+        if not 0 <= self.default_k <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"--num-speculative-tokens {self.num_speculative_tokens}: must lie in "
+                f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
+            )
+        _at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
+        if self.worker_tls_key is not None and self.worker_tls_cert is None:
+            raise ValueError("--worker-tls-key needs --worker-tls-cert")
+        if self.worker_tls_cert is not None and self.worker_tls_key is None:
+            raise ValueError("--worker-tls-cert needs --worker-tls-key")
+
+    @property
+    def adaptive(self) -> bool:
+        """Requests that leave K unset choose it per round (up to the maximum)."""
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def default_k(self) -> int:
+        """K for requests that leave it unset (0 with 'auto': the policy chooses)."""
+        k = self.num_speculative_tokens
+        return 0 if k == "auto" else int(k)
+
+    @property
+    def worker_tls(self) -> ClientTls | None:
+        """How to reach TLS workers; None: plaintext."""
+        if self.worker_tls_ca is None and self.worker_tls_cert is None:
+            return None
+        return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
+
+
+__all__ = [
+    "DRAFTERS",
+    "CoordinatorConfig",
+    "DraftWorkerConfig",
+    "EngineConfig",
+    "Recovery",
+    "ServiceConfig",
+    "TargetWorkerConfig",
+    "WorkerLimits",
+]

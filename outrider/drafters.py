@@ -11,7 +11,7 @@ them back); a drafter only reads the committed history and, if it has a
 model, extends the session's cache.
 
 * :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
-  decoding greedily.
+  drawing each token as the session's sampling says.
 * :class:`Int4Drafter` — a checkpoint (usually the target's own) with its
   weights in 4 bits (:mod:`outrider.quantize`): the target's own
   predictions at a fraction of its weight bytes.
@@ -24,23 +24,13 @@ model, extends the session's cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import torch
-
 from outrider.engine import Feed, Job
-from outrider.sampling import Stream, draw
+from outrider.sampling import Stream, compact, draw
 from outrider.session import Session
-
-
-@dataclass(frozen=True)
-class Proposal:
-    tokens: list[int]
-    probs: list[torch.Tensor] | None = None
-    """q of each token when the draft sampled it (rejection mode); None: the
-    draft is deterministic, a point mass on each token."""
+from outrider.speculation import Proposal
 
 
 class Drafter(Protocol):
@@ -81,11 +71,12 @@ class ModelDrafter:
             if sampling.is_greedy:
                 token, q = out.argmax[-1], None
             else:
-                token, q = draw(out.rows[-1], sampling, position + len(tokens), Stream.DRAFT)
+                token, q = draw(out.values[-1], sampling, position + len(tokens), Stream.DRAFT)
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(compact(q))
             if len(tokens) == k:
-                return Proposal(tokens, None if q is None else probs)
+                return Proposal(tokens, probs, follows_len=len(history))
             out = yield Feed(kv, [token])
 
 
@@ -116,7 +107,7 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, session: Session, history: list[int], k: int) -> Job:
-        return Proposal(self.lookup(history, k))
+        return Proposal(self.lookup(history, k), follows_len=len(history))
         yield  # a job that needs no forward pass
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:

@@ -54,7 +54,7 @@ from outrider.logging import get_logger
 if TYPE_CHECKING:
     from threading import Thread
 
-    from outrider.config import ServiceAddress
+    from outrider.config import ServiceConfig
     from outrider.engine import StepStats
     from outrider.session import SessionStore
 
@@ -124,7 +124,7 @@ def start_metrics_endpoint(host: str, port: int) -> MetricsEndpoint:
 
 
 @contextmanager
-def serving_metrics(address: ServiceAddress) -> Iterator[MetricsEndpoint | None]:
+def serving_metrics(address: ServiceConfig) -> Iterator[MetricsEndpoint | None]:
     """Serves a service's metrics while the block runs, when it has a
     metrics port; writes the bound port next to its ready file."""
     if address.metrics_port is None:

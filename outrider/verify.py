@@ -15,7 +15,7 @@ The target scores ``[x_n, d_1, .., d_K]`` in one forward pass, where ``x_n``
 is the last committed token. Row ``t`` of the logits (``t = 0 .. K``) is the
 target's distribution ``p_{t+1}`` for the token that follows ``d_1 .. d_t``.
 
-Three ways to verify (DESIGN.md §3), one entry point, :func:`verify`:
+Three ways to verify (docs/design.md#verification), one entry point, :func:`verify`:
 greedy (:func:`verify_greedy`), rejection sampling (:func:`verify_rejection`)
 and Gumbel coupling (:func:`verify_gumbel`). Logits processing and all
 randomness come from :mod:`outrider.sampling`, keyed by absolute position,
@@ -25,7 +25,6 @@ so the same seed gives the same tokens whatever the round boundaries.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -38,20 +37,7 @@ from outrider.sampling import (
     sample,
     uniform,
 )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The outcome of verifying one round's draft tokens."""
-
-    num_accepted: int
-    """How many leading draft tokens were accepted (0 .. K)."""
-    next_token: int
-    """The recovered token when ``num_accepted < K``, else the bonus token."""
-
-    @property
-    def num_committed(self) -> int:
-        return self.num_accepted + 1
+from outrider.speculation import Verdict
 
 
 def verify_greedy(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> Verdict:
@@ -75,7 +61,7 @@ def verify_greedy(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> 
 
 
 # ---------------------------------------------------------------------------
-# Sampling verification (DESIGN.md §3)
+# Sampling verification (docs/design.md#verification)
 
 
 def verify(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from outrider.errors import InvalidArgument
 from outrider.sampling import CompactProbs, SamplingParams, Verification
+from outrider.speculation import Proposal, Verdict
 from outrider.v1 import coordinator_pb2, worker_pb2
 
 VERIFICATION_TO_PB = {
@@ -57,3 +58,42 @@ def probs_to_pb(rows: list[CompactProbs]) -> list[worker_pb2.DraftProbs]:
 
 def probs_from_pb(rows) -> list[CompactProbs]:
     return [CompactProbs(token_ids=row.token_ids or None, probs=row.probs) for row in rows]
+
+
+def proposal_to_pb(proposal: Proposal, *, compute_s: float) -> worker_pb2.DraftProposal:
+    return worker_pb2.DraftProposal(
+        draft_token_ids=proposal.tokens,
+        draft_probs=probs_to_pb(proposal.probs),
+        compute_s=compute_s,
+        round_id=proposal.round_id,
+        follows_len=proposal.follows_len,
+        guess_token_id=proposal.guess,
+    )
+
+
+def proposal_from_pb(message: worker_pb2.DraftProposal) -> Proposal:
+    return Proposal(
+        tokens=list(message.draft_token_ids),
+        probs=probs_from_pb(message.draft_probs),
+        follows_len=message.follows_len,
+        guess=message.guess_token_id if message.HasField("guess_token_id") else None,
+        round_id=message.round_id,
+    )
+
+
+def verify_round_to_pb(committed_len: int, proposal: Proposal) -> worker_pb2.VerifyRound:
+    return worker_pb2.VerifyRound(
+        committed_len=committed_len,
+        draft_token_ids=proposal.tokens,
+        draft_probs=probs_to_pb(proposal.probs),
+    )
+
+
+def verdict_to_pb(verdict: Verdict, *, compute_s: float) -> worker_pb2.Verdict:
+    return worker_pb2.Verdict(
+        num_accepted=verdict.num_accepted, next_token_id=verdict.next_token, compute_s=compute_s
+    )
+
+
+def verdict_from_pb(message: worker_pb2.Verdict) -> Verdict:
+    return Verdict(num_accepted=message.num_accepted, next_token=message.next_token_id)

@@ -4,8 +4,8 @@ gRPC server, its metrics, its warm-up, its drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -57,18 +57,47 @@ def start_engine(
     )
 
 
+@dataclass(frozen=True)
+class WorkerRole:
+    """What makes a worker a draft or a target worker; each worker package
+    defines one (``draft_worker.main.ROLE``, ``target_worker.main.ROLE``)."""
+
+    name: str
+    """draft or target"""
+    service_name: str
+    """Its gRPC service's full name (health, reflection)."""
+    build_sessions: Callable[[Any], Any]
+    """The worker's sessions (and their model runner) from its config."""
+    warm_up: Callable[[Any, AnyEngine], Awaitable[None]]
+    """Runs once before the worker reports SERVING."""
+    servicer: Callable[..., Any]
+    """Its gRPC servicer class (an ``outrider.session_stream.SessionServicer``)."""
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    """The generated ``add_…Servicer_to_server``."""
+
+    def add_servicer(
+        self,
+        server: grpc.aio.Server,
+        sessions: Any,
+        engine: AnyEngine,
+        *,
+        idle_timeout_s: float,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        servicer = self.servicer(sessions, engine, idle_timeout_s=idle_timeout_s, metrics=metrics)
+        self.add_to_server(servicer, server)
+
+
 async def open_worker(
-    module: str, config: Any, *, on_step: Callable | None = None
+    role: WorkerRole, config: Any, *, on_step: Callable | None = None
 ) -> tuple[Any, AnyEngine, Callable[[], Awaitable[None]]]:
-    """The sessions of the worker that ``module`` (``target_worker.main`` or
-    ``draft_worker.main``) builds from ``config`` (the model loads off the
+    """The sessions ``role`` builds from ``config`` (the model loads off the
     event loop), the engine that runs their jobs, and their warm-up.
 
-    The engine runs in this process, on a thread of its own. In its own
-    process behind ZeroMQ (as vLLM's engine core) it was measured slower on
-    an H100: the calls' pickling and hops cost more than the interpreter
-    time they took from the gRPC threads (docs/benchmark.md)."""
-    role = importlib.import_module(module)
+    The engine runs in this process, on a thread of its own, rather than in
+    a process of its own behind ZeroMQ as vLLM's engine core: the calls'
+    pickling and hops cost more than the interpreter time they would save
+    the gRPC threads (docs/benchmark.md#the-engine-in-its-own-process)."""
     sessions = await asyncio.to_thread(role.build_sessions, config)
     engine = start_engine(
         sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step
@@ -76,44 +105,42 @@ async def open_worker(
     return sessions, engine, lambda: role.warm_up(sessions, engine)
 
 
-async def serve_worker(
-    config: Any,
-    *,
-    module: str,
-    add_servicer: Callable[[Any, AnyEngine, grpc.aio.Server, WorkerMetrics | None], None],
-    service_name: str,
-    role: str,
-) -> None:
-    """Runs a worker (``role``: draft or target; see :func:`open_worker`):
-    serves its metrics when it has a metrics port, serves it, flips health
-    to SERVING after its warm-up, drains on SIGTERM."""
-    address = config.address
+async def serve_worker(role: WorkerRole, config: Any) -> None:
+    """Runs a worker (see :func:`open_worker`): serves its metrics when it
+    has a metrics port, serves it, flips health to SERVING after its
+    warm-up, drains on SIGTERM."""
+    service = config.service
     metrics: WorkerMetrics | None = None
 
     def on_step(stats) -> None:
         if metrics is not None:
             metrics.step(stats)
 
-    with serving_metrics(address) as endpoint:
-        sessions, engine, warm_up = await open_worker(module, config, on_step=on_step)
+    with serving_metrics(service) as endpoint:
+        sessions, engine, warm_up = await open_worker(role, config, on_step=on_step)
         info = sessions.info
         log.info(
             "worker loaded",
-            role=role,
+            role=role.name,
             device=info.device,
             dtype=info.dtype,
             engine=type(engine).__name__,
         )
         try:
-            metrics = (
-                WorkerMetrics(endpoint.registry, sessions.store, role=role) if endpoint else None
-            )
+            if endpoint:
+                metrics = WorkerMetrics(endpoint.registry, sessions.store, role=role.name)
             running = await start_server(
-                lambda server: add_servicer(sessions, engine, server, metrics),
-                [service_name],
-                host=address.host,
-                port=address.port,
-                credentials=address.tls.credentials() if address.tls else None,
+                lambda server: role.add_servicer(
+                    server,
+                    sessions,
+                    engine,
+                    idle_timeout_s=config.limits.session_idle_timeout_s,
+                    metrics=metrics,
+                ),
+                [role.service_name],
+                host=service.host,
+                port=service.port,
+                credentials=tls.credentials() if (tls := service.tls) else None,
                 metrics=RpcMetrics(endpoint.registry) if endpoint else None,
             )
             # A worker whose engine loop died stops (health NOT_SERVING, exit
@@ -122,8 +149,8 @@ async def serve_worker(
             await serve_until_signalled(
                 running,
                 warmup=warm_up,
-                ready_file=address.ready_file,
-                grace_s=address.shutdown_grace_s,
+                ready_file=service.ready_file,
+                grace_s=service.shutdown_grace_s,
                 until=exited,
             )
             if exited is not None and exited.done() and (failure := exited.result()) is not None:

@@ -12,7 +12,7 @@ from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import load_model, serve_worker
+from outrider.worker import WorkerRole, load_model, serve_worker
 from target_worker.service import TargetWorkerService
 from target_worker.sessions import TargetInfo, TargetSessions
 
@@ -63,23 +63,17 @@ async def serve(config: TargetWorkerConfig) -> None:
         device=config.engine.device,
         dtype=config.engine.dtype,
     )
-    await serve_worker(
-        config,
-        module=__name__,
-        add_servicer=lambda target, engine, server, metrics: (
-            worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                TargetWorkerService(
-                    target,
-                    engine,
-                    idle_timeout_s=config.limits.session_idle_timeout_s,
-                    metrics=metrics,
-                ),
-                server,
-            )
-        ),
-        service_name=SERVICE_NAME,
-        role="target",
-    )
+    await serve_worker(ROLE, config)
+
+
+ROLE = WorkerRole(
+    name="target",
+    service_name=SERVICE_NAME,
+    build_sessions=build_sessions,
+    warm_up=warm_up,
+    servicer=TargetWorkerService,
+    add_to_server=worker_pb2_grpc.add_TargetWorkerServicer_to_server,
+)
 
 
 def main(config: TargetWorkerConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import probs_from_pb, sampling_from_pb
+from outrider.wire import probs_from_pb, sampling_from_pb, verdict_to_pb
 from target_worker.sessions import TargetSessions
 
 
@@ -31,13 +31,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
             list(request.draft_token_ids),
             probs_from_pb(request.draft_probs),
         )
-        return pb.VerifyResponse(
-            verdict=pb.Verdict(
-                num_accepted=verdict.num_accepted,
-                next_token_id=verdict.next_token,
-                compute_s=compute_s,
-            )
-        )
+        return pb.VerifyResponse(verdict=verdict_to_pb(verdict, compute_s=compute_s))
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         info = self.sessions.info

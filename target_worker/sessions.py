@@ -79,7 +79,7 @@ class TargetSessions:
                 verdict = verify_greedy(draft_tokens, out.argmax)
             else:
                 verdict = verify(
-                    draft_tokens, q, out.rows, session.sampling, start_position=committed_len
+                    draft_tokens, q, out.values, session.sampling, start_position=committed_len
                 )
         except ValueError as exc:  # e.g. a draft token its own q gives no mass
             kv.crop(len(session.tokens) - 1)  # the round never happened

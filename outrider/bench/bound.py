@@ -42,8 +42,8 @@ per configuration and summed over prompts:
     k̄        = draft_tokens / rounds (prompt lookup often proposes fewer than K)
     d̄        = draft_time_s / rounds (t_draft = draft_time_s / draft_tokens)
     t_verify = verify_time_s / rounds
-    t_rpc    = rpc_time_s / rounds (RPC + coordinator)
-    t_target = (verify_time_s + rpc_time_s) / rounds of outrider-k0: a
+    t_rpc    = overhead_time_s / rounds (RPC + coordinator)
+    t_target = (verify_time_s + overhead_time_s) / rounds of outrider-k0: a
                target-only round, its RPC included, as the achieved speedup's
                reference (outrider-k0's tokens/s) includes it
 
@@ -108,9 +108,9 @@ def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = Fal
     if None in (
         totals.draft_time_s,
         totals.verify_time_s,
-        totals.rpc_time_s,
+        totals.overhead_time_s,
         target_only.verify_time_s,
-        target_only.rpc_time_s,
+        target_only.overhead_time_s,
     ):
         return None
     if not totals.rounds or not target_only.rounds:
@@ -124,10 +124,10 @@ def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = Fal
         mean_draft_tokens=totals.draft_tokens / totals.rounds,
         expected_tokens_per_round=1.0 + accepted / drafting_rounds if drafting_rounds else 1.0,
         drafting_share=drafting_rounds / totals.rounds,
-        t_target_s=(target_only.verify_time_s + target_only.rpc_time_s) / target_only.rounds,
+        t_target_s=(target_only.verify_time_s + target_only.overhead_time_s) / target_only.rounds,
         t_draft_s=totals.draft_time_s / totals.draft_tokens if totals.draft_tokens else 0.0,
         t_verify_s=totals.verify_time_s / totals.rounds,
-        t_rpc_s=totals.rpc_time_s / totals.rounds,
+        t_rpc_s=totals.overhead_time_s / totals.rounds,
         hit_rate=(totals.speculation_hits / speculated if speculated else 0.0)
         if pipelined
         else None,

@@ -22,7 +22,7 @@ class Measurement:
     draft_time_s: float | None = None
     """The worker times are ``None`` where there is no split (Hugging Face)."""
     verify_time_s: float | None = None
-    rpc_time_s: float | None = None
+    overhead_time_s: float | None = None
     overhead_s: float | None = None
     """Coordinator overhead per round: the server's median (``overhead_s_p50``) or, from a server that does not report it, the mean."""
     adaptive: bool = False
@@ -48,7 +48,7 @@ def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) 
     rounds = int(stats.rounds)
     overhead = float(getattr(stats, "overhead_s_p50", 0.0) or 0.0)
     if overhead <= 0.0 and rounds:
-        overhead = stats.rpc_time_s / rounds
+        overhead = stats.overhead_time_s / rounds
     return Measurement(
         token_ids=tuple(token_ids),
         prompt_tokens=int(stats.prompt_tokens),
@@ -59,7 +59,7 @@ def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) 
         accepted_per_position=tuple(int(n) for n in stats.accepted_per_position),
         draft_time_s=float(stats.draft_time_s),
         verify_time_s=float(stats.verify_time_s),
-        rpc_time_s=float(stats.rpc_time_s),
+        overhead_time_s=float(stats.overhead_time_s),
         overhead_s=overhead if rounds else None,
         adaptive=bool(getattr(stats, "adaptive", False)),
         num_drafts=int(getattr(stats, "num_drafts", 0)),
@@ -89,7 +89,7 @@ class Totals:
     accepted_per_position: tuple[int, ...]
     draft_time_s: float | None
     verify_time_s: float | None
-    rpc_time_s: float | None
+    overhead_time_s: float | None
     overhead_s_p50: float | None
     """Median over the requests of their per-round overhead."""
     num_drafts: int = 0
@@ -148,7 +148,7 @@ def aggregate(measurements: Sequence[Measurement]) -> Totals:
         accepted_per_position=tuple(per_position),
         draft_time_s=_sum_optional(m.draft_time_s for m in measurements),
         verify_time_s=_sum_optional(m.verify_time_s for m in measurements),
-        rpc_time_s=_sum_optional(m.rpc_time_s for m in measurements),
+        overhead_time_s=_sum_optional(m.overhead_time_s for m in measurements),
         overhead_s_p50=statistics.median(overheads) if overheads else None,
         num_drafts=sum(m.num_drafts for m in measurements),
         speculation_hits=sum(m.speculation_hits for m in measurements),

@@ -40,7 +40,7 @@ class Logits:
     model's device, and their argmaxes (computed for the whole step at once,
     so greedy decoding costs one device sync a step, not one a row)."""
 
-    rows: torch.Tensor
+    values: torch.Tensor
     argmax: list[int]
 
 

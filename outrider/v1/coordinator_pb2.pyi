@@ -98,7 +98,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "rpc_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts", "pipeline", "speculation_hits", "speculation_misses", "critical_path_overhead_s_p50")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "overhead_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts", "pipeline", "speculation_hits", "speculation_misses", "critical_path_overhead_s_p50")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -109,7 +109,7 @@ class GenerationStats(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    RPC_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +133,7 @@ class GenerationStats(_message.Message):
     acceptance_rate: float
     draft_time_s: float
     verify_time_s: float
-    rpc_time_s: float
+    overhead_time_s: float
     time_to_first_token_s: float
     total_time_s: float
     num_speculative_tokens: int
@@ -147,7 +147,7 @@ class GenerationStats(_message.Message):
     speculation_hits: int
     speculation_misses: int
     critical_path_overhead_s_p50: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., rpc_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ..., pipeline: _Optional[bool] = ..., speculation_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., critical_path_overhead_s_p50: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ..., pipeline: _Optional[bool] = ..., speculation_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., critical_path_overhead_s_p50: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

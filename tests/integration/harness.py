@@ -13,30 +13,29 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from coordinator.loop import Models, Recovery
+from coordinator.loop import Models
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
-from draft_worker.service import DraftWorkerService
 from draft_worker.sessions import DraftSessions
 from outrider.config import (
     DraftWorkerConfig,
     EngineConfig,
-    ServiceAddress,
+    Recovery,
+    ServiceConfig,
     TargetWorkerConfig,
     WorkerLimits,
 )
 from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
-from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
+from outrider.v1 import coordinator_pb2_grpc
 from outrider.worker import AnyEngine, open_worker
 from target_worker import main as target_main
-from target_worker.service import TargetWorkerService
 from target_worker.sessions import TargetSessions
 
-ADDRESS = ServiceAddress(host="127.0.0.1", port=0)
+SERVICE = ServiceConfig()
 
 
 class PacedRunner:
@@ -102,7 +101,7 @@ async def running_stack(
     metrics: bool = False,
     publish_targets: Callable[[list[str]], Awaitable[Sequence[str]]] | None = None,
     kube_api=None,
-    engine: EngineConfig = EngineConfig(dtype="float64"),
+    engine: EngineConfig = EngineConfig(dtype="float64", threads=1),
     step_s: dict[str, float] | None = None,
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
@@ -129,14 +128,14 @@ async def running_stack(
 
     try:
         target_config = TargetWorkerConfig(
-            address=ADDRESS, model=str(target_dir), engine=engine, limits=limits
+            service=SERVICE, model=str(target_dir), engine=engine, limits=limits
         )
         target_workers, target_servers = [], []
         for replica in range(target_replicas):
             target_registry = registry(f"target-{replica}" if replica else "target")
             steps = []  # the worker's metrics exist once its store does
             worker, target_engine, warm_up = await open_worker(
-                "target_worker.main",
+                target_main.ROLE,
                 target_config,
                 on_step=lambda s, steps=steps: steps and steps[0].step(s),
             )
@@ -152,11 +151,8 @@ async def running_stack(
             target_servers.append(
                 await start_server(
                     lambda s, w=worker, e=target_engine, m=target_metrics: (
-                        worker_pb2_grpc.add_TargetWorkerServicer_to_server(
-                            TargetWorkerService(
-                                w, e, idle_timeout_s=limits.session_idle_timeout_s, metrics=m
-                            ),
-                            s,
+                        target_main.ROLE.add_servicer(
+                            s, w, e, idle_timeout_s=limits.session_idle_timeout_s, metrics=m
                         )
                     ),
                     [target_main.SERVICE_NAME],
@@ -177,7 +173,7 @@ async def running_stack(
         draft_worker, draft_engine, draft = None, None, None
         if drafter is not None:
             draft_config = DraftWorkerConfig(
-                address=ADDRESS,
+                service=SERVICE,
                 drafter=drafter,
                 model=str(draft_dir or target_dir),
                 engine=engine,
@@ -187,7 +183,7 @@ async def running_stack(
             draft_registry = registry("draft")
             steps = []
             draft_worker, draft_engine, warm_up = await open_worker(
-                "draft_worker.main", draft_config, on_step=lambda s: steps and steps[0].step(s)
+                draft_main.ROLE, draft_config, on_step=lambda s: steps and steps[0].step(s)
             )
             draft_metrics = (
                 WorkerMetrics(draft_registry, draft_worker.store, role="draft") if metrics else None
@@ -199,14 +195,12 @@ async def running_stack(
             await warm_up()
             servers.append(
                 await start_server(
-                    lambda s: worker_pb2_grpc.add_DraftWorkerServicer_to_server(
-                        DraftWorkerService(
-                            draft_worker,
-                            draft_engine,
-                            idle_timeout_s=limits.session_idle_timeout_s,
-                            metrics=draft_metrics,
-                        ),
+                    lambda s: draft_main.ROLE.add_servicer(
                         s,
+                        draft_worker,
+                        draft_engine,
+                        idle_timeout_s=limits.session_idle_timeout_s,
+                        metrics=draft_metrics,
                     ),
                     [draft_main.SERVICE_NAME],
                     credentials=worker_credentials,

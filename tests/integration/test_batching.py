@@ -118,7 +118,7 @@ async def test_a_long_prompt_arriving_mid_flight_is_chunked_and_changes_no_runni
     long_prompt = prompts(1, seed=4, lengths=(400, 400))[0]
     references = [reference_greedy(tiny_target_dir, p, 40, eos=None) for p in running]
     long_reference = reference_greedy(tiny_target_dir, long_prompt, 10, eos=None)
-    engine = EngineConfig(dtype="float64", max_tokens_per_step=budget)
+    engine = EngineConfig(dtype="float64", threads=1, max_tokens_per_step=budget)
     async with running_stack(
         tiny_target_dir,
         draft_dir=tiny_draft_other_dir,
@@ -244,18 +244,19 @@ async def test_a_model_outside_the_llama_family_still_serves_through_the_fallbac
 async def test_int4_draft_steps_batched_across_sessions_propose_what_each_session_proposes_alone(
     tiny_target_dir,
 ):
-    from outrider.config import DraftWorkerConfig, ServiceAddress
+    from draft_worker import main as draft_main
+    from outrider.config import DraftWorkerConfig, ServiceConfig
     from outrider.worker import open_worker
 
     config = DraftWorkerConfig(
-        address=ServiceAddress(host="127.0.0.1", port=0),
+        service=ServiceConfig(),
         drafter="int4",
         model=str(tiny_target_dir),
-        engine=EngineConfig(dtype="float64"),
+        engine=EngineConfig(dtype="float64", threads=1),
     )
     rows = []
     draft, engine, warm_up = await open_worker(
-        "draft_worker.main", config, on_step=lambda step: rows.append(step.rows)
+        draft_main.ROLE, config, on_step=lambda step: rows.append(step.rows)
     )
     histories = prompts(8, seed=5)
 
@@ -286,16 +287,17 @@ async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(
     exactly what a fresh round after that history proposes; when the
     assumption holds, the next round syncs it from the cache the
     speculation left, and when it fails, rolls back to the committed part."""
-    from outrider.config import DraftWorkerConfig, ServiceAddress
+    from draft_worker import main as draft_main
+    from outrider.config import DraftWorkerConfig, ServiceConfig
     from outrider.worker import open_worker
 
     config = DraftWorkerConfig(
-        address=ServiceAddress(host="127.0.0.1", port=0),
+        service=ServiceConfig(),
         drafter="model",
         model=str(tiny_draft_other_dir),
-        engine=EngineConfig(dtype="float64"),
+        engine=EngineConfig(dtype="float64", threads=1),
     )
-    draft, engine, warm_up = await open_worker("draft_worker.main", config)
+    draft, engine, warm_up = await open_worker(draft_main.ROLE, config)
     (history,) = prompts(1, seed=7)
     try:
         await warm_up()

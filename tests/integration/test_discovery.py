@@ -23,13 +23,14 @@ import kmock
 import pytest
 from kubernetes import client as k8s
 
-from coordinator.loop import Recovery
 from coordinator.replicas import Replicas
 from coordinator.workers import GrpcTargetClient
 from outrider.client import AsyncClient
+from outrider.config import Recovery
 from outrider.errors import Unavailable
 from outrider.rpc import start_server
 from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack
@@ -296,8 +297,8 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(
             await until(
                 lambda: not client.replicas.members[first.address].ready, "the pod is not ready"
             )
-            verdict = await first.verify(len(prompt_ids), [])
-            assert verdict.num_accepted == 0
+            reply = await first.verify(len(prompt_ids), Proposal([]))
+            assert reply.value.num_accepted == 0
             for _ in range(2):
                 await open_session()
             counts = open_counts()
@@ -309,7 +310,7 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(
                 lambda: client.replicas.members[first.address].ready, "the pod is ready again"
             )
             assert where(await open_session()) == pinned
-            assert await first.verify(len(prompt_ids) + 1, []) is not None
+            assert await first.verify(len(prompt_ids) + 1, Proposal([])) is not None
         finally:
             for session in sessions:
                 await session.close()

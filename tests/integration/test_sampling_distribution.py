@@ -58,7 +58,8 @@ from transformers import AutoModelForCausalLM
 import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.loop import GenerationRequest, Models, generate
-from coordinator.workers import InProcessDraftClient, InProcessTargetClient, WorkerInfo
+from coordinator.workers import WorkerInfo
+from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
 from outrider.engine import InlineEngine

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.loop import Recovery
+from outrider.config import Recovery
 from coordinator.recovery import DraftLink
 from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient

@@ -275,7 +275,7 @@ def test_aggregate_sums_and_pads_the_histograms():
         (3, 2, 1),
         draft_time_s=0.1,
         verify_time_s=0.5,
-        rpc_time_s=0.01,
+        overhead_time_s=0.01,
         overhead_s=0.001,
     )
     b = m(
@@ -287,7 +287,7 @@ def test_aggregate_sums_and_pads_the_histograms():
         (8, 6, 4, 2),
         draft_time_s=0.2,
         verify_time_s=1.0,
-        rpc_time_s=0.02,
+        overhead_time_s=0.02,
         overhead_s=0.003,
     )
     c = m(
@@ -299,7 +299,7 @@ def test_aggregate_sums_and_pads_the_histograms():
         (5, 5, 3, 2),
         draft_time_s=0.1,
         verify_time_s=0.5,
-        rpc_time_s=0.01,
+        overhead_time_s=0.01,
         overhead_s=0.002,
     )
     t = aggregate([a, b, c])
@@ -370,7 +370,7 @@ def stats(**fields):
     """The SDK's GenerationStats, as far as the bench reads it."""
     base = dict(
         prompt_tokens=12, rounds=5, draft_tokens=16, accepted_tokens=9, accepted_per_position=[4, 3, 2],
-        draft_time_s=0.01, verify_time_s=0.5, rpc_time_s=0.005, overhead_s_p50=0.0008, adaptive=False,
+        draft_time_s=0.01, verify_time_s=0.5, overhead_time_s=0.005, overhead_s_p50=0.0008, adaptive=False,
         num_drafts=4,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **fields})
@@ -405,7 +405,7 @@ def iid_tokens_per_round(alpha: float, k: float) -> float:
 
 def test_bound_on_hand_made_numbers():
     # outrider-k0: 100 rounds, 8 s of verify and 0.1 s of RPC -> t_target = 81 ms.
-    k0 = aggregate([m(100, 9.0, 100, verify_time_s=8.0, draft_time_s=0.0, rpc_time_s=0.1)])
+    k0 = aggregate([m(100, 9.0, 100, verify_time_s=8.0, draft_time_s=0.0, overhead_time_s=0.1)])
     # 50 rounds, K=4 drafted in full (200 drafts), 100 accepted, draft 2 ms a token,
     # verify 120 ms a round, rpc 1 ms a round.
     spec = aggregate(
@@ -419,7 +419,7 @@ def test_bound_on_hand_made_numbers():
                 (40, 30, 20, 10),
                 draft_time_s=0.4,
                 verify_time_s=6.0,
-                rpc_time_s=0.05,
+                overhead_time_s=0.05,
                 num_drafts=50,
             )
         ]
@@ -435,7 +435,7 @@ def test_bound_on_hand_made_numbers():
 def test_runs_of_acceptance_give_e_above_the_iid_one():
     # 10 rounds of 4 drafts: half accept all four, half none. α = 0.5, so the
     # i.i.d. formula says 1.94 tokens a round; the rounds committed 3.
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, overhead_time_s=0.0)])
     spec = aggregate(
         [
             m(
@@ -447,7 +447,7 @@ def test_runs_of_acceptance_give_e_above_the_iid_one():
                 (5, 5, 5, 5),
                 draft_time_s=0.0,
                 verify_time_s=1.0,
-                rpc_time_s=0.0,
+                overhead_time_s=0.0,
                 num_drafts=10,
             )
         ]
@@ -461,7 +461,7 @@ def test_runs_of_acceptance_give_e_above_the_iid_one():
 
 def test_e_counts_the_rounds_that_drafted_and_the_speedup_every_round():
     # Adaptive K: 6 of 10 rounds drafted (2 tokens each), 9 drafts accepted.
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, overhead_time_s=0.0)])
     spec = aggregate(
         [
             m(
@@ -473,7 +473,7 @@ def test_e_counts_the_rounds_that_drafted_and_the_speedup_every_round():
                 (6, 3),
                 draft_time_s=0.0,
                 verify_time_s=1.0,
-                rpc_time_s=0.0,
+                overhead_time_s=0.0,
                 num_drafts=6,
             )
         ]
@@ -490,16 +490,16 @@ def test_e_counts_the_rounds_that_drafted_and_the_speedup_every_round():
 
 
 def test_e_without_a_count_of_drafting_rounds_takes_every_round():
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, overhead_time_s=0.0)])
     spec = aggregate(
-        [m(19, 1.0, 10, 20, 9, (6, 3), draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]
+        [m(19, 1.0, 10, 20, 9, (6, 3), draft_time_s=0.0, verify_time_s=1.0, overhead_time_s=0.0)]
     )
     assert analytic_bound(spec, k0).expected_tokens_per_round == pytest.approx(1.9)
 
 
 def test_bound_uses_the_mean_drafts_per_round():
     # Prompt lookup proposed 2 tokens a round on average, all accepted: E = 3.
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, overhead_time_s=0.0)])
     spec = aggregate(
         [
             m(
@@ -511,7 +511,7 @@ def test_bound_uses_the_mean_drafts_per_round():
                 (10, 10),
                 draft_time_s=0.0,
                 verify_time_s=1.5,
-                rpc_time_s=0.0,
+                overhead_time_s=0.0,
                 num_drafts=10,
             )
         ]
@@ -525,7 +525,7 @@ def pipelined_totals(draft_time_s: float, hits: int, misses: int):
     """10 rounds of 4 drafts (k̄ = 4), verify 100 ms and rpc 1 ms a round, 27 accepted (E = 3.7)."""
     return aggregate(
         [
-            m(37, 1.0, 10, 40, 27, (8, 7, 6, 6), draft_time_s=draft_time_s, verify_time_s=1.0, rpc_time_s=0.01,
+            m(37, 1.0, 10, 40, 27, (8, 7, 6, 6), draft_time_s=draft_time_s, verify_time_s=1.0, overhead_time_s=0.01,
               num_drafts=10, pipeline=True, speculation_hits=hits, speculation_misses=misses)
         ]
     )  # fmt: skip
@@ -533,7 +533,7 @@ def pipelined_totals(draft_time_s: float, hits: int, misses: int):
 
 def test_pipelined_round_time_when_the_verify_is_the_longer():
     k0 = aggregate(
-        [m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, rpc_time_s=0.0)]
+        [m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, overhead_time_s=0.0)]
     )  # t_target = 80 ms
     bound = analytic_bound(
         pipelined_totals(0.4, hits=6, misses=4), k0, pipelined=True
@@ -546,7 +546,7 @@ def test_pipelined_round_time_when_the_verify_is_the_longer():
 
 
 def test_pipelined_round_time_when_the_draft_is_the_longer():
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, overhead_time_s=0.0)])
     totals = pipelined_totals(1.2, hits=6, misses=4)  # d̄ = 120 ms a round > 101 ms
     pipelined = analytic_bound(totals, k0, pipelined=True)
     assert pipelined.round_time_s == pytest.approx(0.120 + 0.4 * 0.120)  # 0.168
@@ -555,14 +555,14 @@ def test_pipelined_round_time_when_the_draft_is_the_longer():
 
 
 def test_pipelined_rounds_without_hits_or_misses_count_as_misses():
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, overhead_time_s=0.0)])
     bound = analytic_bound(pipelined_totals(0.4, hits=0, misses=0), k0, pipelined=True)
     assert bound.hit_rate == 0.0
     assert bound.round_time_s == pytest.approx(0.040 + 0.101)
 
 
 def test_no_bound_without_time_split():
-    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, rpc_time_s=0.0)])
+    k0 = aggregate([m(10, 1.0, 10, verify_time_s=1.0, draft_time_s=0.0, overhead_time_s=0.0)])
     assert analytic_bound(aggregate([m(10, 1.0, 10)]), k0) is None
 
 
@@ -582,7 +582,7 @@ def approx4(value: float):
 
 def make_report() -> dict:
     prompts = [Prompt("q:1", "writing", "a"), Prompt("q:2", "humaneval", "b")]
-    t = dict(draft_time_s=0.0, verify_time_s=0.8, rpc_time_s=0.01, overhead_s=0.0004)
+    t = dict(draft_time_s=0.0, verify_time_s=0.8, overhead_time_s=0.01, overhead_s=0.0004)
     configs = [
         Config("hf-generate", "hf", None, k=0),
         Config("outrider-k0", "outrider", None, k=0),
@@ -668,7 +668,7 @@ def test_without_hf_speedup_is_against_outrider_k0():
     report = build_report(
         configs,
         prompts,
-        {"outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=1.0, rpc_time_s=0.0)]},
+        {"outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=1.0, overhead_time_s=0.0)]},
     )
     assert report["baseline"] == "outrider-k0"
     assert report["configs"][0]["speedup"] == 1.0
@@ -692,10 +692,10 @@ def make_pipelined_report() -> dict:
         Config("outrider-pl-k4-pipelined", "outrider", None, "pl", 4, pipeline=True),
     ]
     spec = dict(
-        draft_time_s=0.4, verify_time_s=1.0, rpc_time_s=0.01, overhead_s=0.0005, num_drafts=10
+        draft_time_s=0.4, verify_time_s=1.0, overhead_time_s=0.01, overhead_s=0.0005, num_drafts=10
     )
     results = {
-        "outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=0.8, rpc_time_s=0.0, overhead_s=0.0004,
+        "outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=0.8, overhead_time_s=0.0, overhead_s=0.0004,
                           critical_path_overhead_s=0.0004)],
         "outrider-pl-k4": [m(37, 1.5, 10, 40, 27, (8, 7, 6, 6), critical_path_overhead_s=0.045, **spec)],
         "outrider-pl-k4-pipelined": [

@@ -190,7 +190,7 @@ def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
     stats = GenerationStats(
         prompt_tokens=5, generated_tokens=12, rounds=4, draft_tokens=16, accepted_tokens=8,
         accepted_per_position=(3, 2, 2, 1), mean_acceptance_length=3.0, acceptance_rate=0.5,
-        draft_time_s=0.1, verify_time_s=0.2, rpc_time_s=0.01, time_to_first_token_s=0.05, total_time_s=0.4,
+        draft_time_s=0.1, verify_time_s=0.2, overhead_time_s=0.01, time_to_first_token_s=0.05, total_time_s=0.4,
         num_speculative_tokens=4,
     )  # fmt: skip
     _print_stats(stats)
@@ -199,3 +199,42 @@ def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
         dataclasses.replace(stats, pipeline=True, speculation_hits=2, speculation_misses=1)
     )
     assert "speculation hits / misses  2 / 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("role", ["coordinator", "target", "draft"])
+def test_every_serve_flag_defaults_to_its_config_field_and_says_what_it_does(role):
+    import argparse
+
+    from outrider import flags
+    from outrider.cli import ROLE_CONFIGS
+
+    config = ROLE_CONFIGS[role]
+    required = ["--target", "a:1"] if role == "coordinator" else []
+    args = build_parser().parse_args(["serve", role, *required])
+    defaults = flags.flag_defaults(config)
+    assert {"port", "log_level", "tls_cert"} <= defaults.keys()
+    for name, default in defaults.items():
+        if name != "target":
+            assert getattr(args, name) == default, name
+    expected = config(target=("a:1",)) if role == "coordinator" else config()
+    assert flags.build(config, args) == expected
+
+    parser = argparse.ArgumentParser()
+    flags.add_flags(parser, config)
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help and action.help[0].isalpha(), f"{action.dest} has no help"
+
+
+def test_nested_config_fields_are_flags_and_variables_too(monkeypatch):
+    from outrider import flags
+    from outrider.config import CoordinatorConfig
+
+    monkeypatch.setenv("OUTRIDER_DRAFT_DEADLINE_S", "1.5")
+    args = build_parser().parse_args(
+        ["serve", "coordinator", "--target", "a:1", "--verify-deadline-floor-s", "3"]
+    )
+    config = flags.build(CoordinatorConfig, args)
+    assert config.recovery.draft_deadline_s == 1.5
+    assert config.recovery.verify_deadline_floor_s == 3.0
+    assert config.service.port == 50051

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import pytest
 
 from coordinator.recovery import DraftLink
-from coordinator.workers import Proposal, WorkerInfo
+from coordinator.workers import Reply, WorkerInfo
 from outrider.errors import Unavailable
 from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal
 
 TARGET = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=512)
 
@@ -25,9 +26,11 @@ class RecordingSession:
         self.rounds: list[tuple[int, list[int]]] = []
         self.closed = False
 
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
+    async def propose(
+        self, committed_len, new_tokens, k, assumed=None, round_id=0
+    ) -> Reply[Proposal]:
         self.rounds.append((committed_len, list(new_tokens)))
-        return Proposal([7] * k, 0.001, round_id=round_id, follows_len=committed_len)
+        return Reply(Proposal([7] * k, round_id=round_id, follows_len=committed_len), 0.001)
 
     async def close(self) -> None:
         self.closed = True
@@ -60,8 +63,8 @@ async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_
     history = [1, 2, 3]
 
     started = time.monotonic()
-    proposal, open_s = await draft.propose(history, 4)
-    assert proposal is None  # waited one deadline, not the whole open
+    reply, open_s = await draft.propose(history, 4)
+    assert reply is None  # waited one deadline, not the whole open
     assert (
         0.04 < open_s <= time.monotonic() - started < 0.25
     )  # and says so: the round's time went to the draft
@@ -75,8 +78,8 @@ async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_
 
     await asyncio.sleep(0.35)
     history.append(5)
-    proposal, open_s = await draft.propose(history, 4)
-    assert proposal is not None and proposal.draft_tokens == [7] * 4
+    reply, open_s = await draft.propose(history, 4)
+    assert reply is not None and reply.value.tokens == [7] * 4
     assert open_s == 0.0  # the prefill overlapped earlier rounds
     # Opened on the history as it was when the open started, then synced with what came since.
     assert client.opened_with == [[1, 2, 3]]
@@ -130,7 +133,9 @@ class SpeculatingSession:
         self.cancelled = False
         self.closed = False
 
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0) -> Proposal:
+    async def propose(
+        self, committed_len, new_tokens, k, assumed=None, round_id=0
+    ) -> Reply[Proposal]:
         self.calls.append(
             Call(
                 committed_len,
@@ -141,7 +146,7 @@ class SpeculatingSession:
             )
         )
         if assumed is None:
-            return Proposal([7] * k, 0.001, round_id=round_id, follows_len=committed_len)
+            return Reply(Proposal([7] * k, round_id=round_id, follows_len=committed_len), 0.001)
         try:
             if self.stall is not None:
                 await self.stall.wait()
@@ -155,8 +160,8 @@ class SpeculatingSession:
             round_id -= 1  # a stale answer, to the round before
         elif self.bad_answer == "follows_len":
             follows_len -= 1
-        return Proposal(
-            [8] * k, 0.001, round_id=round_id, follows_len=follows_len, guess=self.guess
+        return Reply(
+            Proposal([8] * k, round_id=round_id, follows_len=follows_len, guess=self.guess), 0.001
         )
 
     async def close(self) -> None:
@@ -187,9 +192,9 @@ async def speculating(
         sampling=SamplingParams(),
         **{"deadline_s": 1.0, **kwargs},
     )
-    proposal, _ = await draft.propose(history, 2)
-    assert proposal.draft_tokens == [7, 7]
-    draft.speculate(history, proposal.draft_tokens, 3)
+    reply, _ = await draft.propose(history, 2)
+    assert reply.value.tokens == [7, 7]
+    draft.speculate(history, reply.value.tokens, 3)
     assert draft.speculation is not None
     return draft, client
 
@@ -200,17 +205,19 @@ async def test_a_speculation_hit_returns_its_proposal_and_the_next_round_syncs_t
     draft, _ = await speculating(session, history)
     history += [7, 7, 9]  # both drafts accepted, and the target's bonus token is the draft's guess
 
-    proposal, hit = await draft.speculated(history)
+    reply, hit = await draft.speculated(history)
     assert hit is True
-    assert proposal.draft_tokens == [8, 8, 8] and proposal.guess == 9 and proposal.follows_len == 6
+    assert (
+        reply.value.tokens == [8, 8, 8] and reply.value.guess == 9 and reply.value.follows_len == 6
+    )
     # The speculation synced nothing: it drafted after the history it knew plus the assumed drafts.
     assert session.calls == [Call(3, [], 2, None, 1), Call(3, [], 3, [7, 7], 2)]
 
     # The round after the hit: its new tokens are what the speculation only
     # assumed (the drafts and the guess), then what that round committed.
     history += [8, 8, 8, 4]
-    proposal, _ = await draft.propose(history, 2)
-    assert proposal.draft_tokens == [7, 7]
+    reply, _ = await draft.propose(history, 2)
+    assert reply.value.tokens == [7, 7]
     assert session.calls[-1] == Call(10, [7, 7, 9, 8, 8, 8, 4], 2, None, 3)
     assert draft.failures == 0
     await draft.close()
@@ -234,8 +241,8 @@ async def test_a_speculation_miss_returns_nothing_and_the_next_propose_syncs_the
 
     assert await draft.speculated(history) == (None, False)
     assert draft.speculation is None and draft.session is session  # a miss is not a loss
-    proposal, _ = await draft.propose(history, 2)
-    assert proposal.draft_tokens == [7, 7] and proposal.follows_len == len(history)
+    reply, _ = await draft.propose(history, 2)
+    assert reply.value.tokens == [7, 7] and reply.value.follows_len == len(history)
     assert session.calls[-1] == Call(len(history), committed, 2, None, 3)
     assert draft.failures == 0
     await draft.close()
@@ -278,8 +285,8 @@ async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_ba
     await asyncio.sleep(0.25)
     history.append(5)
     session.fail = session.stall = session.bad_answer = None
-    proposal, _ = await draft.propose(history, 2)
-    assert proposal is not None and proposal.draft_tokens == [7, 7]
+    reply, _ = await draft.propose(history, 2)
+    assert reply is not None and reply.value.tokens == [7, 7]
     assert client.opened_with == [[1, 2, 3], history]  # reopened on the whole history
     assert session.calls[-1] == Call(len(history), [], 2, None, 3)
     assert draft.failures == 0

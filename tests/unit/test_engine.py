@@ -77,7 +77,7 @@ def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_g
             [Row(kv, s[c:], len(s) - c) for kv, s, c in zip(caches, sequences, cuts)]
         )
     for out, logits, cut in zip(outputs, expected, cuts):
-        torch.testing.assert_close(out.rows, logits[cut:], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.values, logits[cut:], rtol=0, atol=1e-12)
         assert out.argmax == logits[cut:].argmax(-1).tolist()
 
 
@@ -99,7 +99,7 @@ def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_trans
         outputs = runner.execute([Row(kv, s[-1:], 1) for kv, s in zip(caches, sequences)])
     assert seen[-1] == 3  # short contexts share a group; 90 and 200 blocks have one each
     for out, logits in zip(outputs, expected):
-        torch.testing.assert_close(out.rows[0], logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.values[0], logits, rtol=0, atol=1e-12)
 
 
 def test_other_architectures_are_named_for_the_fallback():
@@ -126,14 +126,14 @@ def test_rollback_in_one_session_never_touches_another(llama):
         for kv in (a, b):
             kv.reserve(12)
         runner.execute([Row(a, [1, 2, 3, 4, 5], 0), Row(b, [9, 8, 7], 0)])
-        before = runner.execute([Row(b, [6], 1)])[0].rows.clone()
+        before = runner.execute([Row(b, [6], 1)])[0].values.clone()
         b.crop(3)
         # a speculates, is rolled back into b's old blocks' neighbourhood, and speculates again
         runner.execute([Row(a, [60, 61, 62], 3)])
         a.crop(5)
         a.reserve(7)  # the engine reserves before every feed
         runner.execute([Row(a, [70, 71], 2)])
-        after = runner.execute([Row(b, [6], 1)])[0].rows
+        after = runner.execute([Row(b, [6], 1)])[0].values
         fresh = llama(torch.tensor([[9, 8, 7, 6]])).logits[0, -1:]
     assert torch.equal(before, after)
     torch.testing.assert_close(after, fresh, rtol=0, atol=1e-12)

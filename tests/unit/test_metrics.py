@@ -13,7 +13,7 @@ from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from outrider.cli import build_parser
-from outrider.config import ServiceAddress
+from outrider.config import ServiceConfig
 from outrider.metrics import metrics_port_file, serving_metrics, start_metrics_endpoint
 
 ROLE_ARGS = {"coordinator": ["--target", "127.0.0.1:1"], "draft": [], "target": []}
@@ -52,12 +52,12 @@ def test_metrics_port_help_names_its_environment_variable(capsys):
 @pytest.mark.parametrize("bad", [-1, 65536])
 def test_metrics_port_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="not a port number"):
-        ServiceAddress(port=50051, metrics_port=bad)
+        ServiceConfig(port=50051, metrics_port=bad)
 
 
 def test_metrics_port_equal_to_grpc_port_is_refused():
     with pytest.raises(ValueError, match="must differ from the gRPC port"):
-        ServiceAddress(port=50051, metrics_port=50051)
+        ServiceConfig(port=50051, metrics_port=50051)
 
 
 def test_serve_reports_a_bad_metrics_port(capsys):
@@ -87,10 +87,10 @@ def test_endpoint_serves_its_own_registry_on_a_free_port():
 
 def test_serving_metrics_writes_the_bound_port_next_to_the_ready_file(tmp_path):
     ready_file = tmp_path / "target.port"
-    with serving_metrics(ServiceAddress(ready_file=ready_file, metrics_port=0)) as endpoint:
+    with serving_metrics(ServiceConfig(ready_file=ready_file, metrics_port=0)) as endpoint:
         assert int(metrics_port_file(ready_file).read_text()) == endpoint.port
         assert "process_cpu_seconds_total" in scrape(endpoint.port)
-    with serving_metrics(ServiceAddress(ready_file=ready_file)) as endpoint:
+    with serving_metrics(ServiceConfig(ready_file=ready_file)) as endpoint:
         assert endpoint is None
 
 

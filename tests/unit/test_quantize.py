@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from outrider.config import (
     DraftWorkerConfig,
     EngineConfig,
-    ServiceAddress,
+    ServiceConfig,
     TargetWorkerConfig,
     WorkerLimits,
 )
@@ -118,8 +118,8 @@ def test_the_paged_int4_forward_equals_transformers_on_the_same_4_bit_weights(ll
         out = runner.execute([Row(kv, sequence, len(sequence))])[0]
         full = llama(torch.tensor([sequence])).logits[0]
     # q/k/v and gate/up are fused before quantizing: the same groups, so the same levels.
-    _bf16_close(out.rows, expected)
-    assert (out.rows - full).abs().max() > 1e-3  # and they are not the float weights
+    _bf16_close(out.values, expected)
+    assert (out.values - full).abs().max() > 1e-3  # and they are not the float weights
 
 
 def test_int4_needs_the_llama_family_forward():
@@ -128,7 +128,7 @@ def test_int4_needs_the_llama_family_forward():
         build_runner(
             model,
             limits=WorkerLimits(max_cached_tokens=64),
-            engine=EngineConfig(),
+            engine=EngineConfig(threads=1),
             max_context=64,
             int4_group_size=32,
         )
@@ -141,11 +141,11 @@ def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_
     from target_worker.main import build_sessions as build_target
 
     limits = WorkerLimits(max_cached_tokens=1024)
-    engine = EngineConfig(dtype="float64")
-    address = ServiceAddress(host="127.0.0.1", port=0)
+    engine = EngineConfig(dtype="float64", threads=1)
+    address = ServiceConfig()
     draft = build_sessions(
         DraftWorkerConfig(
-            address=address,
+            service=address,
             drafter="int4",
             model=str(tiny_target_dir),
             engine=engine,
@@ -154,7 +154,7 @@ def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_
     )
     target = build_target(
         TargetWorkerConfig(
-            address=address, model=str(tiny_target_dir), engine=engine, limits=limits
+            service=address, model=str(tiny_target_dir), engine=engine, limits=limits
         )
     )
     layer = draft.runner.forward.layers[0]
@@ -168,7 +168,7 @@ def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_
         kv = runner.new_kv()
         kv.reserve(len(sequence))
         with torch.inference_mode():
-            logits.append(runner.execute([Row(kv, sequence, len(sequence))])[0].rows)
+            logits.append(runner.execute([Row(kv, sequence, len(sequence))])[0].values)
         kv.free()
     drafted, verified = logits
     assert (drafted - verified).abs().max() > 1e-2

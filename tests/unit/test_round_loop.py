@@ -5,9 +5,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from coordinator.loop import GenerationRequest, Models, generate
-from coordinator.workers import InProcessDraftClient, InProcessTargetClient
+from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from draft_worker.main import build_sessions as build_draft_sessions
-from outrider.config import DraftWorkerConfig, EngineConfig, ServiceAddress, TargetWorkerConfig
+from outrider.config import DraftWorkerConfig, EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.worker import start_engine
 from target_worker.main import build_sessions as build_target_sessions
 from tests.integration.harness import reference_greedy
@@ -15,7 +15,7 @@ from tests.integration.harness import reference_greedy
 
 @pytest.fixture
 async def clients(tiny_target_dir, tiny_draft_other_dir):
-    address, engine = ServiceAddress(), EngineConfig(dtype="float64")
+    address, engine = ServiceConfig(), EngineConfig(dtype="float64", threads=1)
     target = build_target_sessions(
         TargetWorkerConfig(address, model=str(tiny_target_dir), engine=engine)
     )

@@ -1,0 +1,56 @@
+"""The two words of a speculative round, shared by the three services.
+
+* a :class:`Proposal` — what the drafter offers: draft tokens ``d_1 .. d_K``
+  after a history (and, for a sampling draft in rejection mode, the
+  distribution ``q`` each was drawn from);
+* a :class:`Verdict` — what the target decides: how many leading drafts it
+  accepts, and its own next token (the *recovered* token at the first
+  rejection, or the *bonus* token after all K).
+
+Both are plain data: no tensors, no protobuf (``outrider.wire`` translates
+them at the edge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.sampling import CompactProbs
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens proposed to follow a history."""
+
+    tokens: list[int]
+    """The draft tokens, at most the K asked for (fewer, even none, when the
+    drafter has no confident guess)."""
+    probs: list[CompactProbs] = field(default_factory=list)
+    """``q`` of each draft token when the draft sampled it (rejection mode);
+    empty: the draft is deterministic, a point mass on each token."""
+    follows_len: int = 0
+    """The length of the history the tokens follow: the committed length, or
+    for a speculation the committed length plus the assumed drafts and the
+    guess."""
+    guess: int | None = None
+    """A speculation's guess of the target's bonus token after the assumed
+    drafts (the tokens follow it); None for a proposal after the committed
+    history."""
+    round_id: int = 0
+    """The round it answers, as the coordinator numbered it (echoed)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one round's draft tokens."""
+
+    num_accepted: int
+    """How many leading draft tokens were accepted (0 .. K)."""
+    next_token: int
+    """The recovered token when ``num_accepted < K``, else the bonus token."""
+
+    @property
+    def num_committed(self) -> int:
+        return self.num_accepted + 1

@@ -1,0 +1,126 @@
+"""In-process worker clients: the coordinator's ``TargetClient`` and
+``DraftClient`` protocols (``coordinator.workers``) over the workers' sessions
+and engines in this process, no gRPC — so the whole speculative loop runs in
+one process, with the same loop code as across three."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from collections.abc import Sequence
+
+from coordinator.workers import Reply, WorkerInfo
+from draft_worker.sessions import DraftSessions
+from outrider.engine import Engine, InlineEngine
+from outrider.sampling import SamplingParams
+from outrider.speculation import Proposal, Verdict
+from target_worker.sessions import TargetSessions
+
+
+class InProcessTargetClient:
+    """Runs a target worker's session jobs on its engine directly."""
+
+    def __init__(self, sessions: TargetSessions, engine: Engine | InlineEngine) -> None:
+        self.sessions = sessions
+        self.engine = engine
+
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
+        i = self.sessions.info
+        return WorkerInfo(
+            i.model_name, "", i.vocab_size, i.vocab_fingerprint, i.max_context, i.device, i.dtype
+        )
+
+    async def open(
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str,
+        sampling: SamplingParams,
+        deadline_s: float | None = None,
+    ):
+        session_id = uuid.uuid4().hex[:16]
+        _, compute_s = await self.engine.timed(
+            self.sessions.open, session_id, list(tokens), sampling
+        )
+        return _InProcessTargetSession(self, session_id), compute_s
+
+
+class _InProcessTargetSession:
+    def __init__(self, client: InProcessTargetClient, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]:
+        verdict, compute_s = await self.client.engine.timed(
+            self.client.sessions.verify,
+            self.session_id,
+            committed_len,
+            list(proposal.tokens),
+            list(proposal.probs),
+        )
+        return Reply(verdict, compute_s)
+
+    def failing(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.client.engine.submit(self.client.sessions.close, self.session_id)
+
+
+class InProcessDraftClient:
+    """Runs a draft worker's session jobs on its engine directly."""
+
+    def __init__(self, sessions: DraftSessions, engine: Engine | InlineEngine) -> None:
+        self.sessions = sessions
+        self.engine = engine
+
+    async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
+        d, i = self.sessions.drafter, self.sessions.info
+        return WorkerInfo(
+            d.model_name,
+            d.kind,
+            d.vocab_size or 0,
+            i.vocab_fingerprint,
+            i.max_context,
+            i.device,
+            i.dtype,
+        )
+
+    async def open(
+        self,
+        tokens: Sequence[int],
+        *,
+        request_id: str,
+        target: WorkerInfo,
+        sampling: SamplingParams,
+    ):
+        session_id = uuid.uuid4().hex[:16]
+        _, compute_s = await self.engine.timed(
+            self.sessions.open,
+            session_id,
+            list(tokens),
+            target.vocab_size,
+            target.vocab_fingerprint,
+            sampling,
+        )
+        return _InProcessDraftSession(self, session_id), compute_s
+
+
+class _InProcessDraftSession:
+    def __init__(self, client: InProcessDraftClient, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
+        proposal, compute_s = await self.client.engine.timed(
+            self.client.sessions.propose,
+            self.session_id,
+            committed_len,
+            list(new_tokens),
+            k,
+            assumed,
+        )
+        return Reply(replace(proposal, round_id=round_id), compute_s)
+
+    async def close(self) -> None:
+        self.client.engine.submit(self.client.sessions.close, self.session_id)
