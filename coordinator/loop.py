@@ -19,17 +19,18 @@ tokens itself and says so through the committed length of the next round).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.policy import AdaptiveK, CostModel
 from coordinator.recovery import DraftLink, TargetLink
-from coordinator.stats import RoundTimes, Stats
+from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
-from outrider.sampling import SamplingParams
+from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
@@ -83,14 +84,16 @@ async def generate(
     """Runs ``request`` round by round, yielding what each round streams."""
     generation = Generation(request, models, target, draft, costs or CostModel(), recovery)
     try:
-        await generation.open()  # 1. open the target session: it prefills the prompt
+        # 1. Open: the target prefills the prompt and draws the first token,
+        #    streamed at once; the draft session opens beside it.
+        yield generation.finish(await generation.open())
         while generation.finish_reason is None:
-            times = RoundTimes()
-            proposal = await generation.draft(times)  # 2. draft, or take the speculation
+            record = RoundRecord()
+            proposal = await generation.draft(record)  # 2. draft, or take the speculation
             generation.speculate(proposal)  # (pipelined: draft the next round meanwhile)
-            verdict = await generation.verify(proposal, times)  # 3. verify in one target pass
+            verdict = await generation.verify(proposal, record)  # 3. verify in one target pass
             delta = generation.commit(proposal, verdict)  # 4. commit; stop token by token
-            generation.account(proposal, verdict, times, delta)  # 5. learn from the round
+            generation.account(proposal, verdict, record, delta)  # 5. learn from the round
             yield generation.finish(delta)  # 6. stream (the last delta carries the outcome)
     finally:
         await generation.close()  # 7. close both sessions: the workers free their caches
@@ -154,12 +157,28 @@ class Generation:
             else None
         )
 
-    async def open(self) -> None:
-        """Opens the target session on the prompt (its prefill). The draft
-        session opens at the first round that drafts."""
-        self.prefill_s = await self.target.open(self.history)
-        self.stats.verify_time_s += self.prefill_s
-        self.costs.observe_prefill(len(self.history), self.prefill_s)
+    async def open(self) -> Delta:
+        """Opens the target session on the prompt: the target prefills it
+        and draws the token after it, as a round with no drafts would; that
+        round's delta. The draft session's prefill starts at once, beside
+        the target's (unless drafting does not pay now), so drafting can
+        start from the second round."""
+        record = RoundRecord()
+        if self.drafts is not None and self.choose_k(len(self.history) + 1) > 0:
+            self.drafts.open_soon(self.history)
+        reply = await self.target.open(self.history, first_token=True)
+        assert reply.value is not None, "a target asked for the first token answers it"
+        record.verify_s = self.prefill_s = reply.compute_s
+        if reply.load is not None:
+            self.costs.target = reply.load
+        self.costs.observe_prefill(len(self.history), reply.compute_s)
+        verdict = Verdict(num_accepted=0, next_token=reply.value)
+        delta = self.commit(None, verdict)
+        record.ended()
+        self.stats.record_round(None, verdict, record, streamed=len(delta.token_ids))
+        if self.policy is not None:
+            self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
+        return delta
 
     def choose_k(self, history_len: int) -> int:
         """K for a round after ``history_len`` tokens: never past the length
@@ -167,20 +186,25 @@ class Generation:
         room = max(0, self.max_len - history_len - 1)
         return self.policy.choose(room) if self.policy else min(self.k_max, room)
 
-    async def draft(self, times: RoundTimes) -> Proposal | None:
+    async def draft(self, record: RoundRecord) -> Proposal | None:
         """This round's proposal: the speculation's when it holds (a hit),
         else a fresh one (syncing the tokens committed since the last round).
         None when the round does not draft: K = 0, or the draft is lost."""
         if self.drafts is None:
             return None
-        reply, times.hit = await self.drafts.speculated(self.history)
-        if times.hit is not None:
-            self.stats.speculation_hits += times.hit
-            self.stats.speculation_misses += not times.hit
-        if reply is None and (k := self.choose_k(len(self.history))) > 0:
-            reply, times.open_s = await self.drafts.propose(self.history, k)
-        times.draft_s = reply.compute_s if reply else 0.0
-        times.drafted()
+        reply, record.hit = await self.drafts.speculated(self.history)
+        if record.hit is not None:
+            self.stats.speculation_hits += record.hit
+            self.stats.speculation_misses += not record.hit
+        if reply is not None:
+            record.k = len(reply.value.tokens)
+        elif (k := self.choose_k(len(self.history))) > 0:
+            record.k = k
+            reply, record.open_s = await self.drafts.propose(self.history, k)
+        record.draft_s = reply.compute_s if reply else 0.0
+        if reply is not None and reply.load is not None:
+            self.costs.draft = reply.load
+        record.drafted()
         return reply.value if reply else None
 
     def speculate(self, proposal: Proposal | None) -> None:
@@ -195,16 +219,18 @@ class Generation:
             if (k := self.choose_k(assumed_len)) > 0:
                 self.drafts.speculate(self.history, drafts, k)
 
-    async def verify(self, proposal: Proposal | None, times: RoundTimes) -> Verdict:
+    async def verify(self, proposal: Proposal | None, record: RoundRecord) -> Verdict:
         """The target's verdict on the drafts (none: a target-only round),
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        reply, times.reopen_s = await self.target.verify(
+        reply, record.reopen_s = await self.target.verify(
             self.history, drafts, self.recovery.verify_deadline_s(expected_s)
         )
-        times.verify_s = reply.compute_s
-        self.stats.verify_time_s += times.reopen_s
+        record.verify_s = reply.compute_s
+        if reply.load is not None:
+            self.costs.target = reply.load
+        self.stats.verify_time_s += record.reopen_s
         return reply.value
 
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> Delta:
@@ -231,22 +257,21 @@ class Generation:
         return delta
 
     def account(
-        self, proposal: Proposal | None, verdict: Verdict, times: RoundTimes, delta: Delta
+        self, proposal: Proposal | None, verdict: Verdict, record: RoundRecord, delta: Delta
     ) -> None:
         """Records the round in the statistics, as far as the client got its
         tokens, and teaches the cost model and the policy what it cost and
         what it accepted."""
         drafts = proposal.tokens if proposal else []
-        times.ended()
-        self.stats.record_round(proposal, verdict, times, streamed=len(delta.token_ids))
+        record.ended()
+        self.stats.record_round(proposal, verdict, record, streamed=len(delta.token_ids))
         self.costs.observe(
             num_drafts=len(drafts),
-            draft_s=times.draft_s,
+            draft_s=record.draft_s,
             draft_steps=len(drafts) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
-            verify_s=times.verify_s,
-            overhead_s=times.overhead_s,
-            drafted=proposal is not None and not times.hit,
+            overhead_s=record.overhead_s,
+            drafted=proposal is not None and not record.hit,
         )
         if self.policy:
             self.policy.observe(len(drafts), verdict.num_accepted)
@@ -270,15 +295,17 @@ class Generation:
         return delta
 
     async def close(self) -> None:
+        if self.policy is not None:
+            self.policy.close()
         await self.target.close()
         if self.drafts is not None:
             await self.drafts.close()
 
 
-def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:
+def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:
     """End-of-sequence ids: the generation config's, plus the tokenizer's."""
     ids: set[int] = set()
-    eos = getattr(generation_config, "eos_token_id", None)
+    eos = generation_config.get("eos_token_id")
     if isinstance(eos, int):
         ids.add(eos)
     elif isinstance(eos, Sequence):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from transformers import GenerationConfig
-
 from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
@@ -14,24 +12,17 @@ from outrider import models
 from outrider.config import CoordinatorConfig
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
-from outrider.security import load_tokens
 from outrider.rpc import run_service, serve_until_signalled, start_server
+from outrider.security import load_tokens
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
-def load_generation_config(spec: str | None) -> GenerationConfig | None:
-    try:
-        return GenerationConfig.from_pretrained(models.resolve(spec))
-    except OSError:
-        return None
-
-
 async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = None) -> None:
     tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
-    generation_config = await asyncio.to_thread(load_generation_config, config.tokenizer)
+    generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
     target = GrpcTargetClient(config.target, credentials=worker_credentials)
     draft = GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None

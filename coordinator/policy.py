@@ -1,42 +1,67 @@
-"""Adaptive K: how many tokens to draft next round.
+"""Adaptive K: how many tokens each session drafts next round, chosen for the
+deployment's goodput — committed tokens per second across all sessions —
+with each request's latency as the tie-break
+(docs/design.md#speculation-under-load).
 
 With per-token acceptance α and K drafts, a round commits
 
     E(K) = (1 − α^(K+1)) / (1 − α)          (E = K + 1 when α = 1)
 
-tokens (Leviathan et al. 2023) and costs
+tokens (Leviathan et al. 2023); its j-th draft adds α^j of them. Sessions
+share steps: the target verifies every session's round in one forward pass
+of T = Σ (K_i + 1) tokens, which costs c(T); the draft drafts in steps of
+every session drafting, n_j rows at the j-th draft of a round, each costing
+d(n_j). Both curves are measured by the engines themselves and reported
+with every answer (``outrider.load``); the coordinator adds its overhead o
+(RPCs and its own loop, measured per round). So a round costs
 
-    T(K) = K·t_draft + t_verify(K) + t_rpc(2)
+    C = o + Σ_j d(n_j) + c(T)
 
-with two RPCs on the critical path (propose, verify). Pipelined (DESIGN §5),
-the draft drafts the next round — K + 1 steps, its guess of the bonus token
-first — while the target verifies this one, so a round whose speculation
-held (a hit, probability α^(K+1)) costs
+and the goodput of an assignment of K_i to the sessions is
 
-    T_hit(K) = max(t_verify(K) + t_rpc(1), (K+1)·t_draft)
+    G = Σ_i E_i(K_i) / C.
 
-and a miss drafts afresh first: T(K) = T_hit(K) + (1 − α^(K+1))·(K·t_draft +
-t_rpc(2) − t_rpc(1)).
+:class:`CostModel.plan` maximises G over the coordinator's adaptive
+sessions, the others in the engines' steps held as the engines last saw
+them. A session's tokens are worth the most in order (α_i ≥ α_i² ≥ …), so
+the drafts of every session are sorted by what each adds, α_i^j, and the
+best assignment is the best prefix of that order: its cost is a sum of
+increments along it (a token, a draft row, or a new draft step), so every
+prefix is priced in one pass. A draft token is drafted while its α_i^j
+beats what it adds to everyone's round. On a GPU c is nearly flat up to a
+few hundred tokens, so drafting is almost free at low load and K shrinks
+as T grows; on a CPU c is linear from the first token, so under load
+drafting pays only where α is high and drafts are cheap — K = 0 when it
+does not pay at all. A session alone is priced exactly as
+E(K) / (o + K·d(1) + c(K + 1)), its own best rate. Among assignments of
+the same goodput (within :data:`TIE`), the shortest round wins: every
+session gets its tokens soonest.
 
-The policy drafts the K in 0..K_max that maximises E(K) / T(K) — down to
-K = 0 (target only) when speculation does not pay. α is estimated per session
-(it depends on the text); the costs are properties of the deployment, so one
-:class:`CostModel` per coordinator learns them from every session's rounds.
+Pipelined (docs/design.md#pipelined-rounds), the draft drafts the next
+round — K + 1 steps, its guess of the bonus token first — while the target
+verifies this one, so a round whose speculation holds (probability
+α^(K+1)) costs o₁ + max(c(T), D(K + 1)), and a miss first drafts afresh:
 
-A cost is only as good as its last measurement: once every session drafts,
-nobody measures a target-only round any more, and a stale t_verify(0) can
-hold every session at a K that no longer pays. So when no K = 0 round was
-seen in ``refresh_rounds`` rounds, one session runs one (a probe).
+    C_p = o₁ + max(c(T), D_spec) + miss · (D + o₂ − o₁)
 
-While K = 0, nothing is learnt about α; every ``probe_every`` rounds the
-policy drafts one token to look again — unless drafting would not pay even
-with every draft accepted (a draft as slow as the target), when looking
-again cannot change the answer.
+with miss the sessions' mean chance of a miss.
+
+While K = 0 nothing is learnt about α; every ``probe_every`` rounds a
+session drafts one token to look again — unless its first draft would not
+pay even at a far better α (halfway to 1) — its α^1 would not beat what one
+more draft token costs — when looking again cannot change the answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from outrider.load import EngineLoad
+
+TIE = 0.01
+"""Goodputs this close count as equal; then latency decides."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -44,6 +69,19 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def step_costs(load: EngineLoad, tokens: np.ndarray) -> np.ndarray:
+    """The step cost curve of ``load`` at each of ``tokens`` (vectorised
+    :meth:`EngineLoad.step_cost`; zero before any step was measured)."""
+    tokens = np.asarray(tokens, dtype=float)
+    if not load.curve:
+        return np.zeros_like(tokens)
+    xs, ys = (np.array(values, dtype=float) for values in zip(*load.curve, strict=True))
+    if len(xs) == 1:
+        return np.where(tokens <= xs[0], ys[0], ys[0] * tokens / xs[0])
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return np.where(tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1]))
 
 
 class _Ema:
@@ -54,62 +92,88 @@ class _Ema:
         self.value: float | None = None
 
     def update(self, sample: float) -> None:
-        self.value = (
-            sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
-        )
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value = self.decay * self.value + (1 - self.decay) * sample
+
+
+@dataclass(frozen=True)
+class Plan:
+    """K for each adaptive session, and what the assignment is worth."""
+
+    ks: dict[int, int]
+    """``id`` of each session's :class:`AdaptiveK` → its K."""
+    goodput: float
+    """Tokens per second of the whole step (its own sessions and the others)."""
+    price: float
+    """What one more draft token would have to add (its α^j) to pay for itself."""
 
 
 @dataclass
 class CostModel:
-    """Measured costs of a round's parts, in seconds, shared by sessions."""
+    """What rounds cost and what they commit, shared by a coordinator's
+    sessions: the engines' step curves and load as they last reported them,
+    and what the coordinator measures itself (its overhead, the acceptance,
+    what rounds commit). It plans the K of its adaptive sessions together."""
 
     decay: float = 0.9
-    refresh_rounds: int = 64
-    """Rounds after which the cost of a target-only round is measured again."""
+    target: EngineLoad = field(default_factory=EngineLoad)
+    """The target engine's curve and load, from its latest answer (the
+    round loop keeps it current)."""
+    draft: EngineLoad | None = None
+    """The draft engine's; None for a model-free drafter (or before any)."""
     draft_per_token: _Ema = field(init=False)
+    """Draft compute per drafted token, where the draft reports no curve."""
     prefill_per_token: _Ema = field(init=False)
-    verify: dict[int, _Ema] = field(init=False)
     overhead: dict[bool, _Ema] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one)."""
     accepted: _Ema = field(init=False)
     judged: _Ema = field(init=False)
     """Per drafting round: accepted drafts, and those plus the rejected one."""
-    rounds: int = field(init=False, default=0)
-    target_seen: int = field(init=False, default=0)
-    """The round that last measured (or was chosen to measure) t_verify(0)."""
+    committed: _Ema = field(init=False)
+    """Tokens a round commits, over every session's rounds."""
+    sessions: dict[int, AdaptiveK] = field(init=False, default_factory=dict)
+    """The adaptive sessions running now, planned together."""
+    _version: int = field(init=False, default=0)
+    """Counts the joins and leaves: a plan is for one set of sessions."""
+    _plan: Plan | None = field(init=False, default=None)
+    _planned_at: tuple[int, int] = field(init=False, default=(-1, -1))
 
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.prefill_per_token = _Ema(self.decay)
         self.accepted, self.judged = _Ema(self.decay), _Ema(self.decay)
-        self.verify = {}
+        self.committed = _Ema(self.decay)
         self.overhead = {False: _Ema(self.decay), True: _Ema(self.decay)}
+
+    # --- learning --------------------------------------------------------------
 
     def observe(
         self,
         *,
         num_drafts: int,
         draft_s: float,
-        verify_s: float,
         overhead_s: float,
         drafted: bool,
         draft_steps: int | None = None,
         num_accepted: int | None = None,
     ) -> None:
-        """One round: ``draft_steps`` (default ``num_drafts``) draft steps took
-        ``draft_s``; verifying ``num_drafts`` took ``verify_s`` and accepted
-        ``num_accepted`` of them."""
-        self.rounds += 1
+        """One round: ``draft_steps`` (default ``num_drafts``) draft steps
+        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``."""
         if num_drafts and num_accepted is not None:
             self.accepted.update(num_accepted)
             self.judged.update(num_accepted + (num_accepted < num_drafts))
+        if num_accepted is not None:
+            self.committed.update(num_accepted + 1)
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
-        self.verify.setdefault(num_drafts, _Ema(self.decay)).update(verify_s)
-        if num_drafts == 0:
-            self.target_seen = self.rounds
         self.overhead[drafted].update(overhead_s)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A target session opened on ``tokens`` tokens in ``seconds``."""
+        self.prefill_per_token.update(seconds / max(1, tokens))
 
     @property
     def alpha(self) -> float | None:
@@ -118,62 +182,188 @@ class CostModel:
             return None
         return self.accepted.value / self.judged.value
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A target session opened on ``tokens`` tokens in ``seconds``."""
-        self.prefill_per_token.update(seconds / max(1, tokens))
+    # --- costs -----------------------------------------------------------------
+
+    @property
+    def measured(self) -> bool:
+        """Whether the target's step cost is known (a round has run)."""
+        return bool(self.target.curve)
 
     def prefill_cost(self, tokens: int) -> float | None:
         """What opening a target session on ``tokens`` tokens should cost."""
         per_token = self.prefill_per_token.value
         return None if per_token is None else per_token * tokens
 
-    def claim_target_probe(self) -> bool:
-        """True (once per ``refresh_rounds``) when t_verify(0) is stale and
-        the caller should run a target-only round to measure it again."""
-        if 0 not in self.verify or self.rounds - self.target_seen <= self.refresh_rounds:
-            return False
-        self.target_seen = self.rounds
-        return True
-
     def verify_cost(self, k: int) -> float | None:
-        """t_verify(K): measured, else the least-squares line through the
-        measured sizes (flat through a single one: optimistic, so K gets tried)."""
-        if k in self.verify:
-            return self.verify[k].value
-        points = [(n, e.value) for n, e in self.verify.items()]
-        if not points:
+        """What a verify of K drafts should take now: a step at the current load."""
+        if not self.measured:
             return None
-        mean_k = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_k) ** 2 for n, _ in points)
-        slope = 0.0 if spread == 0 else sum((n - mean_k) * (t - mean_t) for n, t in points) / spread
-        return mean_t + max(0.0, slope) * (k - mean_k)
+        return self.target.step_cost(max(self.target.tokens_per_step, 1.0) + k)
 
     def rpc_cost(self, drafted: bool) -> float:
-        """t_rpc with two RPCs on the critical path (``drafted``) or one."""
+        """o: a round's overhead with two RPCs on its critical path (``drafted``) or one."""
         overhead = self.overhead[drafted].value
         if overhead is None:
             overhead = self.overhead[not drafted].value or 0.0
         return overhead
 
-    def round_cost(self, k: int, *, hit_rate: float | None = None) -> float | None:
-        """T(K): synchronous, or pipelined given the chance that a round's
-        speculation holds (``hit_rate``)."""
-        verify = self.verify_cost(k)
-        if verify is None:
-            return None
-        t_draft = self.draft_per_token.value or 0.0
-        if k == 0:
-            return verify + self.rpc_cost(False)
-        if hit_rate is None:
-            return k * t_draft + verify + self.rpc_cost(True)
-        hit = max(verify + self.rpc_cost(False), (k + 1) * t_draft)
-        return hit + (1.0 - hit_rate) * (k * t_draft + self.rpc_cost(True) - self.rpc_cost(False))
+    def draft_step_costs(self, rows: np.ndarray) -> np.ndarray:
+        """d(n) of draft steps of ``rows`` rows (0 rows: no step)."""
+        rows = np.asarray(rows, dtype=float)
+        if self.draft is not None and self.draft.curve:
+            costs = step_costs(self.draft, np.maximum(rows, 1.0))
+        else:
+            costs = np.full_like(rows, self.draft_per_token.value or 0.0)
+        return np.where(rows > 0, costs, 0.0)
+
+    # --- planning --------------------------------------------------------------
+
+    def join(self, session: AdaptiveK) -> None:
+        self.sessions[id(session)] = session
+        self._version += 1
+
+    def leave(self, session: AdaptiveK) -> None:
+        if self.sessions.pop(id(session), None) is not None:
+            self._version += 1
+
+    def plan(self) -> Plan:
+        """The K of every adaptive session that maximises the goodput (see
+        the module docstring), recomputed once per target step (or when
+        the sessions change)."""
+        stamp = (self.target.steps, self._version)
+        if self._plan is None or stamp != self._planned_at:
+            self._plan = self._best_plan(list(self.sessions.values()))
+            self._planned_at = stamp
+        return self._plan
+
+    def _best_plan(self, sessions: list[AdaptiveK]) -> Plan:
+        n = len(sessions)
+        if n == 0:
+            return Plan({}, 0.0, 1.0)
+        alphas = np.array([s.alpha for s in sessions])
+        k_max = np.array([s.k_max for s in sessions])
+
+        # The others in the target's steps: its load less these sessions' share.
+        seen = [s for s in sessions if s.k_last is not None]
+        rows = max(0.0, self.target.rows_per_step - len(seen))
+        tokens = max(0.0, self.target.tokens_per_step - sum(s.k_last + 1 for s in seen))
+        if rows < 0.5:
+            rows = tokens = 0.0
+        drafting_now = sum(1 for s in seen if s.k_last)
+        other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
+        other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
+        base = _Base(
+            committed=rows * (self.committed.value or 1.0) + n,
+            tokens=tokens + n,
+            sessions=n,
+            pipelined=any(s.pipeline for s in sessions),
+        )
+
+        # Every draft token of every session, best first: (session, depth, α^depth),
+        # and what it adds to the draft: a row in the step at its depth, or a
+        # step of its own where there was none.
+        owner = np.repeat(np.arange(n), k_max)
+        depth = np.concatenate([np.arange(1, k + 1) for k in k_max]) if k_max.sum() else owner
+        gain = alphas[owner] ** depth
+        order = np.lexsort((owner, depth, -gain))
+        owner, depth, gain = owner[order], depth[order], gain[order]
+        rows_before = np.where(depth <= other_depth, other_drafting, 0.0) + _rank_within(depth)
+        draft_add = self.draft_step_costs(rows_before + 1) - self.draft_step_costs(rows_before)
+
+        # A deep draft costs a draft step every session waits for, so the best
+        # prefix is sought under every cap on the depth (K = cap for all is one).
+        best: tuple[float, float, np.ndarray] | None = None
+        for cap in range(int(k_max.max()) + 1):
+            keep = depth <= cap
+            goodput, cost = self._prefixes(
+                base, alphas, owner[keep], depth[keep], gain[keep], draft_add[keep]
+            )
+            near = np.flatnonzero(goodput >= goodput.max() * (1 - TIE))
+            p = int(near[np.argmin(cost[near])])  # ties: the shortest round
+            if (
+                best is None
+                or goodput[p] > best[0] * (1 + TIE)
+                or (goodput[p] >= best[0] * (1 - TIE) and cost[p] < best[1])
+            ):
+                best = (float(goodput[p]), float(cost[p]), owner[keep][:p])
+        assert best is not None
+        goodput_best, _, chosen = best
+        ks = np.bincount(chosen, minlength=n)
+
+        # What a first draft of a session now at K = 0 would have to add to pay
+        # for itself: the goodput it would cost (a token in the step, a row in
+        # the first draft step).
+        drafting_first = other_drafting + int((ks > 0).sum())
+        token = step_costs(
+            self.target, np.array([base.tokens + ks.sum(), base.tokens + ks.sum() + 1])
+        )
+        row = self.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
+        price = goodput_best * float(np.diff(token)[0] + np.diff(row)[0])
+        return Plan({id(s): int(k) for s, k in zip(sessions, ks, strict=True)}, goodput_best, price)
+
+    def _prefixes(
+        self,
+        base: _Base,
+        alphas: np.ndarray,
+        owner: np.ndarray,
+        depth: np.ndarray,
+        gain: np.ndarray,
+        draft_add: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Goodput and round cost of every prefix of the tokens (0 .. all)."""
+        drafts = np.arange(len(gain) + 1, dtype=float)
+        committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
+        drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
+        verify = step_costs(self.target, base.tokens + drafts)
+        one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
+        if base.pipelined:
+            # A speculation drafts one step more (the guess) beside the verify;
+            # a miss drafts afresh first.
+            guess = np.where(drafts > 0, draft_add[0] if len(draft_add) else 0.0, 0.0)
+            miss = _miss_rates(alphas, owner, depth, base.sessions)
+            cost = (
+                one_rpc
+                + np.maximum(verify, drafting + guess)
+                + miss * (drafting + two_rpcs - one_rpc)
+            )
+        else:
+            cost = np.where(drafts > 0, two_rpcs, one_rpc) + drafting + verify
+        return committed / np.maximum(cost, 1e-9), cost
+
+
+@dataclass(frozen=True)
+class _Base:
+    """What every assignment has: the others' and these sessions' K = 0 rounds."""
+
+    committed: float
+    tokens: float
+    sessions: int
+    pipelined: bool
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements share its group."""
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    counts = np.diff(np.r_[starts, len(groups)])
+    ranks = np.empty(len(groups), dtype=float)
+    ranks[order] = np.arange(len(groups)) - np.repeat(starts, counts)
+    return ranks
+
+
+def _miss_rates(alphas: np.ndarray, owner: np.ndarray, depth: np.ndarray, n: int) -> np.ndarray:
+    """Along the order, the sessions' mean chance that a speculation misses
+    (1 − α^(K+1) for a session drafting K > 0, none for one that does not)."""
+    before = np.where(depth > 1, 1.0 - alphas[owner] ** depth, 0.0)
+    after = 1.0 - alphas[owner] ** (depth + 1)
+    return np.concatenate([[0.0], np.cumsum(after - before)]) / n
 
 
 @dataclass
 class AdaptiveK:
-    """Chooses K for one session's next round."""
+    """The adaptive K of one session: its acceptance estimate, and its K
+    from its cost model's plan of every adaptive session (``close`` leaves it)."""
 
     k_max: int
     costs: CostModel
@@ -188,12 +378,16 @@ class AdaptiveK:
     accepted: float = 1.0
     rejected: float = 1.0
     rounds_at_zero: int = 0
-    target_probe: bool = False
-    """This session runs the next target-only round that refreshes t_verify(0)."""
+    k_last: int | None = None
+    """The K of this session's last verified round (its share of the load)."""
 
     def __post_init__(self) -> None:
         if (alpha := self.costs.alpha) is not None:
             self.accepted, self.rejected = 2.0 * alpha, 2.0 * (1.0 - alpha)
+        self.costs.join(self)
+
+    def close(self) -> None:
+        self.costs.leave(self)
 
     @property
     def alpha(self) -> float:
@@ -204,31 +398,22 @@ class AdaptiveK:
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0
-        if self.costs.round_cost(0) is None or self.costs.draft_per_token.value is None:
+        if not self.costs.measured:
             return k_max  # nothing measured yet: draft, and learn the costs
-        if self.target_probe or self.costs.claim_target_probe():
-            self.target_probe = True  # until the round has run
-            return 0
-        best_k = self._best_k(self.alpha, k_max)
-        if best_k > 0:
+        plan = self.costs.plan()
+        k = min(plan.ks.get(id(self), 0), k_max)
+        if k > 0:
             self.rounds_at_zero = 0
-            return best_k
-        if self._best_k(1.0, k_max) == 0:
-            return 0  # drafting would not pay even if every draft were accepted
+            return k
+        if 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
+            return 0  # its first draft would not pay even at a far better α
         self.rounds_at_zero += 1
         return 1 if self.rounds_at_zero % self.probe_every == 0 else 0
 
-    def _best_k(self, alpha: float, k_max: int) -> int:
-        def rate(k: int) -> float:
-            hit_rate = alpha ** (k + 1) if self.pipeline else None
-            return expected_tokens(alpha, k) / self.costs.round_cost(k, hit_rate=hit_rate)
-
-        return max(range(k_max + 1), key=rate)
-
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""
+        self.k_last = num_drafts
         if not num_drafts:
-            self.target_probe = False
             return
         self.accepted = self.decay * self.accepted + num_accepted
         self.rejected = self.decay * self.rejected + (1 if num_accepted < num_drafts else 0)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from coordinator.workers import DraftClient, Reply, TargetClient, WorkerInfo
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
-from outrider.sampling import SamplingParams
+from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
@@ -66,8 +66,12 @@ class DraftLink:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.session = None
-        self.opening: asyncio.Task | None = None
-        """An open still running after its round's deadline (a slow prefill, a frozen draft)."""
+        self.opening: asyncio.Future | None = None
+        """An open in the background (begun early, or still running after its
+        round's deadline: a slow prefill, a frozen draft)."""
+        self.open_started = 0.0
+        self.open_waited = False
+        """Whether a round has waited for the open in flight (one does, once)."""
         self.opened = False
         self.synced = 0
         self.failures = 0
@@ -81,25 +85,26 @@ class DraftLink:
         """Syncs and proposes: the proposal (None when the draft is lost:
         draft nothing), and the seconds this round spent opening the session.
 
-        The session opens at the first round that drafts, prefilled with the
-        history, so a generation whose rounds never draft (adaptive K at 0)
-        never costs the draft worker anything. A refusal of that first open
-        (a bad argument, a vocabulary mismatch) reaches the client; a draft
-        that is down, slow or full only means K = 0 for now. An open waits no
-        longer than a round: past the deadline it goes on in the background
-        while the rounds go on at K = 0, so a frozen draft never stalls the
-        stream for more than one deadline."""
+        The session opens at the first round that drafts (or sooner, by
+        :meth:`open_soon`), prefilled with the history, so a generation whose
+        rounds never draft (adaptive K at 0) never costs the draft worker
+        anything. A refusal of that first open (a bad argument, a vocabulary
+        mismatch) reaches the client; a draft that is down, slow or full only
+        means K = 0 for now. A round waits for an open only until one
+        deadline after the open began, and only once: past that it goes on in
+        the background while the rounds go on at K = 0, so a frozen draft
+        never stalls the stream for more than one deadline."""
         open_s = 0.0
         if self.session is None:
             if self.opening is None:
                 if time.monotonic() < self.retry_at:
                     return None, 0.0
-                # A copy: the history grows while an open runs in the background.
-                self.opening = asyncio.ensure_future(
-                    asyncio.wait_for(self._open(list(history)), self.open_deadline_s)
-                )
+                self.open_soon(history)
+            if not self.opening.done() and not self.open_waited:
+                self.open_waited = True
                 started = time.perf_counter()
-                await asyncio.wait({self.opening}, timeout=self.deadline_s)
+                left = self.open_started + self.deadline_s - time.monotonic()
+                await asyncio.wait({self.opening}, timeout=max(0.0, left))
                 open_s = time.perf_counter() - started
             if not self.opening.done():
                 return None, open_s
@@ -125,6 +130,17 @@ class DraftLink:
             return None, open_s
         self.failures = 0
         return proposal, open_s
+
+    def open_soon(self, history: list[int]) -> None:
+        """Starts opening the session now, in the background (its prefill
+        beside the target's, at a generation's start); the rounds draft once
+        it is open."""
+        if self.session is None and self.opening is None and time.monotonic() >= self.retry_at:
+            # A copy: the history grows while an open runs in the background.
+            self.opening = asyncio.ensure_future(
+                asyncio.wait_for(self._open(list(history)), self.open_deadline_s)
+            )
+            self.open_started, self.open_waited = time.monotonic(), False
 
     def speculate(self, history: list[int], drafts: list[int], k: int) -> None:
         """Starts a speculation (docs/design.md#pipelined-rounds): while the target verifies
@@ -236,17 +252,20 @@ class TargetLink:
         self.open_deadline_s = open_deadline_s
         self.session = None
 
-    async def open(self, history: Sequence[int]) -> float:
-        """Opens a session on the history, on another replica after a failure."""
+    async def open(self, history: Sequence[int], *, first_token: bool = False) -> Reply[int | None]:
+        """Opens a session on the history, on another replica after a
+        failure; with ``first_token``, the target also draws the token after
+        the history (the stream's first)."""
         for attempt in range(self.attempts):
             try:
-                self.session, compute_s = await self.client.open(
+                self.session, opened = await self.client.open(
                     history,
                     request_id=self.request_id,
                     sampling=self.sampling,
                     deadline_s=self.open_deadline_s(len(history)),
+                    first_token=first_token,
                 )
-                return compute_s
+                return opened
             except Unavailable as exc:
                 log.warning("target unavailable", error=str(exc), attempt=attempt)
                 last = exc
@@ -266,11 +285,10 @@ class TargetLink:
         reopen_s = 0.0
         for attempt in range(self.attempts):
             if self.session is None:
-                reopen_s += await self.open(history)
+                reopen_s += (await self.open(history)).compute_s
                 log.info("target session reopened", committed_len=len(history))
             try:
-                async with asyncio.timeout(deadline_s):
-                    return await self.session.verify(len(history), proposal), reopen_s
+                return await self.session.verify(len(history), proposal, deadline_s), reopen_s
             except Unavailable as exc:
                 log.warning(
                     "target lost: reopening on the history", error=str(exc), attempt=attempt

@@ -38,6 +38,7 @@ import grpc
 from coordinator import discovery
 from coordinator.discovery import EndpointSliceWatch, ServiceRef
 from outrider.errors import Unavailable
+from outrider.load import EngineLoad
 from outrider.logging import get_logger
 from outrider.rpc import CHANNEL_OPTIONS
 from outrider.v1 import worker_pb2 as pb
@@ -76,6 +77,8 @@ class Replica:
     """Gone from the table (its pod was deleted); its channel is closed."""
     failures: int = 0
     """Failures since its last session opened."""
+    steps: int = 0
+    """Its engine's forward passes, as it last said (``outrider.load``)."""
 
     def failed(self, *, for_s: float = 5.0, max_s: float = 60.0) -> None:
         """Sends new sessions to the others for ``for_s``, doubling with each
@@ -85,6 +88,26 @@ class Replica:
 
     def opened(self) -> None:
         self.failures = 0
+
+    def answered(self, load: EngineLoad | None) -> None:
+        """Any answer of the replica: its engine's step count moves on."""
+        if load is not None:
+            self.steps = max(self.steps, load.steps)
+
+    async def stepping(self, timeout_s: float, *, lately_s: float) -> bool:
+        """Whether its engine is at work (busy, not frozen): it has begun a
+        step since it last said, or the step under way began within
+        ``lately_s``; a model-free worker that answers is alive. Asked within
+        ``timeout_s``; False when it does not answer in time."""
+        try:
+            info = await self.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        if not info.HasField("load"):
+            return True
+        moved = info.load.steps > self.steps
+        self.steps = max(self.steps, info.load.steps)
+        return moved or 0.0 < info.load.running_s < lately_s
 
 
 class Replicas:

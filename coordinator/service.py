@@ -17,7 +17,7 @@ from coordinator.workers import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
-from outrider.sampling import SamplingParams, Verification
+from outrider.sampling_params import SamplingParams, Verification
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
 from outrider.validation import check_request_id
@@ -279,6 +279,8 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         speculation_hits=stats.speculation_hits,
         speculation_misses=stats.speculation_misses,
         critical_path_overhead_s_p50=stats.critical_path_overhead_s_p50,
+        rounds_by_k=stats.rounds_by_k,
+        proposed_tokens=stats.proposed_tokens,
     )
 
 

@@ -1,5 +1,5 @@
-"""What a request's rounds cost and accepted: one round's timings
-(:class:`RoundTimes`) and the request's statistics (:class:`Stats`), in
+"""What a request's rounds cost and accepted: one round's record
+(:class:`RoundRecord`) and the request's statistics (:class:`Stats`), in
 vLLM's vocabulary (``outrider.verify``: draft, accepted, recovered and bonus
 tokens)."""
 
@@ -13,9 +13,11 @@ from outrider.speculation import Proposal, Verdict
 
 
 @dataclass
-class RoundTimes:
-    """Where one round's wall time went."""
+class RoundRecord:
+    """One round: the K it asked for, and where its wall time went."""
 
+    k: int = 0
+    """The draft tokens the round asked for (0: target-only)."""
     started: float = field(default_factory=time.perf_counter)
     open_s: float = 0.0
     """Opening the draft session (its prefill), when this round did."""
@@ -86,24 +88,39 @@ class Stats:
     speculation_misses: int = 0
     """Pipelined rounds whose speculation was discarded (the verdict differed
     from its assumption)."""
+    rounds_by_k: list[int] = field(default_factory=list)
+    """``rounds_by_k[K]``: rounds that asked for K drafts."""
+    proposed_tokens: int = 0
+    """Draft tokens proposed (``draft_tokens`` counts those verified)."""
     overheads_s: list[float] = field(default_factory=list, repr=False)
-    """Per round: :attr:`RoundTimes.overhead_s`."""
+    """Per round: :attr:`RoundRecord.overhead_s`."""
     critical_path_overheads_s: list[float] = field(default_factory=list, repr=False)
-    """Per round: :attr:`RoundTimes.critical_path_s`."""
+    """Per round: :attr:`RoundRecord.critical_path_s`."""
 
     def record_round(
-        self, proposal: Proposal | None, verdict: Verdict, times: RoundTimes, *, streamed: int
+        self,
+        proposal: Proposal | None,
+        verdict: Verdict,
+        times: RoundRecord,
+        *,
+        streamed: int,
+        verified: int | None = None,
     ) -> None:
         """One round that streamed ``streamed`` tokens: its accepted drafts
         and the recovered or bonus token, unless a stop cut it inside the
-        accepted drafts, when only the drafts before the cut count."""
+        accepted drafts, when only the drafts before the cut count. The
+        target verified ``verified`` of the proposal's drafts (None: all)."""
         drafts = proposal.tokens if proposal else []
         accepted = verdict.num_accepted
-        judged = len(drafts)
+        judged = len(drafts) if verified is None else verified
         if streamed <= accepted:  # cut inside the accepted drafts
             accepted = judged = streamed
         self.rounds += 1
         self.generated_tokens += streamed
+        self.proposed_tokens += len(drafts)
+        if times.k >= len(self.rounds_by_k):
+            self.rounds_by_k.extend([0] * (times.k + 1 - len(self.rounds_by_k)))
+        self.rounds_by_k[times.k] += 1
         self.num_drafts += bool(judged)
         self.draft_tokens += judged
         self.accepted_tokens += accepted

@@ -10,20 +10,27 @@ the same loop code either way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from coordinator.replicas import Replicas
+from coordinator.replicas import Replica, Replicas
 from outrider.errors import SessionExpired, Unavailable
+from outrider.load import EngineLoad
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
-from outrider.sampling import SamplingParams
+from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import proposal_from_pb, sampling_to_pb, verdict_from_pb, verify_round_to_pb
+from outrider.wire import (
+    load_from_pb,
+    proposal_from_pb,
+    sampling_to_pb,
+    verdict_from_pb,
+    verify_round_to_pb,
+)
 
 T = TypeVar("T")
 
@@ -46,6 +53,8 @@ class Reply(Generic[T]):
 
     value: T
     compute_s: float
+    load: EngineLoad | None = None
+    """The worker's engine as it answered (None: a model-free drafter)."""
 
 
 class DraftSession(Protocol):
@@ -66,7 +75,13 @@ class DraftSession(Protocol):
 
 
 class TargetSession(Protocol):
-    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]: ...
+    async def verify(
+        self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
+    ) -> Reply[Verdict]:
+        """The verdict on ``proposal``; TimeoutError when the worker gives
+        none within ``deadline_s`` and its engine has not stepped meanwhile
+        (frozen: a busy worker is waited for)."""
+        ...
 
     def failing(self) -> None:
         """Says the session's worker stopped answering: new sessions go to
@@ -98,10 +113,47 @@ class TargetClient(Protocol):
         request_id: str,
         sampling: SamplingParams,
         deadline_s: float | None = None,
-    ) -> tuple[TargetSession, float]: ...
+        first_token: bool = False,
+    ) -> tuple[TargetSession, Reply[int | None]]:
+        """A session on the history ``tokens`` (prefilled); with
+        ``first_token``, the token that follows it, drawn and committed."""
+        ...
 
 
 # --- gRPC ------------------------------------------------------------------
+
+PROBE_S = 0.5
+"""Longest wait for a worker to say whether its engine is stepping."""
+
+
+async def answer_of(call: Awaitable[T], replica: Replica, deadline_s: float | None) -> T:
+    """The answer of ``call`` to ``replica``, however long it takes while the
+    replica's engine keeps stepping: a busy worker is not a frozen one.
+    Whenever ``deadline_s`` passes without an answer, the replica is asked
+    whether its engine is at work — it began a step since it last said, or
+    one within the deadline — within the deadline's last quarter (at most
+    :data:`PROBE_S`); TimeoutError when it is not, or does not answer
+    (frozen, stalled or gone)."""
+    if deadline_s is None:
+        return await call
+    task = asyncio.ensure_future(call)
+    probe_s = min(PROBE_S, deadline_s / 4)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=deadline_s - probe_s)
+            if task in done:
+                return task.result()
+            probe = asyncio.ensure_future(replica.stepping(probe_s, lately_s=deadline_s))
+            done, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                probe.cancel()
+                return task.result()
+            if not probe.result():
+                raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
@@ -114,6 +166,10 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
         device=info.device,
         dtype=info.dtype,
     )
+
+
+def _load(message) -> EngineLoad | None:
+    return load_from_pb(message.load) if message.HasField("load") else None
 
 
 class _GrpcSession:
@@ -132,11 +188,19 @@ class _GrpcSession:
     def failing(self) -> None:
         self._replica.failed()
 
-    async def exchange(self, request):
+    async def exchange(self, request, deadline_s: float | None = None):
+        """Sends ``request`` and returns the worker's response (see
+        :func:`answer_of` for ``deadline_s``)."""
+        return await answer_of(self._exchange(request), self._replica, deadline_s)
+
+    async def _exchange(self, request):
         try:
             await self._call.write(request)
             response = await self._call.read()
             if response is not grpc.aio.EOF:
+                kind = response.WhichOneof("kind")
+                if kind is not None and getattr(response, kind).HasField("load"):
+                    self._replica.answered(load_from_pb(getattr(response, kind).load))
                 return response
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call has ended; its status says why
@@ -173,15 +237,19 @@ class GrpcDraftSession(_GrpcSession):
                 )
             )
         )
-        return Reply(proposal_from_pb(response.proposal), response.proposal.compute_s)
+        proposal = response.proposal
+        return Reply(proposal_from_pb(proposal), proposal.compute_s, _load(proposal))
 
 
 class GrpcTargetSession(_GrpcSession):
-    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]:
+    async def verify(
+        self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
+    ) -> Reply[Verdict]:
         response = await self.exchange(
-            pb.VerifyRequest(round=verify_round_to_pb(committed_len, proposal))
+            pb.VerifyRequest(round=verify_round_to_pb(committed_len, proposal)), deadline_s
         )
-        return Reply(verdict_from_pb(response.verdict), response.verdict.compute_s)
+        verdict = response.verdict
+        return Reply(verdict_from_pb(verdict), verdict.compute_s, _load(verdict))
 
 
 class GrpcWorkerClient:
@@ -221,8 +289,7 @@ class GrpcWorkerClient:
         call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
         session = self.session_class(self.role, call, replica)
         try:
-            async with asyncio.timeout(deadline_s):
-                response = await session.exchange(request)
+            response = await session.exchange(request, deadline_s)
         except TimeoutError:
             await session.close()
             replica.failed()
@@ -234,7 +301,9 @@ class GrpcWorkerClient:
             await session.close()
             raise
         replica.opened()
-        return session, response.opened.compute_s
+        opened = response.opened
+        token = opened.first_token_id if opened.HasField("first_token_id") else None
+        return session, Reply(token, opened.compute_s, _load(opened))
 
 
 class GrpcDraftClient(GrpcWorkerClient):
@@ -258,7 +327,8 @@ class GrpcDraftClient(GrpcWorkerClient):
                 sampling=sampling_to_pb(sampling),
             )
         )
-        return await self._open(request, request_id=request_id)
+        session, opened = await self._open(request, request_id=request_id)
+        return session, opened.compute_s
 
 
 class GrpcTargetClient(GrpcWorkerClient):
@@ -279,10 +349,14 @@ class GrpcTargetClient(GrpcWorkerClient):
         request_id: str,
         sampling: SamplingParams,
         deadline_s: float | None = None,
+        first_token: bool = False,
     ):
         request = pb.VerifyRequest(
             open=pb.SessionOpen(
-                token_ids=tokens, request_id=request_id, sampling=sampling_to_pb(sampling)
+                token_ids=tokens,
+                request_id=request_id,
+                sampling=sampling_to_pb(sampling),
+                first_token=first_token,
             )
         )
         return await self._open(request, request_id=request_id, deadline_s=deadline_s)

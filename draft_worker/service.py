@@ -8,7 +8,7 @@ from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import proposal_to_pb, sampling_from_pb
+from outrider.wire import load_to_pb, proposal_to_pb, sampling_from_pb
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
@@ -37,7 +37,9 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             list(request.assumed_token_ids) if request.speculate else None,
         )
         answer = replace(proposal, round_id=request.round_id)
-        return pb.DraftResponse(proposal=proposal_to_pb(answer, compute_s=compute_s))
+        return pb.DraftResponse(
+            proposal=proposal_to_pb(answer, compute_s=compute_s, load=self.engine.load)
+        )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         drafter, info = self.sessions.drafter, self.sessions.info
@@ -51,4 +53,5 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             cached_tokens=self.sessions.store.cached_tokens,
             device=info.device,
             dtype=info.dtype,
+            load=load_to_pb(self.engine.load),
         )

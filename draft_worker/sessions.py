@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from outrider.drafters import Drafter
 from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.sampling import SamplingParams
+from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
 from outrider.speculation import Proposal
 from outrider.validation import check_context, check_token_ids

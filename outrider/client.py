@@ -117,12 +117,17 @@ class GenerationStats:
     """Rounds whose speculation was discarded (the verdict differed from what it assumed); they drafted afresh."""
     critical_path_overhead_s_p50: float = 0.0
     """Median per-round wall time beyond the target's verify compute (waiting for drafts, RPC, coordinator)."""
+    rounds_by_k: tuple[int, ...] = ()
+    """``rounds_by_k[K]``: rounds that asked the draft for K tokens (0: target-only), as the policy chose."""
+    proposed_tokens: int = 0
+    """Draft tokens proposed; ``draft_tokens`` counts those the target verified."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""
         return {
             **dataclasses.asdict(self),
             "accepted_per_position": list(self.accepted_per_position),
+            "rounds_by_k": list(self.rounds_by_k),
         }
 
 
@@ -360,6 +365,7 @@ def _stats_from_pb(stats: pb.GenerationStats) -> GenerationStats:
         field.name: getattr(stats, field.name) for field in dataclasses.fields(GenerationStats)
     }
     values["accepted_per_position"] = tuple(stats.accepted_per_position)
+    values["rounds_by_k"] = tuple(stats.rounds_by_k)
     values["verification"] = _VERIFICATION_NAMES.get(stats.verification, "greedy")
     return GenerationStats(**values)
 
@@ -425,9 +431,7 @@ class Client:
         # Sent with every call when the coordinator requires a bearer token.
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
-    def generate(
-        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
-    ) -> Generation:
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Generation:
         """Generates a whole completion (the ``Complete`` RPC); the options are
         :class:`GenerateOptions`.
 

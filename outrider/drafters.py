@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+
 from outrider.engine import Feed, Job
 from outrider.sampling import Stream, compact, draw
 from outrider.session import Session

@@ -31,13 +31,13 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
 from tqdm import tqdm
 
-from outrider.engine.ops import use_small_batch_linears
+if TYPE_CHECKING:  # torch loads with the first model: a coordinator needs only tokenizers
+    import torch
+    from torch import nn
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -260,6 +260,7 @@ def _load_gguf(gguf_path: Path, *, progress: bool) -> tuple[nn.Module, Any]:
     model that ``save_pretrained`` refuses; loading the dequantized tensors into
     a model built from the config gives the same weights without either problem.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -363,16 +364,38 @@ def _install(staged: Path, dest: Path, *, graveyard: Path, replace: bool) -> Non
 
 
 def load_tokenizer(spec: str | None, *, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of a model spec (see :func:`resolve`)."""
+    """The tokenizer of a model spec (see :func:`resolve`). A local
+    checkpoint's fast tokenizer (``tokenizer.json``, with its
+    ``tokenizer_config.json``) loads as it is, without AutoTokenizer's reading
+    of the model config, which imports torch: the coordinator runs no model."""
+    path = resolve(spec)
+    if not trust_remote_code and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(spec), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def generation_config(spec: str | None) -> dict[str, Any]:
+    """The model's generation config (``generation_config.json``); empty when it has none."""
+    path = resolve(spec)
+    if Path(path).is_dir():
+        file = Path(path) / "generation_config.json"
+        return json.loads(file.read_text()) if file.is_file() else {}
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).to_dict()
+    except OSError:
+        return {}
 
 
 def load_causal_lm(
     spec: str | None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     num_layers: int | None = None,
     trust_remote_code: bool = False,
@@ -380,14 +403,20 @@ def load_causal_lm(
 ) -> nn.Module:
     """Load a causal LM for inference on ``device``: eval mode, no gradients.
 
-    ``num_layers=L`` keeps only the first L decoder layers (early exit; the
-    final norm and the LM head stay). ``fast_small_batch`` applies
-    :func:`use_small_batch_linears`.
+    ``dtype`` defaults to float32. ``num_layers=L`` keeps only the first L
+    decoder layers (early exit; the final norm and the LM head stay).
+    ``fast_small_batch`` applies :func:`outrider.engine.ops.use_small_batch_linears`.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from outrider.engine.ops import use_small_batch_linears
+
     model = AutoModelForCausalLM.from_pretrained(
-        resolve(spec), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        resolve(spec),
+        dtype=dtype or torch.float32,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
     )
     model.eval().requires_grad_(False)
     if num_layers is not None:
@@ -399,6 +428,8 @@ def load_causal_lm(
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    from torch import nn
+
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
-from outrider.sampling import SamplingParams
+from outrider.sampling_params import SamplingParams
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 * a :class:`Proposal` — what the drafter offers: draft tokens ``d_1 .. d_K``
   after a history (and, for a sampling draft in rejection mode, the
-  distribution ``q`` each was drawn from);
+  distribution ``q`` each was drawn from, as :class:`CompactProbs`);
 * a :class:`Verdict` — what the target decides: how many leading drafts it
   accepts, and its own next token (the *recovered* token at the first
   rejection, or the *bonus* token after all K).
@@ -14,10 +14,25 @@ them at the edge).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from outrider.sampling import CompactProbs
+
+@dataclass(frozen=True)
+class CompactProbs:
+    """One row of ``q`` as it crosses the wire.
+
+    ``probs`` are float16 little-endian, scaled so the largest is 1.0 (which
+    keeps float16's precision where the mass is; :func:`outrider.sampling.expand`
+    renormalises). ``token_ids`` are the support, int32 little-endian,
+    ascending, one per entry of ``probs``; ``None`` means dense: ``probs``
+    covers the whole vocabulary.
+    """
+
+    token_ids: bytes | None
+    probs: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.probs) + (len(self.token_ids) if self.token_ids is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from outrider.errors import InvalidArgument
-from outrider.sampling import CompactProbs, SamplingParams, Verification
-from outrider.speculation import Proposal, Verdict
+from outrider.load import EngineLoad
+from outrider.sampling_params import SamplingParams, Verification
+from outrider.speculation import CompactProbs, Proposal, Verdict
 from outrider.v1 import coordinator_pb2, worker_pb2
 
 VERIFICATION_TO_PB = {
@@ -60,8 +61,11 @@ def probs_from_pb(rows) -> list[CompactProbs]:
     return [CompactProbs(token_ids=row.token_ids or None, probs=row.probs) for row in rows]
 
 
-def proposal_to_pb(proposal: Proposal, *, compute_s: float) -> worker_pb2.DraftProposal:
+def proposal_to_pb(
+    proposal: Proposal, *, compute_s: float, load: EngineLoad | None = None
+) -> worker_pb2.DraftProposal:
     return worker_pb2.DraftProposal(
+        load=load_to_pb(load),
         draft_token_ids=proposal.tokens,
         draft_probs=probs_to_pb(proposal.probs),
         compute_s=compute_s,
@@ -89,11 +93,40 @@ def verify_round_to_pb(committed_len: int, proposal: Proposal) -> worker_pb2.Ver
     )
 
 
-def verdict_to_pb(verdict: Verdict, *, compute_s: float) -> worker_pb2.Verdict:
+def verdict_to_pb(
+    verdict: Verdict, *, compute_s: float, num_verified: int, load: EngineLoad | None = None
+) -> worker_pb2.Verdict:
     return worker_pb2.Verdict(
-        num_accepted=verdict.num_accepted, next_token_id=verdict.next_token, compute_s=compute_s
+        num_accepted=verdict.num_accepted,
+        next_token_id=verdict.next_token,
+        compute_s=compute_s,
+        num_verified=num_verified,
+        load=load_to_pb(load),
     )
 
 
 def verdict_from_pb(message: worker_pb2.Verdict) -> Verdict:
     return Verdict(num_accepted=message.num_accepted, next_token=message.next_token_id)
+
+
+def load_to_pb(load: EngineLoad | None) -> worker_pb2.EngineLoad | None:
+    if load is None:
+        return None
+    return worker_pb2.EngineLoad(
+        curve_tokens=[tokens for tokens, _ in load.curve],
+        curve_seconds=[seconds for _, seconds in load.curve],
+        tokens_per_step=load.tokens_per_step,
+        rows_per_step=load.rows_per_step,
+        steps=load.steps,
+        running_s=load.running_s,
+    )
+
+
+def load_from_pb(message: worker_pb2.EngineLoad) -> EngineLoad:
+    return EngineLoad(
+        curve=tuple(zip(message.curve_tokens, message.curve_seconds, strict=True)),
+        tokens_per_step=message.tokens_per_step,
+        rows_per_step=message.rows_per_step,
+        steps=message.steps,
+        running_s=message.running_s,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import probs_from_pb, sampling_from_pb, verdict_to_pb
+from outrider.wire import load_to_pb, probs_from_pb, sampling_from_pb, verdict_to_pb
 from target_worker.sessions import TargetSessions
 
 
@@ -13,14 +13,20 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        committed_len, compute_s = await self.engine.timed(
+        (committed_len, first_token), compute_s = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
             sampling_from_pb(request.sampling),
+            request.first_token,
         )
         return pb.VerifyResponse(
-            opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)
+            opened=pb.SessionOpened(
+                committed_len=committed_len,
+                compute_s=compute_s,
+                load=load_to_pb(self.engine.load),
+                first_token_id=first_token,
+            )
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
@@ -31,7 +37,14 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
             list(request.draft_token_ids),
             probs_from_pb(request.draft_probs),
         )
-        return pb.VerifyResponse(verdict=verdict_to_pb(verdict, compute_s=compute_s))
+        return pb.VerifyResponse(
+            verdict=verdict_to_pb(
+                verdict,
+                compute_s=compute_s,
+                num_verified=len(request.draft_token_ids),
+                load=self.engine.load,
+            )
+        )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         info = self.sessions.info
@@ -44,4 +57,5 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
             cached_tokens=self.sessions.store.cached_tokens,
             device=info.device,
             dtype=info.dtype,
+            load=load_to_pb(self.engine.load),
         )

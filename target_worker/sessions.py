@@ -6,15 +6,16 @@ engine batches it with every other session's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from outrider.engine import Feed, Job
+from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling import CompactProbs, SamplingParams, expand
-from outrider.session import SessionStore
+from outrider.session import Session, SessionStore
+from outrider.speculation import Verdict
 from outrider.validation import check_context, check_token_ids
 from outrider.verify import verify, verify_greedy
 
@@ -38,18 +39,28 @@ class TargetSessions:
         self.info = info
 
     def open(
-        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams = SamplingParams()
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        first_token: bool = False,
     ) -> Job:
         """Opens a session on the committed history ``tokens`` and prefills
-        everything but its last token. Returns the committed length."""
+        everything but its last token. With ``first_token``, it then runs the
+        stream's first round with no drafts: the token after the history is
+        drawn and committed (the recovered token of an empty proposal).
+        Returns the committed length and that token (or None)."""
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
         check_token_ids(tokens, self.info.vocab_size, what="token_ids")
-        check_context(len(tokens), self.info.max_context, what="the history")
+        check_context(len(tokens) + first_token, self.info.max_context, what="the history")
         session = self.store.create(session_id, tokens, kv=self.runner.new_kv(), sampling=sampling)
         if len(tokens) > 1:
             yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
-        return session.committed_len
+        if not first_token:
+            return session.committed_len, None
+        verdict = yield from self._round(session, [], None)
+        return session.committed_len, verdict.next_token
 
     def verify(
         self,
@@ -68,6 +79,14 @@ class TargetSessions:
         k = len(draft_tokens)
         q = self.draft_distribution(draft_probs, k)
         check_context(committed_len + k, self.info.max_context, what="history plus draft tokens")
+        return (yield from self._round(session, draft_tokens, q))
+
+    def _round(
+        self, session: Session, draft_tokens: Sequence[int], q: torch.Tensor | None
+    ) -> Generator[Feed, Logits, Verdict]:
+        """Verifies ``draft_tokens`` after the session's history and commits
+        the verdict."""
+        k, committed_len = len(draft_tokens), session.committed_len
 
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
         kv = session.kv

@@ -6,8 +6,8 @@ one process, with the same loop code as across three."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 from coordinator.workers import Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions
@@ -37,12 +37,13 @@ class InProcessTargetClient:
         request_id: str,
         sampling: SamplingParams,
         deadline_s: float | None = None,
+        first_token: bool = False,
     ):
         session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.engine.timed(
-            self.sessions.open, session_id, list(tokens), sampling
+        (_, token), compute_s = await self.engine.timed(
+            self.sessions.open, session_id, list(tokens), sampling, first_token
         )
-        return _InProcessTargetSession(self, session_id), compute_s
+        return _InProcessTargetSession(self, session_id), Reply(token, compute_s, self.engine.load)
 
 
 class _InProcessTargetSession:
@@ -50,7 +51,9 @@ class _InProcessTargetSession:
         self.client = client
         self.session_id = session_id
 
-    async def verify(self, committed_len: int, proposal: Proposal) -> Reply[Verdict]:
+    async def verify(
+        self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
+    ) -> Reply[Verdict]:
         verdict, compute_s = await self.client.engine.timed(
             self.client.sessions.verify,
             self.session_id,
@@ -58,7 +61,7 @@ class _InProcessTargetSession:
             list(proposal.tokens),
             list(proposal.probs),
         )
-        return Reply(verdict, compute_s)
+        return Reply(verdict, compute_s, self.client.engine.load)
 
     def failing(self) -> None:
         pass
@@ -120,7 +123,7 @@ class _InProcessDraftSession:
             k,
             assumed,
         )
-        return Reply(replace(proposal, round_id=round_id), compute_s)
+        return Reply(replace(proposal, round_id=round_id), compute_s, self.client.engine.load)
 
     async def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)

@@ -49,6 +49,7 @@ from outrider.engine.kv_cache import KVCache
 from outrider.engine.runner import Logits
 from outrider.engine.scheduler import Feed, Row, Scheduler
 from outrider.errors import ResourceExhausted, SessionNotFound, Unavailable
+from outrider.load import EngineLoad, LoadMeter
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -241,6 +242,7 @@ class Engine:
         self.runner = runner
         self.scheduler = Scheduler(max_tokens_per_step=max_tokens_per_step, max_rows=max_rows)
         self.on_step = on_step
+        self.meter = LoadMeter()
         self._activity = _Activity()
         self._returns = _Returns(max_batch_wait)
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
@@ -277,6 +279,11 @@ class Engine:
         self._calls.put(_Call(fn, args, reply))
         if self._stopped:  # nobody will take it
             self._fail_queued()
+
+    @property
+    def load(self) -> EngineLoad:
+        """Its step costs, load and steps so far (any thread may read it)."""
+        return self.meter.load
 
     def shutdown(self) -> None:
         self._calls.put(None)
@@ -389,6 +396,7 @@ class Engine:
     def _step(self) -> None:
         step = self.scheduler.schedule()
         rows = [scheduled.row for scheduled in step]
+        self.meter.begin()
         started = time.perf_counter()
         try:
             outputs = self.runner.execute(rows)
@@ -403,6 +411,7 @@ class Engine:
             len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started
         )
         self._returns.stepped(stats.seconds)
+        self.meter.stepped(rows=stats.rows, tokens=stats.tokens, seconds=stats.seconds)
         if self.on_step is not None:
             self.on_step(stats)
         for call, output in self.scheduler.update(step, outputs):
@@ -416,6 +425,11 @@ class InlineEngine:
 
     def __init__(self, runner=None) -> None:
         self.runner = runner
+
+    @property
+    def load(self) -> None:
+        """An inline engine has no steps to report (a model-free drafter)."""
+        return None
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return self.call(fn, *args)

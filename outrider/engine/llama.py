@@ -143,19 +143,22 @@ class LlamaForward:
         self.sliding_window = (
             window if window and use_window and window < self.max_positions else None
         )
-        self.embed = decoder.embed_tokens.weight
-        self.norm = decoder.norm.weight
+        self.embed = _own(decoder.embed_tokens.weight)
+        self.norm = _own(decoder.norm.weight)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
 
         def quantize(weight: torch.Tensor, *, lm_head: bool = False) -> Weight:
-            return (
-                weight
-                if int4_group_size is None
-                else quantize_weight(weight, int4_group_size, lm_head=lm_head)
-            )
+            if int4_group_size is None:
+                return _own(weight)
+            return quantize_weight(weight, int4_group_size, lm_head=lm_head)
 
-        self.lm_head = quantize(model.lm_head.weight, lm_head=True)
+        tied = model.lm_head.weight is decoder.embed_tokens.weight
+        self.lm_head = (
+            self.embed
+            if tied and int4_group_size is None
+            else quantize(model.lm_head.weight, lm_head=True)
+        )
         if int4_group_size is not None:
             model.lm_head.weight = None  # the embedding keeps its own (tied or not)
         layers = decoder.layers
@@ -179,17 +182,17 @@ class LlamaForward:
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         biases = [p.bias for p in projections]
         fused = _Layer(
-            qkv=quantize(torch.cat([p.weight for p in projections])),
+            qkv=quantize(torch.cat([p.weight for p in projections])),  # (cat: a copy already)
             qkv_bias=None
             if biases[0] is None
             else torch.cat(biases),  # all or none (unsupported())
             o=quantize(attention.o_proj.weight),
             gate_up=quantize(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
             down=quantize(mlp.down_proj.weight),
-            input_norm=layer.input_layernorm.weight,
-            post_norm=layer.post_attention_layernorm.weight,
-            q_norm=getattr(getattr(attention, "q_norm", None), "weight", None),
-            k_norm=getattr(getattr(attention, "k_norm", None), "weight", None),
+            input_norm=_own(layer.input_layernorm.weight),
+            post_norm=_own(layer.post_attention_layernorm.weight),
+            q_norm=_own(getattr(getattr(attention, "q_norm", None), "weight", None)),
+            k_norm=_own(getattr(getattr(attention, "k_norm", None), "weight", None)),
         )
         replaced = (*projections, mlp.gate_proj, mlp.up_proj)  # fused copies replace them
         if not isinstance(fused.o, torch.Tensor):
@@ -326,6 +329,13 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     return ops.linear(x, weight, bias)
+
+
+def _own(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``weight`` in memory of the forward's own. A loaded
+    checkpoint's tensors are views of its memory-mapped file, and one view
+    kept keeps every page of the file that loading touched resident."""
+    return None if weight is None else weight.detach().clone()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype")
+    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype", "load")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class WorkerInfo(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     vocab_size: int
@@ -31,21 +32,40 @@ class WorkerInfo(_message.Message):
     cached_tokens: int
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("curve_tokens", "curve_seconds", "tokens_per_step", "rows_per_step", "steps", "running_s")
+    CURVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_S_FIELD_NUMBER: _ClassVar[int]
+    curve_tokens: _containers.RepeatedScalarFieldContainer[float]
+    curve_seconds: _containers.RepeatedScalarFieldContainer[float]
+    tokens_per_step: float
+    rows_per_step: float
+    steps: int
+    running_s: float
+    def __init__(self, curve_tokens: _Optional[_Iterable[float]] = ..., curve_seconds: _Optional[_Iterable[float]] = ..., tokens_per_step: _Optional[float] = ..., rows_per_step: _Optional[float] = ..., steps: _Optional[int] = ..., running_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling")
+    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling", "first_token")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     target_vocab_size: int
     target_vocab_fingerprint: str
     sampling: Sampling
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    first_token: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., first_token: _Optional[bool] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
@@ -72,12 +92,16 @@ class DraftProbs(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("committed_len", "compute_s")
+    __slots__ = ("committed_len", "compute_s", "load", "first_token_id")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     compute_s: float
-    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    load: EngineLoad
+    first_token_id: int
+    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class DraftRound(_message.Message):
     __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id")
@@ -104,20 +128,22 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("draft_token_ids", "compute_s", "draft_probs", "round_id", "follows_len", "guess_token_id")
+    __slots__ = ("draft_token_ids", "compute_s", "draft_probs", "round_id", "follows_len", "guess_token_id", "load")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_LEN_FIELD_NUMBER: _ClassVar[int]
     GUESS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_s: float
     draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
     round_id: int
     follows_len: int
     guess_token_id: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., round_id: _Optional[int] = ..., follows_len: _Optional[int] = ..., guess_token_id: _Optional[int] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., round_id: _Optional[int] = ..., follows_len: _Optional[int] = ..., guess_token_id: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "proposal")
@@ -146,14 +172,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "compute_s")
+    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     compute_s: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    load: EngineLoad
+    num_verified: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("opened", "verdict")

@@ -65,8 +65,12 @@ async def test_identical_draft_accepts_every_draft(
     assert list(result.token_ids) == reference
     assert stats.accepted_tokens == stats.draft_tokens > 0
     assert stats.acceptance_rate == 1.0
-    # Every round commits K + 1 tokens, except a last one shortened by max_new_tokens.
-    assert stats.rounds == -(-MAX_NEW // (k + 1))
+    # The first token comes from the target's prefill; every later round
+    # commits K + 1 tokens, except a last one shortened by max_new_tokens.
+    assert stats.rounds == 1 + -(-(MAX_NEW - 1) // (k + 1))
+    # The policy's choices: K = 0 for the prefill's token, then K (or what room is left).
+    assert sum(stats.rounds_by_k) == stats.rounds and stats.rounds_by_k[0] >= 1
+    assert stats.proposed_tokens == stats.draft_tokens
     assert stats.mean_acceptance_length == (stats.accepted_tokens + stats.rounds) / stats.rounds
 
 
@@ -209,6 +213,14 @@ def same_stack(tiny_target_dir, tiny_draft_same_dir):
     return make
 
 
+def assert_stats_describe_what_was_streamed(stats, token_ids) -> None:
+    """Statistics count the tokens the client got, not drafts accepted past a stop."""
+    assert stats.generated_tokens == len(token_ids)
+    assert stats.mean_acceptance_length <= len(token_ids) / stats.rounds + 1e-12
+    assert stats.accepted_tokens <= len(token_ids) - 1  # the first token is the prefill's
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens <= stats.draft_tokens
+
+
 def first_new_token(reference: list[int], start: int) -> int:
     """The first token at or after ``start`` that does not occur before it."""
     return next(t for i, t in enumerate(reference) if i >= start and t not in reference[:i])
@@ -222,14 +234,19 @@ async def test_max_new_tokens_inside_an_accept_is_never_exceeded(
         first = await generate(stack.address, prompt_ids, max_new_tokens=5, pipeline=pipeline)
         second = await generate(stack.address, prompt_ids, max_new_tokens=14, pipeline=pipeline)
         assert await stack.sessions_left() == (0, 0)
-    assert list(first.token_ids) == reference[:5] and first.stats.rounds == 1
-    # Pipelined, the second round (5 of its 9 tokens allowed) is the speculated one.
-    assert list(second.token_ids) == reference[:14] and second.stats.rounds == 2
+    # The first token comes from the prefill; then rounds of 9 tokens, the
+    # last one cut to what max_new_tokens allows.
+    assert list(first.token_ids) == reference[:5] and first.stats.rounds == 2
+    # Pipelined, the third round (4 of its 9 tokens allowed) is the speculated one.
+    assert list(second.token_ids) == reference[:14] and second.stats.rounds == 3
     assert first.finish_reason == second.finish_reason == "length"
     assert second.stats.speculation_hits == pipeline
+    for result in (first, second):
+        assert_stats_describe_what_was_streamed(result.stats, result.token_ids)
 
 
-# In the second round (the first commits 9): pipelined, inside the speculated round.
+# In the third round (after the prefill's token and a round of 9): pipelined,
+# inside the speculated round.
 @pytest.mark.parametrize("pipeline", [False, True])
 async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, reference, pipeline):
     eos = first_new_token(reference, 12)
@@ -242,6 +259,7 @@ async def test_eos_inside_an_accept_ends_the_output(same_stack, prompt_ids, refe
     assert list(result.token_ids) == reference[:end]
     assert result.finish_reason == "stop"
     assert result.stats.speculation_hits == pipeline
+    assert_stats_describe_what_was_streamed(result.stats, result.token_ids)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -261,6 +279,7 @@ async def test_stop_token_id_inside_an_accept_ends_the_output(
         assert await stack.sessions_left() == (0, 0)
     assert list(result.token_ids) == reference[:end]
     assert result.finish_reason == "stop"
+    assert_stats_describe_what_was_streamed(result.stats, result.token_ids)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -286,6 +305,7 @@ async def test_stop_string_inside_an_accept_cuts_the_text(
     assert streamed[-1].finish_reason == "stop"
     ids = [t for c in streamed for t in c.token_ids]
     assert ids == reference[: len(ids)] and len(ids) < MAX_NEW
+    assert_stats_describe_what_was_streamed(streamed[-1].stats, ids)
     # The token that completes the stop string is the last one sent.
     assert stop in tokenizer.decode(prompt_ids + ids)[len(tokenizer.decode(prompt_ids)) :]
     assert stop not in tokenizer.decode(prompt_ids + ids[:-1])[len(tokenizer.decode(prompt_ids)) :]
@@ -433,3 +453,14 @@ async def test_a_fixed_k_wins_over_adaptive(
     assert list(result.token_ids) == reference
     assert not result.stats.adaptive and result.stats.num_speculative_tokens == 2
     assert result.stats.overhead_s_p50 > 0
+
+
+async def test_a_stop_right_after_the_first_token_reports_what_was_streamed(
+    same_stack, prompt_ids, reference
+):
+    # EOS as the first token: one round, one token — not a round of K + 1.
+    async with same_stack(eos_token_ids={reference[0]}) as stack:
+        result = await generate(stack.address, prompt_ids, max_new_tokens=MAX_NEW)
+    assert list(result.token_ids) == reference[:1] and result.finish_reason == "stop"
+    assert result.stats.rounds == 1 and result.stats.mean_acceptance_length == 1.0
+    assert result.stats.draft_tokens == result.stats.accepted_tokens == 0

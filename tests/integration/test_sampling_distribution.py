@@ -4,10 +4,12 @@ end through the round loop (after vLLM's rejection-sampler convergence test).
 A tiny Llama with a 16-token vocabulary is the target. For each sampling
 setting and each verification mode, many seeded generations (seeds
 0 .. N-1, every seed an independent draw: all randomness is keyed by
-(seed, stream, position)) of 3 new tokens with K = 2 draft tokens run
+(seed, stream, position)) of 4 new tokens with K = 2 draft tokens run
 through ``coordinator.loop.generate`` with the in-process worker clients and
-the real target and draft engines. The empirical distribution of each of the
-first three generated tokens (the marginals at positions 1, 2, 3) is
+the real target and draft engines. The first token comes from the target's
+prefill (a round without drafts); the rounds after it draft. The empirical
+distribution of each of the four generated tokens (the marginals at
+positions 1 to 4) is
 compared with the EXACT target-only distribution, computed by enumerating
 every prefix with the target model and ``outrider.sampling.probabilities``
 (the very logits processing the workers use): chi-square, cells with an
@@ -18,22 +20,22 @@ reference gives no mass (outside top-k / top-p / min-p) must never appear.
 Drafts: ``good`` (a copy of the target with a perturbed head: most drafts
 accepted, some rejected), ``bad`` (an unrelated model: most rejected), and
 ``prompt-lookup`` (a deterministic point-mass draft; the prompt holds every
-token, so it always finds a continuation to propose). With 3 new tokens a
-round drafts at most 2 (the loop never drafts past max_new_tokens), so
-K = 2 is the largest K that matters here.
+token, so it always finds a continuation to propose). With 3 tokens left
+after the first, a round drafts at most 2 (the loop never drafts past
+max_new_tokens), so K = 2 is the largest K that matters here.
 
 Pipelined rounds (the draft drafts round i + 1 while the target verifies
 round i, assuming round i is accepted whole plus the draft's guess of the
-bonus token) run with the ``good`` draft: 4 new tokens with K = 1, since a
+bonus token) run with the ``good`` draft: 5 new tokens with K = 1, since a
 round is only speculated when, accepted whole, it leaves room for another
-drafting round (3 tokens never do). Round 1 drafts token 1 and meanwhile the
-draft guesses the bonus (token 2) and drafts token 3; on a hit that draft is
-verified at once, so positions 3 and 4 rest on drafts (and q) drafted ahead.
-All four marginals are checked.
+drafting round. Round 2 drafts token 2 and meanwhile the draft guesses the
+bonus (token 3) and drafts token 4; on a hit that draft is verified at once,
+so positions 4 and 5 rest on drafts (and q) drafted ahead. All five
+marginals are checked.
 
 Speed (the machine has two cores): the engines run their models through
 ``TableLM``, the tiny Llamas' logits precomputed (one batched forward) for
-every sequence a 3-token generation can reach, served through the same
+every sequence a generation can reach, served through the same
 ``FallbackRunner`` / ``DynamicCache`` interface (the cache holds one
 placeholder per token, so the runner's crops and rollbacks decide what the
 model sees, as with the real model). A separate check decodes with the real
@@ -59,7 +61,6 @@ import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import WorkerInfo
-from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
 from outrider.engine import InlineEngine
@@ -70,6 +71,7 @@ from outrider.sampling import SamplingParams, Stream, Verification, probabilitie
 from outrider.session import SessionStore
 from outrider.verify import Verdict
 from target_worker.sessions import TargetInfo, TargetSessions
+from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.tiny import build_tiny_llama
 
 VOCAB = 16
@@ -77,7 +79,7 @@ TARGET_SEED, BAD_DRAFT_SEED, PERTURB_SEED = 11, 12, 13
 HIDDEN = 16  # small hidden size: flat enough distributions for the test to have power
 # Holds every token id, so prompt lookup always finds the last token earlier.
 PROMPT = (3, 7, 1, 12, 5, 0, 9, 14, 2, 11, 6, 15, 8, 4, 13, 10, 7, 3)
-NEW_TOKENS = 3
+NEW_TOKENS = 4
 K = 2
 # Seeded generations per configuration. (Gumbel coupling with a draft must
 # reproduce target-only Gumbel decoding seed for seed, which is checked
@@ -86,7 +88,7 @@ K = 2
 N = 600
 N_GUMBEL_DRAFTED = 300
 # Pipelined runs: see the module docstring.
-PIPELINE_NEW_TOKENS = 4
+PIPELINE_NEW_TOKENS = 5
 PIPELINE_K = 1
 ALPHA = 0.01  # every check asserts p > ALPHA (deterministic: the seeds are fixed)
 CONTROL_ALPHA = 1e-3  # negative controls assert p < CONTROL_ALPHA
@@ -351,7 +353,7 @@ def world(tmp_path_factory) -> World:
     with torch.no_grad():
         head = good.lm_head.weight
         head.add_(0.15 * torch.randn(head.shape, generator=generator, dtype=head.dtype))
-    depth = NEW_TOKENS - 1  # the logits of prompt + up to 2 tokens are all a 3-token run reads
+    depth = NEW_TOKENS - 1  # the logits of prompt + up to 3 tokens are all a 4-token run reads
     target_client_ = target_client(runner(TableLM(target, PROMPT, depth)))
     drafts = {
         "good": draft_client(ModelDrafter(runner(TableLM(good, PROMPT, depth)), model_name="good")),
@@ -468,15 +470,15 @@ async def test_speculative_sampling_matches_the_target_distribution(
         assert acceptance < 0.5
     if mode == "gumbel":
         # Gumbel coupling: for a seed the output does not depend on the draft.
-        # Pipelined runs generate one token more: their first three must match.
+        # Pipelined runs generate one token more: their first four must match.
         target_only = await samples(world, mode, TARGET_ONLY, setting)
         assert np.array_equal(
             result.tokens[:, :NEW_TOKENS], target_only.tokens[: len(result.tokens)]
         )
     if pipeline:
-        # It really pipelined: round 1 was speculated in every generation, and
-        # both outcomes happened (on a hit, tokens 3 and 4 rest on drafts
-        # drafted while round 1 was verified).
+        # It really pipelined: round 2 was speculated in every generation, and
+        # both outcomes happened (on a hit, tokens 4 and 5 rest on drafts
+        # drafted while round 2 was verified).
         assert result.pipelined
         assert result.speculation_hits + result.speculation_misses == n
         assert result.speculation_hits > 0 and result.speculation_misses > 0
@@ -522,7 +524,7 @@ async def test_negative_control_a_broken_acceptance_rule_is_detected(world):
     p_values = check(
         world, out, "BROKEN", "bad", "T=1.0", note=f"negative control: expect p < {CONTROL_ALPHA:g}"
     )
-    assert p_values[0] < CONTROL_ALPHA, p_values
+    assert p_values[1] < CONTROL_ALPHA, p_values  # token 2: the first a draft fills
 
 
 @pytest.mark.parametrize("mode", ["rejection", "gumbel"])

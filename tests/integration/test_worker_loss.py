@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 
-from outrider.config import Recovery
 from coordinator.recovery import DraftLink
 from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient
+from outrider.config import Recovery
 from outrider.rpc import start_server
 from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack
@@ -93,14 +93,15 @@ async def test_draft_killed_mid_speculation_the_pipelined_stream_finishes_at_k0_
             stack.address,
             prompt_ids,
             lambda: stack.draft_server.stop(None),
-            at=4,
+            at=5,
             num_speculative_tokens=4,
             pipeline=True,
         )
         assert ids == reference
         assert stats.pipeline
-        # Rounds 2-4 were drafted while the round before was verified (the
-        # draft died for good at the 4th chunk: no hit came after it).
+        # Rounds 3-5 were drafted while the round before was verified (the
+        # first chunk is the prefill's token; the draft died for good at the
+        # 5th chunk: no hit came after it).
         assert stats.speculation_hits >= 3
         # The speculation in flight at the kill failed: a miss, then K = 0.
         assert stats.speculation_misses >= 1
@@ -120,7 +121,7 @@ async def test_streams_cancelled_mid_speculation_leave_no_session(
             speculations.append(self.speculation.task)
 
     monkeypatch.setattr(DraftLink, "speculate", recording_speculate)
-    cancel_after = (1, 2, 3, 5, 8)
+    cancel_after = (2, 3, 4, 6, 9)  # (the first chunk is the prefill's token: no speculation yet)
     # A draft step of 30 ms: a speculation (K + 1 steps) outlasts the
     # verify it overlaps, so one is in flight whenever a chunk arrives.
     async with running_stack(
@@ -315,3 +316,34 @@ async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other
         f"{deadline_s:.2f} s): longest stall {stall_s:.2f} s, done {frozen_to_done_s:.2f} s after the freeze "
         f"(the rest of an unfrozen stream: {rest_s:.2f} s)"
     )
+
+
+async def test_a_busy_target_is_waited_for_and_never_declared_lost(
+    tiny_target_dir, prompt_ids, reference, monkeypatch
+):
+    # Every target step takes 0.3 s, longer than the verify deadline (0.2 s)
+    # and than the open deadline once a prefill is measured: a worker whose
+    # engine keeps stepping is busy, not frozen, so its sessions are waited
+    # for — never reopened (with one attempt, a reopen would fail the request).
+    from target_worker.sessions import TargetSessions
+
+    opened = []
+    open_session = TargetSessions.open
+
+    def counting_open(self, session_id, *args):
+        if session_id != "warmup":
+            opened.append(session_id)
+        return open_session(self, session_id, *args)
+
+    monkeypatch.setattr(TargetSessions, "open", counting_open)
+    busy = Recovery(verify_deadline_floor_s=0.2, verify_deadline_factor=0.5, target_attempts=1)
+    async with running_stack(
+        tiny_target_dir, drafter=None, k=0, eos_token_ids=set(), recovery=busy,
+        step_s={"target": 0.3},
+    ) as stack:  # fmt: skip
+        async with AsyncClient(stack.address, timeout=60) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=prompt_ids, max_new_tokens=6) for _ in range(4))
+            )
+    assert all(list(result.token_ids) == reference[:6] for result in results)
+    assert len(opened) == 4

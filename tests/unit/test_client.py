@@ -563,6 +563,8 @@ def test_to_dict_is_json_serialisable() -> None:
             "speculation_hits": 0,
             "speculation_misses": 0,
             "critical_path_overhead_s_p50": 0.0,
+            "rounds_by_k": [],
+            "proposed_tokens": 0,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

@@ -369,7 +369,7 @@ async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was
     target = TargetSessions(runner, SessionStore(max_sessions=2, pool=runner.pool), info)
     engine = InlineEngine(runner)
     sampling = SamplingParams(temperature=1.0, seed=3, verification=Verification.REJECTION)
-    committed = await engine.run(target.open, "s", [5, 6, 7], sampling)
+    committed, _ = await engine.run(target.open, "s", [5, 6, 7], sampling)
     q_elsewhere = torch.zeros(97, dtype=torch.float64)
     q_elsewhere[1] = 1.0  # q gives the draft token 2 no mass: the round is refused
     with pytest.raises(InvalidArgument):

@@ -1,17 +1,51 @@
 """Adaptive K on hand-made costs, where the best K is known."""
 
+import numpy as np
 import pytest
 
-from coordinator.policy import AdaptiveK, CostModel, expected_tokens
+from coordinator.policy import TIE, AdaptiveK, CostModel, expected_tokens, step_costs
+from outrider.load import EngineLoad
 
 
-def costs(*, draft: float, verify: dict[int, float], overhead: float = 0.0) -> CostModel:
-    model = CostModel(decay=0.0)  # no smoothing: the last sample is the value
-    for k, seconds in verify.items():
-        model.observe(
-            num_drafts=k, draft_s=draft * k, verify_s=seconds, overhead_s=overhead, drafted=k > 0
-        )
-    return model
+def curve(cost, top: int = 1024) -> tuple[tuple[float, float], ...]:
+    """An engine's measured curve: ``cost(tokens)`` at the powers of two."""
+    return tuple((float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
+
+
+def model(
+    verify,
+    *,
+    draft=None,
+    draft_per_token: float | None = None,
+    overhead: float = 0.0,
+    rows: float = 1.0,
+    tokens: float | None = None,
+) -> CostModel:
+    """Costs as the engines would report them: a target step of T tokens
+    costs ``verify(T)``; a draft step of n rows ``draft(n)`` (or a flat
+    ``draft_per_token`` for a drafter without a curve)."""
+    costs = CostModel(decay=0.0)  # no smoothing: the last sample is the value
+    costs.target = EngineLoad(curve(verify), tokens if tokens is not None else rows, rows, 1)
+    if draft is not None:
+        costs.draft = EngineLoad(curve(draft), 0.0, 0.0, 1)
+    if draft_per_token is not None:
+        costs.draft_per_token.update(draft_per_token)
+    costs.overhead[False].update(overhead)
+    costs.overhead[True].update(overhead)
+    return costs
+
+
+def session(costs: CostModel, alpha: float, k_max: int = 8, **kwargs) -> AdaptiveK:
+    """A session that has run a round at K = 0 (one of the target's rows)."""
+    policy = AdaptiveK(k_max, costs, **kwargs)
+    policy.accepted, policy.rejected = 100 * alpha, 100 * (1 - alpha)
+    policy.k_last = 0
+    return policy
+
+
+def cpu(tokens: float) -> float:
+    """A verify of 5 tokens costs 1.45 single steps, of 9 tokens 1.85."""
+    return 0.9 + 0.1 * tokens
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -20,41 +54,44 @@ def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_free_drafts_and_flat_verify_draft_the_maximum():
-    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.0}))
-    policy.accepted, policy.rejected = 9.0, 1.0
+def test_the_step_curve_interpolates_is_flat_before_and_extrapolates_its_last_slope_after():
+    load = EngineLoad(((2.0, 1.0), (4.0, 1.0), (8.0, 2.0)), 4, 4, 9)
+    assert load.step_cost(1) == 1.0 and load.step_cost(6) == 1.5 and load.step_cost(16) == 4.0
+    assert list(step_costs(load, np.array([1, 6, 16]))) == [1.0, 1.5, 4.0]
+    assert EngineLoad().step_cost(4) is None
+
+
+def test_free_drafts_and_a_flat_verify_draft_the_maximum():
+    policy = session(model(lambda t: 1.0, draft_per_token=0.0), alpha=0.9)
     assert policy.choose(limit=100) == 8
 
 
+def test_alone_the_choice_is_the_sessions_own_best_rate():
+    costs = model(cpu, draft=lambda n: 0.2 + 0.01 * n, overhead=0.01)
+    policy = session(costs, alpha=0.8)
+
+    def rate(k: int) -> float:
+        return expected_tokens(0.8, k) / (0.01 + k * 0.21 + cpu(k + 1))
+
+    assert policy.choose(limit=100) == max(range(9), key=rate) == 3
+
+
 def test_hopeless_drafts_fall_back_to_target_only_and_probe():
-    policy = AdaptiveK(8, costs(draft=0.3, verify={0: 1.0, 4: 1.45, 8: 1.85}))
-    policy.accepted, policy.rejected = 0.0, 10.0
+    policy = session(model(cpu, draft_per_token=0.05), alpha=0.0)
     choices = [policy.choose(limit=100) for _ in range(16)]
     assert choices.count(0) == 14 and choices.count(1) == 2  # a probe every 8th round
 
 
 def test_a_draft_slower_than_the_target_is_never_consulted_again():
-    # The bfloat16 target as its own draft on a CPU: every draft is accepted,
-    # but a draft step costs more than a target step, so even α = 1 loses and
-    # probing could not change the answer.
-    policy = AdaptiveK(8, costs(draft=1.3, verify={0: 1.0, 4: 1.9, 8: 2.6}))
-    policy.accepted, policy.rejected = 10.0, 0.0
+    # The target itself in bfloat16 as its draft, on a CPU: every draft is
+    # accepted, but a draft step costs more than a target step, so even α = 1
+    # loses and probing could not change the answer.
+    policy = session(model(cpu, draft_per_token=1.3), alpha=0.99)
     assert [policy.choose(limit=100) for _ in range(64)] == [0] * 64
 
 
-def test_cpu_verify_costs_favour_a_middle_k():
-    # DESIGN §8: a verify pass of 5 tokens costs 1.45 steps, of 9 tokens 1.85.
-    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.45, 8: 1.85}))
-    policy.accepted, policy.rejected = 6.0, 4.0  # α = 0.6
-    k = policy.choose(limit=100)
-    assert 1 <= k <= 4
-    best = max(range(9), key=lambda k: expected_tokens(0.6, k) / policy.costs.round_cost(k))
-    assert k == best
-
-
 def test_the_room_left_caps_k():
-    policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.0}))
-    policy.accepted, policy.rejected = 9.0, 1.0
+    policy = session(model(lambda t: 1.0, draft_per_token=0.0), alpha=0.9)
     assert policy.choose(limit=3) == 3
     assert policy.choose(limit=0) == 0
 
@@ -73,104 +110,89 @@ def test_acceptance_estimate_follows_the_rounds():
     assert policy.alpha < 0.1
 
 
-def test_verify_cost_extrapolates_linearly_and_never_decreases():
-    model = costs(draft=0.0, verify={0: 1.0, 4: 1.4})
-    assert model.verify_cost(8) == pytest.approx(1.8)
-    falling = costs(draft=0.0, verify={0: 1.0, 4: 0.9})
-    assert falling.verify_cost(8) >= falling.verify_cost(4)
+def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
+    # A drafter whose drafts are all accepted: a new session drafts the most
+    # it pays from its first round, instead of starting at α = 0.5.
+    costs = model(cpu, draft_per_token=0.3, overhead=0.01)
+    fresh = AdaptiveK(4, costs)
+    fresh.k_last = 0
+    assert fresh.alpha == 0.5 and fresh.choose(limit=100) < 4
+    fresh.close()
+    costs.observe(num_drafts=4, draft_s=1.2, overhead_s=0.01, drafted=True, num_accepted=4)
+    assert costs.alpha == 1.0
+    informed = AdaptiveK(4, costs)
+    informed.k_last = 0
+    assert informed.choose(limit=100) == 4
+
+
+# --- under load ---
+
+
+def cpu_draft(rows: float) -> float:
+    """A 4-bit copy of the target: about half a target step."""
+    return 0.5 + 0.05 * rows
+
+
+def test_a_cpu_step_shared_by_eight_sessions_makes_drafting_stop_paying():
+    # Drafting at α = 0.8 pays alone on a CPU (linear step cost); with seven
+    # other sessions in every step, a draft token costs everyone's round.
+    alone = session(model(cpu, draft=cpu_draft), alpha=0.8)
+    assert alone.choose(limit=100) > 0
+    alone.close()
+    crowd = model(cpu, draft=cpu_draft, rows=8.0)
+    sessions = [session(crowd, alpha=0.8) for _ in range(8)]
+    assert [policy.choose(limit=100) for policy in sessions] == [0] * 8
+
+
+def test_a_flat_gpu_step_keeps_drafting_cheap_under_load():
+    def gpu(tokens: float) -> float:
+        return max(1.0, tokens / 256)
+
+    crowd = model(gpu, draft=lambda n: 0.05, rows=8.0)
+    sessions = [session(crowd, alpha=0.8) for _ in range(8)]
+    ks = [policy.choose(limit=100) for policy in sessions]
+    assert min(ks) >= 4
+
+
+def test_the_other_sessions_of_the_step_count_even_when_another_coordinator_runs_them():
+    # The target's steps hold 8 rows; this coordinator runs one of them.
+    shared = model(cpu, draft=cpu_draft, rows=8.0)
+    policy = session(shared, alpha=0.7)
+    assert policy.choose(limit=100) == 0
+
+
+def test_sessions_that_leave_are_planned_no_more():
+    costs = model(cpu, draft_per_token=0.0)
+    first, second = session(costs, alpha=0.9), session(costs, alpha=0.9)
+    assert len(costs.plan().ks) == 2
+    second.close()
+    assert list(costs.plan().ks) == [id(first)]
 
 
 # --- pipelined rounds ---
 
 
-def test_pipelined_round_cost_overlaps_the_draft_with_the_verify():
-    model = costs(draft=0.1, verify={0: 1.0, 4: 1.4}, overhead=0.01)
-    # Synchronous: 4 drafts, then the verify: 0.4 + 1.4 + 0.01.
-    assert model.round_cost(4) == pytest.approx(1.81)
-    # Every speculation holds: the verify hides the 5 draft steps (4 and the bonus guess).
-    assert model.round_cost(4, hit_rate=1.0) == pytest.approx(1.41)
-    # Half miss: a miss drafts its 4 tokens afresh first.
-    assert model.round_cost(4, hit_rate=0.5) == pytest.approx(1.41 + 0.5 * 0.4)
-    # A draft slower than the verify is the round's pace.
-    slow = costs(draft=0.5, verify={0: 1.0, 4: 1.4}, overhead=0.01)
-    assert slow.round_cost(4, hit_rate=1.0) == pytest.approx(2.5)
+def test_pipelined_costs_hide_the_drafts_behind_the_verify():
+    # α = 0.9, a draft step 0.1 of a target step, a verify 1 + 0.1·K steps.
+    # Synchronous rounds pay every draft; pipelined ones hide them behind the
+    # verify, but a miss (1 − α^(K+1)) pays K of them afresh.
+    costs = model(lambda t: 0.9 + 0.1 * t, draft_per_token=0.1)
+    synchronous = session(costs, alpha=0.9)
+    k_sync = synchronous.choose(limit=100)
+    synchronous.close()
+    pipelined = session(costs, alpha=0.9, pipeline=True)
 
+    def sync_rate(k):
+        return expected_tokens(0.9, k) / (k * 0.1 + 0.9 + 0.1 * (k + 1))
 
-def test_pipelined_adaptive_k_follows_the_pipelined_costs():
-    # α = 0.9, drafts 0.1 of a step, a verify 1 + 0.1·K steps. Synchronous
-    # rounds pay every draft; pipelined ones hide them behind the verify but
-    # a miss (1 − α^(K+1)) pays K of them afresh, which longer rounds risk more.
-    model = costs(draft=0.1, verify={k: 1.0 + 0.1 * k for k in range(9)})
-    synchronous, pipelined = AdaptiveK(8, model), AdaptiveK(8, model, pipeline=True)
-    for policy in (synchronous, pipelined):
-        policy.accepted, policy.rejected = 9.0, 1.0
+    def pipelined_rate(k):
+        hit = 0.9 ** (k + 1)
+        cost = max(0.9 + 0.1 * (k + 1), (k + 1) * 0.1 if k else 0.0) + (1 - hit) * k * 0.1
+        return expected_tokens(0.9, k) / cost
 
-    def best(hit_rate) -> int:
-        return max(
-            range(9),
-            key=lambda k: expected_tokens(0.9, k) / model.round_cost(k, hit_rate=hit_rate(k)),
-        )
-
-    assert synchronous.choose(limit=100) == best(lambda k: None) == 7
-    assert pipelined.choose(limit=100) == best(lambda k: 0.9 ** (k + 1)) == 6
-
-
-def test_the_target_only_cost_is_measured_again_when_stale():
-    # Every session drafts: nobody measures a target-only round, so now and
-    # then one session runs one, and only one.
-    model = costs(draft=0.0, verify={0: 1.0, 4: 1.0})
-    model.refresh_rounds = 10
-    sessions = [AdaptiveK(8, model) for _ in range(3)]
-    for policy in sessions:
-        policy.accepted, policy.rejected = 9.0, 1.0
-    choices = []
-    for _ in range(12):
-        for policy in sessions:
-            k = policy.choose(limit=100)
-            choices.append(k)
-            model.observe(num_drafts=k, draft_s=0.0, verify_s=1.0, overhead_s=0.0, drafted=k > 0)
-            policy.observe(k, k)
-    assert choices.count(0) == 3  # one probe in each 10 rounds after the first 10
-    assert model.rounds - model.target_seen <= 10
-
-
-def test_a_probe_chosen_for_a_speculation_runs_in_the_next_round():
-    # Pipelined, the next round's K is chosen while this one is verified; a
-    # probe chosen then holds until a target-only round has run.
-    model = costs(draft=0.0, verify={0: 1.0, 4: 1.0})
-    model.refresh_rounds = 0
-    model.rounds += 1
-    policy = AdaptiveK(8, model, pipeline=True)
-    policy.accepted, policy.rejected = 9.0, 1.0
-    assert policy.choose(limit=100) == 0  # chosen for the speculation: none is made
-    assert policy.choose(limit=100) == 0  # the round itself
-    policy.observe(0, 0)
-    assert policy.choose(limit=100) == 8
-
-
-def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
-    # A drafter whose drafts are all accepted: a new session drafts the most
-    # it pays from its first round, instead of starting at α = 0.5 (which
-    # holds it at small K, or at K = 0 between probes, while its own rounds
-    # teach it).
-    model = costs(draft=0.3, verify={0: 1.0, 4: 1.4}, overhead=0.01)
-    fresh = AdaptiveK(4, model)
-    assert fresh.alpha == 0.5 and fresh.choose(limit=100) < 4
-    model.observe(
-        num_drafts=4, draft_s=1.2, verify_s=1.4, overhead_s=0.01, drafted=True, num_accepted=4
-    )
-    assert model.alpha == 1.0
-    informed = AdaptiveK(4, model)
-    assert informed.alpha == 1.0 and informed.choose(limit=100) == 4
-    # One rejected draft in four (the default smoothing keeps every round's share).
-    shared = CostModel()
-    for accepted in (4, 3, 4, 3):
-        shared.observe(
-            num_drafts=4,
-            draft_s=0.0,
-            verify_s=1.0,
-            overhead_s=0.0,
-            drafted=True,
-            num_accepted=accepted,
-        )
-    assert 0.8 < shared.alpha < 1.0
+    # The best rate, or one within TIE of it with a shorter round.
+    assert sync_rate(k_sync) >= max(map(sync_rate, range(9))) * (1 - TIE)
+    assert k_sync <= max(range(9), key=sync_rate)
+    k_pipelined = pipelined.choose(limit=100)
+    assert pipelined_rate(k_pipelined) >= max(map(pipelined_rate, range(9))) * (1 - TIE)
+    assert pipelined_rate(k_pipelined) >= pipelined_rate(k_sync) * (1 - TIE)

@@ -10,8 +10,15 @@ from outrider.bench.render import fmt, print_tables
 
 HEADER = [
     "config", "N", "requests", "tok/s", "× N=1", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-    "ITL/token p50 ms", "ITL/token p99 ms", "tok/chunk", "accept", "mismatch",
+    "ITL/token p50 ms", "ITL/token p99 ms", "tok/chunk", "accept", "K chosen", "verified", "mismatch",
 ]  # fmt: skip
+
+
+def k_shares(distribution: Mapping[str, float] | None) -> str:
+    """``K:share`` of the rounds, e.g. ``0:62% 4:38%``."""
+    if not distribution:
+        return "-"
+    return " ".join(f"{k}:{100 * share:.0f}%" for k, share in distribution.items())
 
 
 def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
@@ -33,6 +40,8 @@ def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
                     fmt(r["itl_per_token_ms_p99"], ".1f"),
                     fmt(r["tokens_per_chunk"]),
                     fmt(r["acceptance_rate"]),
+                    k_shares(r.get("k_distribution")),
+                    fmt(r.get("verified_fraction")),
                     f"{r['mismatches_vs_reference']}/{r['mismatches_vs_concurrency_1']}",
                 ]
             )
@@ -45,6 +54,8 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         "tok/s = all streams' generated tokens ÷ wall time of the batch; × N=1 = tok/s ÷ tok/s at concurrency 1.",
         "TTFT = request sent → first streamed chunk; ITL = gap between chunks (Outrider streams a chunk per round, "
         "Hugging Face a token per step); ITL/token = gap ÷ tokens in the chunk; client-side, p50/p99 over the batch.",
+        "K chosen = the share of rounds that asked the draft for each K (0: target-only); verified = draft "
+        "tokens the target verified ÷ proposed.",
         f"mismatch = requests whose tokens differ from {reference} / from the same configuration at N=1.",
     ]
     for name, error in report["not_run"].items():

@@ -19,6 +19,9 @@ DEFINITIONS = {
     "itl": "client-side, between consecutive streamed chunks (Outrider: a chunk per round; Hugging Face: per token)",
     "itl_per_token": "each chunk gap / tokens in that chunk",
     "percentiles": "linear interpolation between order statistics (numpy's default)",
+    "k_distribution": "Outrider: the share of rounds that asked the draft for each K (K = 0: target-only), as the "
+    "speculation policy chose",
+    "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed",
 }
 REQUIRED_RUN_KEYS = (
     "concurrency",
@@ -59,6 +62,12 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
     rounds = sum(s.rounds for s in streams)
     drafted = sum(s.draft_tokens for s in streams)
     accepted = sum(s.accepted_tokens for s in streams)
+    proposed = sum(s.proposed_tokens for s in streams)
+    by_k: list[int] = []
+    for s in streams:
+        by_k += [0] * (len(s.rounds_by_k) - len(by_k))
+        for k, n in enumerate(s.rounds_by_k):
+            by_k[k] += n
     return {
         "concurrency": batch.concurrency,
         "requests": len(streams),
@@ -73,7 +82,11 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
         "itl_per_token_ms_p99": _ms(percentile(per_token, 99)),
         "tokens_per_chunk": round_or_none(tokens / chunks if chunks else None),
         "acceptance_rate": round_or_none(accepted / drafted if drafted else None),
-        "mean_acceptance_length": round_or_none((accepted + rounds) / rounds if rounds else None),
+        "mean_acceptance_length": round_or_none(tokens / rounds if rounds else None),
+        "k_distribution": {str(k): round(n / sum(by_k), 4) for k, n in enumerate(by_k) if n}
+        if sum(by_k)
+        else None,
+        "verified_fraction": round_or_none(drafted / proposed if proposed else None),
     }
 
 

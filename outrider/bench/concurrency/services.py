@@ -107,7 +107,8 @@ class Replicas:
         return stream_from_arrivals(
             token_ids, sent_s, arrivals,
             rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-            adaptive=stats.adaptive, pipeline=stats.pipeline,
+            adaptive=stats.adaptive, pipeline=stats.pipeline, rounds_by_k=stats.rounds_by_k,
+            proposed_tokens=stats.proposed_tokens,
         )  # fmt: skip
 
 

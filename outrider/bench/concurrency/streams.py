@@ -46,6 +46,10 @@ class Stream:
     """Whether the coordinator chose K per round (its statistics say so)."""
     pipeline: bool = False
     """Whether the rounds were pipelined (its statistics say so)."""
+    rounds_by_k: tuple[int, ...] = ()
+    """Rounds by the K the policy asked the draft for (its statistics)."""
+    proposed_tokens: int = 0
+    """Draft tokens proposed; ``draft_tokens`` were verified."""
 
     @property
     def generated_tokens(self) -> int:
@@ -56,7 +60,7 @@ def stream_from_arrivals(
     token_ids: Sequence[int],
     sent_s: float,
     arrivals: Sequence[tuple[float, int]],
-    **stats: int | bool,
+    **stats: int | bool | tuple[int, ...],
 ) -> Stream:
     """A :class:`Stream` from when its request was sent and each chunk's (arrival time, tokens);
     chunks without tokens do not count."""

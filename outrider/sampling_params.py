@@ -1,0 +1,76 @@
+"""How a request samples: its parameters, validated once, and the ways the
+target checks drafts. Plain data (no tensors), so the coordinator, which
+runs no model, imports no torch; the math that uses them is
+``outrider.sampling`` and ``outrider.verify``."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+UINT64_MAX = 2**64 - 1
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Verification(str, enum.Enum):
+    """How the target checks the draft's tokens (docs/design.md#verification)."""
+
+    GREEDY = "greedy"
+    REJECTION = "rejection"
+    GUMBEL = "gumbel"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request samples; validated once, on construction."""
+
+    temperature: float = 0.0
+    """0 means greedy: verification is then GREEDY whatever was asked."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens; 0 turns it off."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass is at least
+    ``top_p`` (nucleus); 1.0 turns it off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely; 0 turns it off."""
+    seed: int = 0
+    """The request's seed, a 64-bit unsigned integer."""
+    verification: Verification = Verification.GREEDY
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.verification, Verification):
+            allowed = ", ".join(v.value for v in Verification)
+            try:
+                object.__setattr__(self, "verification", Verification(self.verification))
+            except ValueError:
+                raise ValueError(
+                    f"verification must be one of {allowed}, got {self.verification!r}"
+                ) from None
+        if not (
+            _is_number(self.temperature)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        if not (_is_integer(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
+        if not (_is_integer(self.seed) and 0 <= self.seed <= UINT64_MAX):
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.verification is Verification.GREEDY
