@@ -109,7 +109,6 @@ def summarize_config(
         else None,
         "draft_ms_per_round": round_or_none(totals.per_round_ms(totals.draft_time_s), 3),
         "verify_ms_per_round": round_or_none(totals.per_round_ms(totals.verify_time_s), 3),
-        "overhead_ms_per_round": round_or_none(totals.per_round_ms(totals.overhead_time_s), 3),
         "overhead_ms_per_round": round_or_none(milliseconds(totals.overhead_s_p50), 3),
         "critical_path_ms_p50": round_or_none(milliseconds(totals.critical_path_overhead_s_p50), 3),
         "expected_tokens_per_round": round_or_none(
