@@ -6,8 +6,8 @@ one process, with the same loop code as across three."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 from coordinator.workers import Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions

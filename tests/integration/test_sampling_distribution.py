@@ -59,7 +59,6 @@ import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import WorkerInfo
-from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
 from outrider.engine import InlineEngine
@@ -70,6 +69,7 @@ from outrider.sampling import SamplingParams, Stream, Verification, probabilitie
 from outrider.session import SessionStore
 from outrider.verify import Verdict
 from target_worker.sessions import TargetInfo, TargetSessions
+from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.tiny import build_tiny_llama
 
 VOCAB = 16

@@ -13,10 +13,10 @@ from itertools import pairwise
 import grpc
 import pytest
 
-from outrider.config import Recovery
 from coordinator.recovery import DraftLink
 from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient
+from outrider.config import Recovery
 from outrider.rpc import start_server
 from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack

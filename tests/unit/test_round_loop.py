@@ -5,11 +5,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from coordinator.loop import GenerationRequest, Models, generate
-from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.worker import start_engine
 from target_worker.main import build_sessions as build_target_sessions
+from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.integration.harness import reference_greedy
 
 
