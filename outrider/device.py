@@ -40,7 +40,8 @@ def resolve_device(spec: str):
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
-                f"device {spec!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+                f"device {spec!r}: this machine has no CUDA device "
+                f"(torch {torch.__version__}); use --device cpu"
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(
@@ -53,7 +54,8 @@ def resolve_device(spec: str):
 
 
 def resolve_dtype(spec: str, device):
-    """The ``torch.dtype`` of a dtype spec on ``device`` (``auto``: bfloat16 on CUDA, float32 elsewhere)."""
+    """The ``torch.dtype`` of a dtype spec on ``device`` (``auto``: bfloat16
+    on CUDA, float32 elsewhere)."""
     import torch
 
     check_dtype(spec)

@@ -63,7 +63,10 @@ log = get_logger(__name__)
 PREFIX = "outrider_"
 
 # Compute steps span 1 ms to seconds.
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 """Those of the CUDA graphs (``outrider.engine.cuda_graphs``, which a test holds
@@ -153,7 +156,8 @@ class RpcMetrics:
         labels = ["grpc_service", "grpc_method"]
         self.handled = Counter(
             PREFIX + "grpc_server_handled",
-            "RPCs completed on the server, by status code (a refused request counts under its code).",
+            "RPCs completed on the server, by status code "
+            "(a refused request counts under its code).",
             [*labels, "grpc_code"],
             registry=registry,
         )
@@ -213,7 +217,8 @@ class WorkerMetrics:
         )
         self.closed = Counter(
             PREFIX + "worker_sessions_closed",
-            "Sessions closed, by how the stream ended: done (the coordinator ended it), cancelled, or error.",
+            "Sessions closed, by how the stream ended: "
+            "done (the coordinator ended it), cancelled, or error.",
             ["reason"],
             registry=registry,
         )

@@ -21,12 +21,16 @@ below around the same two kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from outrider.config import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LEVELS = 16
 ROW_MULTIPLE = 16
@@ -50,7 +54,8 @@ class Int4Weight:
     def quantize(
         cls, weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE
     ) -> Int4Weight:
-        """The 4-bit form of ``weight``, on its device: each group's levels span its min to its max."""
+        """The 4-bit form of ``weight``, on its device: each group's levels
+        span its min to its max."""
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 f"group size {group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}"
@@ -104,7 +109,8 @@ class Int4Weight:
         return out if bias is None else out + bias
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight these levels stand for (what the kernels compute with, up to bfloat16 rounding)."""
+        """The float32 weight these levels stand for (what the kernels
+        compute with, up to bfloat16 rounding)."""
         eye = torch.eye(self.in_features, device=self.packed.device)
         return self.linear(eye).float().T.contiguous()
 
@@ -129,7 +135,8 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
+        out_features, in_features = self.weight.shape
+        return out_features, in_features
 
     @property
     def nbytes(self) -> int:
@@ -183,10 +190,13 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         out_features, in_features = self.quantized.shape
-        return f"in_features={in_features}, out_features={out_features}, {type(self.quantized).__name__}"
+        return (
+            f"in_features={in_features}, out_features={out_features}, "
+            f"{type(self.quantized).__name__}"
+        )
 
 
-def quantize_linears(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
+def quantize_linears(model: PreTrainedModel, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
     """Gives a transformers causal LM the int4 drafter's weights: every
     ``nn.Linear`` in 4 bits, the LM head (``get_output_embeddings``, untied
     from the input embedding) in 8; returns how many it replaced."""

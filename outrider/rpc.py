@@ -10,7 +10,7 @@ import hmac
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -342,7 +342,7 @@ async def start_server(
     return running
 
 
-def run_service(main: Awaitable[None]) -> None:
+def run_service(main: Coroutine[Any, Any, None]) -> None:
     """Runs a service's main coroutine on uvloop when it is installed (a gRPC
     round trip on loopback is ~17% faster there), else on asyncio's loop."""
     try:

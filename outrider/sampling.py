@@ -275,7 +275,8 @@ def expand(c: CompactProbs, vocab_size: int) -> torch.Tensor:
     else:
         if len(c.token_ids) != _I32.itemsize * len(values):
             raise ValueError(
-                f"token_ids must hold one int32 per prob ({len(values)}), got {len(c.token_ids)} bytes"
+                f"token_ids must hold one int32 per prob ({len(values)}), "
+                f"got {len(c.token_ids)} bytes"
             )
         ids = np.frombuffer(c.token_ids, dtype=_I32)
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):

@@ -20,7 +20,7 @@ def _is_integer(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class Verification(str, enum.Enum):
+class Verification(enum.StrEnum):
     """How the target checks the draft's tokens (docs/design.md#verification)."""
 
     GREEDY = "greedy"
@@ -60,7 +60,8 @@ class SamplingParams:
             and self.temperature >= 0
         ):
             raise ValueError(
-                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"
+                "temperature must be a finite number >= 0 (0 means greedy), "
+                f"got {self.temperature!r}"
             )
         if not (_is_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")

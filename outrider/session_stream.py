@@ -104,8 +104,9 @@ async def _until_idle(requests: AsyncIterable[Any], idle_timeout_s: float) -> As
             return
         except TimeoutError:
             raise SessionExpired(
-                f"session idle for {idle_timeout_s:g} s: the worker closed it and freed its KV cache; "
-                "reopen it with the full history (the worker's --session-idle-timeout-s sets the limit)"
+                f"session idle for {idle_timeout_s:g} s: the worker closed it and freed its "
+                "KV cache; reopen it with the full history (the worker's "
+                "--session-idle-timeout-s sets the limit)"
             ) from None
         yield request
 

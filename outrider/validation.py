@@ -18,7 +18,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int | None, *, what: str) ->
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise InvalidArgument(
-                f"{what}[{i}] = {token} is outside the vocabulary: ids must lie in [0, {vocab_size})"
+                f"{what}[{i}] = {token} is outside the vocabulary: "
+                f"ids must lie in [0, {vocab_size})"
             )
 
 

@@ -96,7 +96,8 @@ def verify(
         raise ValueError(f"draft tokens must be in [0, {vocab}), got {list(draft_tokens)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (k, vocab):
         raise ValueError(
-            f"draft_probs must have shape [K, vocab] = [{k}, {vocab}], got {tuple(draft_probs.shape)}"
+            f"draft_probs must have shape [K, vocab] = [{k}, {vocab}], "
+            f"got {tuple(draft_probs.shape)}"
         )
     if start_position < 0:
         raise ValueError(f"start_position must be >= 0, got {start_position}")

@@ -16,7 +16,9 @@ VERIFICATION_TO_PB = {
 VERIFICATION_FROM_PB = {v: k for k, v in VERIFICATION_TO_PB.items()}
 
 
-def verification_from_pb(value: int, *, temperature: float) -> Verification:
+def verification_from_pb(
+    value: coordinator_pb2.Verification, *, temperature: float
+) -> Verification:
     """Temperature 0 is greedy whatever was asked; UNSPECIFIED while sampling
     means rejection."""
     if value != coordinator_pb2.VERIFICATION_UNSPECIFIED and value not in VERIFICATION_FROM_PB:

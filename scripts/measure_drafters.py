@@ -87,7 +87,8 @@ def main() -> None:
         if not args.only or name in args.only
     ]
     print(
-        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} new tokens, greedy, K={args.k}\n"
+        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} new tokens, greedy, "
+        f"K={args.k}\n"
     )
     print("| drafter | tokens/s | K=0 tokens/s | mean acceptance length | speedup vs K=0 |")
     print("|---|---:|---:|---:|---:|")

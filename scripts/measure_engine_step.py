@@ -179,7 +179,8 @@ def main() -> int:
                 progress=True,
             )
             print(
-                f"captured {len(graphed.graphs.graphs)} CUDA graphs in {time.perf_counter() - started:.1f} s",
+                f"captured {len(graphed.graphs.graphs)} CUDA graphs "
+                f"in {time.perf_counter() - started:.1f} s",
                 file=sys.stderr,
             )
         unit = timed(hf_step(model, 1, args.context, device), args.repeats, device)
@@ -201,7 +202,8 @@ def main() -> int:
                 )
             results.append(row)
     print(
-        f"\n{args.model} on {device} in {str(dtype).removeprefix('torch.')}, context {args.context}; "
+        f"\n{args.model} on {device} in {str(dtype).removeprefix('torch.')}, "
+        f"context {args.context}; "
         f"transformers' 1-token step = {unit:.2f} ms\n"
     )
     print(f"{'rows×tokens':>12} {'hf (rows calls)':>16} {'engine':>16} {'engine graph':>16}")

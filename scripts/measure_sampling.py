@@ -67,10 +67,12 @@ def main() -> None:
             }
         )
     print(
-        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} tokens, draft: the target in bfloat16, K={args.k}\n"
+        f"\n{len(questions)} MT-Bench prompts x {args.max_new_tokens} tokens, "
+        f"draft: the target in bfloat16, K={args.k}\n"
     )
     print(
-        "| temperature | verification | acceptance rate | mean acceptance length | q bytes / round |"
+        "| temperature | verification | acceptance rate | mean acceptance length "
+        "| q bytes / round |"
     )
     print("|---:|---|---:|---:|---:|")
     for r in rows:

@@ -13,7 +13,9 @@ import torch
 
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
-from outrider.sampling import CompactProbs, SamplingParams, expand
+from outrider.sampling import expand
+from outrider.sampling_params import SamplingParams
+from outrider.speculation import CompactProbs
 from outrider.session import Session, SessionStore
 from outrider.speculation import Verdict
 from outrider.validation import check_context, check_token_ids

@@ -110,7 +110,8 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokeniz
 def build_tiny_sentencepiece_tokenizer(
     path: Path, vocab_size: int = 512
 ) -> PreTrainedTokenizerFast:
-    """Train a Llama-2-style BPE tokenizer (`▁` spaces, byte fallback), save it to `path` and return it.
+    """Train a Llama-2-style BPE tokenizer (`▁` spaces, byte fallback), save
+    it to `path` and return it.
 
     Its decoder drops the leading space of the decoded text, so `decode([▁world])` is
     "world" while `decode([▁hello, ▁world])` is "hello world".
@@ -201,7 +202,8 @@ def build_tiny_llama(
 def build_tiny_model_dir(
     path: Path, tokenizer_dir: Path, *, seed: int, **llama_kwargs: Any
 ) -> Path:
-    """A self-contained model directory: a tiny Llama sized to the tokenizer, plus the tokenizer files."""
+    """A self-contained model directory: a tiny Llama sized to the tokenizer,
+    plus the tokenizer files."""
     tokenizer_files = [f for f in sorted(tokenizer_dir.iterdir()) if f.is_file()]
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     build_tiny_llama(path, vocab_size=vocab_size, seed=seed, **llama_kwargs)

@@ -91,7 +91,8 @@ class Bound:
 
     @property
     def round_time_s(self) -> float:
-        """T: synchronous d̄ + t_verify + t_rpc; pipelined, hits overlap and misses draft afresh first."""
+        """T: synchronous d̄ + t_verify + t_rpc; pipelined, hits overlap and
+        misses draft afresh first."""
         drafting = self.mean_draft_tokens * self.t_draft_s  # d̄
         if self.hit_rate is None:
             return drafting + self.t_verify_s + self.t_rpc_s
@@ -104,19 +105,24 @@ class Bound:
 
 
 def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = False) -> Bound | None:
-    """The bound of a configuration (``pipelined``: of pipelined rounds); None without the time split or rounds."""
-    if None in (
-        totals.draft_time_s,
-        totals.verify_time_s,
-        totals.overhead_time_s,
-        target_only.verify_time_s,
-        target_only.overhead_time_s,
+    """The bound of a configuration (``pipelined``: of pipelined rounds);
+    None without the time split or rounds."""
+    draft_s, verify_s = totals.draft_time_s, totals.verify_time_s
+    overhead_s = totals.overhead_time_s
+    target_verify_s, target_overhead_s = target_only.verify_time_s, target_only.overhead_time_s
+    if (
+        draft_s is None
+        or verify_s is None
+        or overhead_s is None
+        or target_verify_s is None
+        or target_overhead_s is None
     ):
         return None
     if not totals.rounds or not target_only.rounds:
         return None
     accepted = sum(totals.accepted_per_position)
-    # R: rounds that drafted; a server that does not count them drafted in every round it says drafted anything.
+    # R: rounds that drafted; a server that does not count them drafted in
+    # every round it says drafted anything.
     drafting_rounds = totals.num_drafts or (totals.rounds if totals.draft_tokens else 0)
     speculated = totals.speculation_hits + totals.speculation_misses
     return Bound(
@@ -124,10 +130,10 @@ def analytic_bound(totals: Totals, target_only: Totals, *, pipelined: bool = Fal
         mean_draft_tokens=totals.draft_tokens / totals.rounds,
         expected_tokens_per_round=1.0 + accepted / drafting_rounds if drafting_rounds else 1.0,
         drafting_share=drafting_rounds / totals.rounds,
-        t_target_s=(target_only.verify_time_s + target_only.overhead_time_s) / target_only.rounds,
-        t_draft_s=totals.draft_time_s / totals.draft_tokens if totals.draft_tokens else 0.0,
-        t_verify_s=totals.verify_time_s / totals.rounds,
-        t_rpc_s=totals.overhead_time_s / totals.rounds,
+        t_target_s=(target_verify_s + target_overhead_s) / target_only.rounds,
+        t_draft_s=draft_s / totals.draft_tokens if totals.draft_tokens else 0.0,
+        t_verify_s=verify_s / totals.rounds,
+        t_rpc_s=overhead_s / totals.rounds,
         hit_rate=(totals.speculation_hits / speculated if speculated else 0.0)
         if pipelined
         else None,

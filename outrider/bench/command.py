@@ -73,7 +73,7 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
         coordinator += ["--tokenizer", options.target_model]
     drafts = {d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args] for d in drafters}
     # A model drafter runs in the target's dtype unless its flags say otherwise.
-    for label, args in drafts.items():
+    for args in drafts.values():
         if "--dtype" not in args and "prompt-lookup" not in args:
             args += ["--dtype", options.dtype]
     return dict(
@@ -85,7 +85,8 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
 
 
 def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
-    """Start the services, run every configuration on every prompt (at every concurrency), write and return the report."""
+    """Start the services, run every configuration on every prompt (at every
+    concurrency), write and return the report."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -211,7 +212,8 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
 
 
 def parse_concurrency_list(raw: str) -> list[int]:
-    """``1,8,32,64`` → [1, 8, 32, 64]; 1 is always among them (the reference for outputs and speedup)."""
+    """``1,8,32,64`` → [1, 8, 32, 64]; 1 is always among them (the reference
+    for outputs and speedup)."""
     try:
         levels = {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
@@ -226,7 +228,8 @@ def parse_concurrency_list(raw: str) -> list[int]:
 
 
 def options_from_args(args: Any) -> BenchOptions:
-    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`; raises ValueError on bad flags."""
+    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
+    raises ValueError on bad flags."""
     files = tuple(Path(p) for p in (args.prompts or default_prompt_files()))
     if not files:
         raise ValueError(

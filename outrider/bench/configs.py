@@ -46,7 +46,8 @@ class Drafter:
 
 @dataclass(frozen=True)
 class OutriderVariant:
-    """One Outrider configuration: its name, the coordinator it asks (by drafter label) and its K."""
+    """One Outrider configuration: its name, the coordinator it asks (by
+    drafter label) and its K."""
 
     name: str
     coordinator: str | None
@@ -55,7 +56,8 @@ class OutriderVariant:
     """0: target only; ``None`` with ``adaptive``."""
     adaptive: bool = False
     pipeline: bool = False
-    """Sent as ``pipeline=``: True for the ``-pipelined`` configurations, False (explicitly) for the others."""
+    """Sent as ``pipeline=``: True for the ``-pipelined`` configurations,
+    False (explicitly) for the others."""
 
 
 def outrider_variants(
@@ -93,7 +95,8 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         layers = match.group(1)
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
     raise ValueError(
-        f"unknown drafter {spec!r}: use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)"
+        f"unknown drafter {spec!r}: "
+        "use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)"
     )
 
 

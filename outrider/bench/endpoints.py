@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from outrider.bench.configs import Config, outrider_variants
 from outrider.bench.measurements import Measurement, measurement_from_stats
@@ -60,13 +61,13 @@ def outrider_configs(
         Config(
             v.name,
             "outrider",
-            lambda p, n, e=endpoints[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.generate(
-                p, n, k=k, adaptive=a, pipeline=pl
+            partial(
+                endpoints[v.coordinator].generate, k=v.k, adaptive=v.adaptive, pipeline=v.pipeline
             ),
             v.drafter,
             v.k,
             v.adaptive,
             v.pipeline,
-        )  # fmt: skip
+        )
         for v in outrider_variants(list(endpoints), ks, adaptive=adaptive, pipelined=pipelined)
     ]

@@ -12,11 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 from outrider.bench.configs import BASELINE, Config, Drafter
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding
 
 
 def rounds_from_forward_calls(
@@ -78,7 +82,8 @@ class HuggingFace:
 
     @property
     def stop_kwargs(self) -> dict[str, Any]:
-        """``generate``'s end-of-sequence setting: the model's own, or with ``ignore_eos`` none at all.
+        """``generate``'s end-of-sequence setting: the model's own, or with
+        ``ignore_eos`` none at all.
 
         ``eos_token_id=[]`` generates past an end-of-sequence token without
         masking it, as Outrider's ``ignore_eos`` does, so the tokens stay
@@ -148,14 +153,17 @@ class HuggingFace:
         ) = values
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return list(
+        # return_dict=True: a BatchEncoding (the declared return type covers every flag).
+        encoded = cast(
+            "BatchEncoding",
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt.text}],
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
-            )["input_ids"]
+            ),
         )
+        return list(encoded["input_ids"])
 
     def generate(self, prompt: Prompt, max_new_tokens: int, **assisted: Any) -> Measurement:
         torch = self._torch
@@ -224,10 +232,10 @@ class HuggingFace:
                         Config(
                             f"hf-assisted-prompt-lookup-k{k}",
                             "hf",
-                            lambda p, n, k=k: self.generate(p, n, prompt_lookup_num_tokens=k),
+                            partial(self.generate, prompt_lookup_num_tokens=k),
                             drafter.label,
                             k,
-                        )  # fmt: skip
+                        )
                     )
         return configs
 

@@ -24,19 +24,23 @@ class Measurement:
     verify_time_s: float | None = None
     overhead_time_s: float | None = None
     overhead_s: float | None = None
-    """Coordinator overhead per round: the server's median (``overhead_s_p50``) or, from a server that does not report it, the mean."""
+    """Coordinator overhead per round: the server's median
+    (``overhead_s_p50``) or, from a server that does not report it, the mean."""
     adaptive: bool = False
     num_drafts: int = 0
     """Rounds that verified at least one draft token (the others were target-only)."""
     pipeline: bool = False
     """Whether the rounds were pipelined (the server's statistics say so)."""
     speculation_hits: int = 0
-    """Pipelined rounds whose verdict matched the draft's assumption: the next drafts were ready at once."""
+    """Pipelined rounds whose verdict matched the draft's assumption: the
+    next drafts were ready at once."""
     speculation_misses: int = 0
-    """Pipelined rounds whose verdict did not: the draft drafted afresh from the committed history."""
+    """Pipelined rounds whose verdict did not: the draft drafted afresh from
+    the committed history."""
     critical_path_overhead_s: float | None = None
-    """The server's median per round of the wall time beyond the target's verify compute (waiting for
-    drafts, RPCs, the coordinator's work); None where the server does not report it."""
+    """The server's median per round of the wall time beyond the target's
+    verify compute (waiting for drafts, RPCs, the coordinator's work); None
+    where the server does not report it."""
 
     @property
     def generated_tokens(self) -> int:
@@ -44,7 +48,8 @@ class Measurement:
 
 
 def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) -> Measurement:
-    """From Outrider's statistics: the client's ``GenerationStats`` or the proto's (same field names)."""
+    """From Outrider's statistics: the client's ``GenerationStats`` or the
+    proto's (same field names)."""
     rounds = int(stats.rounds)
     overhead = float(getattr(stats, "overhead_s_p50", 0.0) or 0.0)
     if overhead <= 0.0 and rounds:
@@ -71,7 +76,8 @@ def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) 
 
 
 def _critical_path(stats: Any, rounds: int) -> float | None:
-    """``critical_path_overhead_s_p50``; None without rounds or from a server that does not report it (0)."""
+    """``critical_path_overhead_s_p50``; None without rounds or from a server
+    that does not report it (0)."""
     value = float(getattr(stats, "critical_path_overhead_s_p50", 0.0) or 0.0)
     return value if rounds and value > 0.0 else None
 
@@ -124,7 +130,8 @@ class Totals:
 
 def _sum_optional(values: Iterable[float | None]) -> float | None:
     values = list(values)
-    return None if not values or any(v is None for v in values) else float(sum(values))
+    present = [v for v in values if v is not None]
+    return float(sum(present)) if values and len(present) == len(values) else None
 
 
 def aggregate(measurements: Sequence[Measurement]) -> Totals:

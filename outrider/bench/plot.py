@@ -8,7 +8,8 @@ from typing import Any
 
 
 def pyplot():
-    """matplotlib's pyplot, drawing to files; without matplotlib, a RuntimeError that says what to install."""
+    """matplotlib's pyplot, drawing to files; without matplotlib, a
+    RuntimeError that says what to install."""
     try:
         import matplotlib
     except ImportError:
@@ -72,7 +73,7 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     bottom.set_title("Acceptance by configuration (no bar: nothing drafted)")
     bottom.set_xticks(x)
     bottom.set_xticklabels([r["name"] for r in rows], rotation=35, ha="right")
-    for label, row in zip(bottom.get_xticklabels(), rows):
+    for label, row in zip(bottom.get_xticklabels(), rows, strict=True):
         label.set_color("tab:red" if row["family"] == "hf" else "black")
     bottom.grid(axis="y", alpha=0.3)
     fig.text(

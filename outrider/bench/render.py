@@ -26,7 +26,8 @@ def _histogram(row: Mapping[str, Any], width: int = 8) -> str:
 
 
 def _hits(row: Mapping[str, Any]) -> str:
-    """A pipelined configuration's hit rate and its hits/misses: ``.62 (31/19)``; ``-`` when synchronous."""
+    """A pipelined configuration's hit rate and its hits/misses:
+    ``.62 (31/19)``; ``-`` when synchronous."""
     if not row.get("pipeline"):
         return "-"
     rate = (
@@ -40,8 +41,8 @@ def _hits(row: Mapping[str, Any]) -> str:
 def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = [
         "config", "tok/s", "speedup", "accept", "MAL", "E", "draft ms", "verify ms",
-        "overhead ms p50", "critical path ms p50", "hit rate (hits/misses)", "bound", "achieved/bound", "mismatch",
-        "accepted per position (share of rounds)",
+        "overhead ms p50", "critical path ms p50", "hit rate (hits/misses)", "bound",
+        "achieved/bound", "mismatch", "accepted per position (share of rounds)",
     ]  # fmt: skip
     rows = []
     for r in report["configs"]:
@@ -102,18 +103,21 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"achieved/bound (vs outrider-k0): {parts}")
     if h["max_overhead_ms_per_round_p50"] is not None:
         lines.append(
-            f"overhead per round (RPC + coordinator), p50, worst config: {h['max_overhead_ms_per_round_p50']:.2f} ms"
+            "overhead per round (RPC + coordinator), p50, worst config: "
+            f"{h['max_overhead_ms_per_round_p50']:.2f} ms"
         )
     if h.get("pipelined_over_synchronous"):
         parts = ", ".join(
-            f"{n} {fmt(v['tokens_per_s'])} (critical path p50 {fmt(v['critical_path_ms_p50'][0])} → "
+            f"{n} {fmt(v['tokens_per_s'])} "
+            f"(critical path p50 {fmt(v['critical_path_ms_p50'][0])} → "
             f"{fmt(v['critical_path_ms_p50'][1])} ms)"
             for n, v in h["pipelined_over_synchronous"].items()
         )
         lines.append(f"pipelined ÷ synchronous tokens/s: {parts}")
     if report["mismatches"]:
         lines.append(
-            f"MISMATCH: {len(report['mismatches'])} (config, prompt) outputs differ from {report['mismatch_reference']}: "
+            f"MISMATCH: {len(report['mismatches'])} (config, prompt) outputs differ "
+            f"from {report['mismatch_reference']}: "
             + "; ".join(
                 f"{m['config']} on {m['prompt']} at token {m['first_difference_at']}"
                 for m in report["mismatches"][:12]
@@ -122,7 +126,8 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         )
     else:
         lines.append(
-            f"outputs: every configuration produced the same tokens as {report['mismatch_reference']} on every prompt."
+            "outputs: every configuration produced the same tokens as "
+            f"{report['mismatch_reference']} on every prompt."
         )
     return lines
 
@@ -165,7 +170,10 @@ def print_tables(
 
 
 def _plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *rows]]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True))
+        for line in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -25,9 +25,11 @@ REQUIRED_CONFIG_KEYS = (
 
 
 def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
-    """The index of the first token that differs (the shorter length when one is a prefix of the other)."""
+    """The index of the first token that differs (the shorter length when one
+    is a prefix of the other)."""
     return next(
-        (i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
+        (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+        min(len(mine), len(theirs)),
     )
 
 
@@ -39,7 +41,7 @@ def find_mismatches(
     for name, measurements in results.items():
         if name == reference:
             continue
-        for prompt, mine, theirs in zip(prompts, measurements, results[reference]):
+        for prompt, mine, theirs in zip(prompts, measurements, results[reference], strict=True):
             if mine.token_ids == theirs.token_ids:
                 continue
             found.append(
@@ -203,7 +205,7 @@ def build_report(
         return aggregate(
             [
                 m
-                for p, m in zip(prompts, results[name])
+                for p, m in zip(prompts, results[name], strict=True)
                 if category is None or p.category == category
             ]
         )

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from outrider.bench.configs import Config
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
 
-C = TypeVar("C")
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+C = TypeVar("C", bound=_Named)
+"""A configuration: a :class:`Config` or a concurrency run's ``LoadConfig``."""
 
 
 def interleaved_order(configs: Sequence[C], index: int) -> list[C]:
-    """Every configuration once, the starting one rotated by ``index`` (the prompt's, or the concurrency's)."""
+    """Every configuration once, the starting one rotated by ``index`` (the
+    prompt's, or the concurrency's)."""
     shift = index % len(configs) if configs else 0
     return [*configs[shift:], *configs[:shift]]
 
@@ -26,19 +34,20 @@ def run_interleaved(
     *,
     progress: bool = True,
 ) -> dict[str, list[Measurement]]:
-    """For each prompt, every configuration in turn; the results by configuration, in prompt order."""
+    """For each prompt, every configuration in turn; the results by
+    configuration, in prompt order."""
     from tqdm import tqdm
 
-    results: dict[str, list[Measurement | None]] = {c.name: [None] * len(prompts) for c in configs}
+    results: dict[str, list[Measurement]] = {c.name: [] for c in configs}
     with tqdm(
         total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress
     ) as bar:
         for i, prompt in enumerate(prompts):
             for config in interleaved_order(configs, i):
                 bar.set_postfix_str(f"{prompt.id} {config.name}")
-                results[config.name][i] = _run_one(config, prompt, max_new_tokens)
+                results[config.name].append(_run_one(config, prompt, max_new_tokens))
                 bar.update()
-    return results  # type: ignore[return-value]
+    return results
 
 
 def warm_up(
@@ -76,18 +85,21 @@ def failure_detail(exc: BaseException) -> str:
 
 
 IGNORED_BECAUSE = {"adaptive": "K was fixed", "pipeline": "the rounds were not pipelined"}
-"""The options a configuration may ask for and a coordinator may ignore, and what its statistics then say."""
+"""The options a configuration may ask for and a coordinator may ignore, and
+what its statistics then say."""
 
 
 def without_ignored_options(configs: Sequence[C], warm: Mapping[str, Any]) -> list[C]:
-    """The configurations, less those that asked for adaptive K or pipelined rounds and whose warm-up
-    (``warm[name]``: a Measurement or a Stream) says the coordinator ignored it (with a warning)."""
+    """The configurations, less those that asked for adaptive K or pipelined
+    rounds and whose warm-up (``warm[name]``: a Measurement or a Stream) says
+    the coordinator ignored it (with a warning)."""
     kept = list(configs)
     for option, because in IGNORED_BECAUSE.items():
         ignored = [c.name for c in kept if getattr(c, option) and not getattr(warm[c.name], option)]
         if ignored:
             print(
-                f"WARNING: the coordinator ignored `{option}` (its stats say {because}); left out: {', '.join(ignored)}",
+                f"WARNING: the coordinator ignored `{option}` (its stats say {because}); "
+                f"left out: {', '.join(ignored)}",
                 file=sys.stderr,
             )
         kept = [c for c in kept if c.name not in ignored]

@@ -45,7 +45,8 @@ def build_runner(
     if (reason := llama.unsupported(model)) is not None:
         if int4_group_size is not None:
             raise ValueError(
-                f"the int4 drafter runs the Llama-family forward only, and this model cannot: {reason}"
+                "the int4 drafter runs the Llama-family forward only, "
+                f"and this model cannot: {reason}"
             )
         log.warning("model runs on the unbatched fallback runner", reason=reason)
         return FallbackRunner(model, BlockPool(budget(), 1))

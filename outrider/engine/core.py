@@ -192,7 +192,8 @@ def _average(average: float | None, sample: float, weight: float = 0.2) -> float
 
 
 Reply = Callable[[bool, Any, float], None]
-"""How a call's outcome goes back: ``reply(True, result, seconds)`` or ``reply(False, exception, 0.0)``."""
+"""How a call's outcome goes back: ``reply(True, result, seconds)`` or
+``reply(False, exception, 0.0)``."""
 
 
 class _Call:
@@ -378,6 +379,7 @@ class Engine:
             call.finish(result)
 
     def _advance(self, call: _Call, value: Logits | None) -> None:
+        assert call.job is not None  # only a job feeds, so only a job is advanced
         try:
             outcome = _resume(call.job, call.context, value)
         except BaseException as exc:

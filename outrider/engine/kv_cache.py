@@ -92,7 +92,7 @@ class KVCache:
         """Length of the longest common prefix of the cached ids and
         ``tokens``, given that their first ``start`` ids are known to agree."""
         n = start
-        for cached, wanted in zip(self.token_ids[start:], tokens[start:]):
+        for cached, wanted in zip(self.token_ids[start:], tokens[start:], strict=False):
             if cached != wanted:
                 break
             n += 1
@@ -109,7 +109,8 @@ class KVCache:
             free = pool.free_blocks * pool.block_size + self.reserved - len(self)
             raise ResourceExhausted(
                 f"worker cache is full: the session needs {length} cached tokens, "
-                f"{free} of {pool.capacity} are free; retry later, shorten the request, or use another replica"
+                f"{free} of {pool.capacity} are free; retry later, shorten the request, "
+                "or use another replica"
             )
         self.blocks.extend(self.pool.allocate(missing))
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +43,15 @@ ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 """Rotary embeddings that depend on the position alone, so a table computed
 once holds them (dynamic NTK and longrope depend on the sequence length)."""
 
+# A transformers model's config fields and submodules are reached by name,
+# which its types do not declare (``nn.Module.__getattr__`` is typed
+# ``Tensor | Module``): they are read as ``Any``, and what the forward keeps
+# is typed.
+
 
 def unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot take this forward, or None when it can."""
-    config = model.config
+    config: Any = model.config
     if config.model_type not in ARCHITECTURES:
         return (
             f"architecture {config.model_type!r} is not one of {', '.join(sorted(ARCHITECTURES))}"
@@ -58,7 +65,8 @@ def unsupported(model: nn.Module) -> str | None:
         return f"activation {config.hidden_act!r} is not silu"
     if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
         return "its layers mix attention types"
-    for layer in model.model.layers:
+    decoder: Any = model.model
+    for layer in decoder.layers:
         attention, mlp = layer.self_attn, layer.mlp
         if (
             len({p.bias is None for p in (attention.q_proj, attention.k_proj, attention.v_proj)})
@@ -110,8 +118,7 @@ class _Layer:
     down: Weight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # Qwen3: a norm on each query and key head
 
 
 class LlamaForward:
@@ -126,25 +133,25 @@ class LlamaForward:
     ) -> None:
         if (reason := unsupported(model)) is not None:
             raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
-        config = model.config
-        decoder = model.model
+        config: Any = model.config
+        decoder: Any = model.model
         attention = decoder.layers[0].self_attn
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = attention.head_dim
-        self.scaling = attention.scaling
-        self.eps = config.rms_norm_eps
-        self.vocab_size = config.vocab_size
-        self.max_positions = config.max_position_embeddings
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
+        self.head_dim: int = attention.head_dim
+        self.scaling: float = attention.scaling
+        self.eps: float = config.rms_norm_eps
+        self.vocab_size: int = config.vocab_size
+        self.max_positions: int = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
         use_window = getattr(
             config, "use_sliding_window", True
         )  # Qwen2 has a window it does not use
-        self.sliding_window = (
+        self.sliding_window: int | None = (
             window if window and use_window and window < self.max_positions else None
         )
-        self.embed = _own(decoder.embed_tokens.weight)
-        self.norm = _own(decoder.norm.weight)
+        self.embed: torch.Tensor = _own(decoder.embed_tokens.weight)
+        self.norm: torch.Tensor = _own(decoder.norm.weight)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
 
@@ -153,14 +160,15 @@ class LlamaForward:
                 return _own(weight)
             return quantize_weight(weight, int4_group_size, lm_head=lm_head)
 
-        tied = model.lm_head.weight is decoder.embed_tokens.weight
+        lm_head: Any = model.lm_head
+        tied = lm_head.weight is decoder.embed_tokens.weight
         self.lm_head = (
             self.embed
             if tied and int4_group_size is None
-            else quantize(model.lm_head.weight, lm_head=True)
+            else quantize(lm_head.weight, lm_head=True)
         )
         if int4_group_size is not None:
-            model.lm_head.weight = None  # the embedding keeps its own (tied or not)
+            lm_head.weight = None  # the embedding keeps its own (tied or not)
         layers = decoder.layers
         if (
             int4_group_size is not None
@@ -177,7 +185,7 @@ class LlamaForward:
         self.cos, self.sin = cos[0], sin[0]
 
     @staticmethod
-    def _take(layer: nn.Module, quantize) -> _Layer:
+    def _take(layer: Any, quantize: Callable[[torch.Tensor], Weight]) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         biases = [p.bias for p in projections]
@@ -191,12 +199,13 @@ class LlamaForward:
             down=quantize(mlp.down_proj.weight),
             input_norm=_own(layer.input_layernorm.weight),
             post_norm=_own(layer.post_attention_layernorm.weight),
-            q_norm=_own(getattr(getattr(attention, "q_norm", None), "weight", None)),
-            k_norm=_own(getattr(getattr(attention, "k_norm", None), "weight", None)),
+            qk_norm=(_own(attention.q_norm.weight), _own(attention.k_norm.weight))
+            if hasattr(attention, "q_norm")
+            else None,
         )
-        replaced = (*projections, mlp.gate_proj, mlp.up_proj)  # fused copies replace them
+        replaced = [*projections, mlp.gate_proj, mlp.up_proj]  # fused copies replace them
         if not isinstance(fused.o, torch.Tensor):
-            replaced += (attention.o_proj, mlp.down_proj)  # and 4-bit ones these
+            replaced += [attention.o_proj, mlp.down_proj]  # and 4-bit ones these
         for module in replaced:
             module.weight = None
             module.bias = None
@@ -231,7 +240,7 @@ class LlamaForward:
         masks = [self._mask(batch.positions, group, block_size) for group in batch.groups]
 
         x = F.embedding(batch.input_ids, self.embed)
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             # 1. attention: project, rotate, write this step's keys and values, attend
             h = _rms_norm(x, layer.input_norm, self.eps)
             q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(
@@ -242,8 +251,9 @@ class LlamaForward:
                 k.view(n, kv_heads, head_dim),
                 v.view(n, kv_heads, head_dim),
             )
-            if layer.q_norm is not None:
-                q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+            if layer.qk_norm is not None:
+                q_norm, k_norm = layer.qk_norm
+                q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = (
                 layer_cache[0],
@@ -253,7 +263,7 @@ class LlamaForward:
             values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, v)
             attended = [
                 self._attend(q, keys, values, group, mask)
-                for group, mask in zip(batch.groups, masks)
+                for group, mask in zip(batch.groups, masks, strict=True)
             ]
             x = x + linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
 
@@ -331,11 +341,11 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return ops.linear(x, weight, bias)
 
 
-def _own(weight: torch.Tensor | None) -> torch.Tensor | None:
+def _own(weight: torch.Tensor) -> torch.Tensor:
     """A copy of ``weight`` in memory of the forward's own. A loaded
     checkpoint's tensors are views of its memory-mapped file, and one view
     kept keeps every page of the file that loading touched resident."""
-    return None if weight is None else weight.detach().clone()
+    return weight.detach().clone()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -150,7 +150,7 @@ class Scheduler:
     def update(self, step: Sequence[Scheduled], outputs: Sequence[Any]) -> list[tuple[Any, Any]]:
         """Records that ``step`` ran; returns ``(owner, output)`` for every feed it finished."""
         finished, finished_ids = [], set()
-        for scheduled, output in zip(step, outputs):
+        for scheduled, output in zip(step, outputs, strict=True):
             if scheduled.finishes:
                 finished.append((scheduled.pending.owner, output))
                 finished_ids.add(id(scheduled.pending))

@@ -88,14 +88,19 @@ def test_a_cuda_graph_replay_equals_the_eager_step(tiny_target_dir):
         caches = {}
         for runner in (eager, graphed):
             caches[id(runner)] = [runner.new_kv() for _ in range(3)]
-            for kv, p in zip(caches[id(runner)], prompts(3, seed=12, lengths=(20, 40))):
+            for kv, p in zip(
+                caches[id(runner)], prompts(3, seed=12, lengths=(20, 40)), strict=True
+            ):
                 kv.reserve(len(p) + 5)
                 runner.execute([Row(kv, p, 0)])
-        rows = lambda runner: [
-            Row(kv, [5, 6, 7, 8, 9][: i + 3], i + 1) for i, kv in enumerate(caches[id(runner)])
-        ]  # noqa: E731
+
+        def rows(runner):
+            return [
+                Row(kv, [5, 6, 7, 8, 9][: i + 3], i + 1) for i, kv in enumerate(caches[id(runner)])
+            ]
+
         assert graphed.graphs.bucket(rows(graphed)) is not None  # this step replays a graph
-        for a, b in zip(eager.execute(rows(eager)), graphed.execute(rows(graphed))):
+        for a, b in zip(eager.execute(rows(eager)), graphed.execute(rows(graphed)), strict=True):
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
             assert a.argmax == b.argmax
 
@@ -153,7 +158,7 @@ async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batch
             together = await asyncio.gather(
                 *(
                     client.generate(token_ids=c, max_new_tokens=48, num_speculative_tokens=k)
-                    for c, k in zip(chats, (0, 4) * 3)
+                    for c, k in zip(chats, (0, 4) * 3, strict=True)
                 )
             )
     assert [list(r.token_ids) for r in alone] == references
@@ -197,7 +202,7 @@ async def test_int4_drafter_on_cuda_with_graphs_keeps_the_output(tiny_target_dir
                     for p, n, k in cases
                 )
             )
-    for result, reference in zip(results, references):
+    for result, reference in zip(results, references, strict=True):
         assert list(result.token_ids) == reference
     assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(
         r.stats.draft_tokens for r in results

@@ -50,7 +50,8 @@ def test_rendered_objects_validate_strictly(objects, version):
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(
-                f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: {exc}"
+                f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: "
+                f"{exc}"
             )
         validated.append(obj["kind"])
     assert {"Deployment", "Service", "PodDisruptionBudget", "Role", "RoleBinding"} <= set(validated)
@@ -84,7 +85,8 @@ def test_the_schema_rejects_a_bad_value_with_its_name(render, setting, message):
 
 def test_helm_lint_refuses_a_device_outrider_does_not_know(helm):
     result = subprocess.run(
-        [str(helm), "lint", "--strict", str(CHART), "--namespace", NAMESPACE, "--set", "target.device=gpu:0"],
+        [str(helm), "lint", "--strict", str(CHART), "--namespace", NAMESPACE,
+         "--set", "target.device=gpu:0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0
@@ -125,7 +127,10 @@ def test_tls_without_its_secrets_is_refused(render):
 
 
 def test_values_files_pass_yamllint(python_tool):
-    config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable, comments: {min-spaces-from-content: 1}}}"
+    config = (
+        "{extends: default, rules: {line-length: {max: 120}, document-start: disable, "
+        "comments: {min-spaces-from-content: 1}}}"
+    )
     files = [CHART / "values.yaml", FULL_VALUES, CHART / "Chart.yaml"]
     result = subprocess.run(
         [str(python_tool("yamllint")), "--strict", "-d", config, *map(str, files)],
@@ -255,8 +260,10 @@ def test_mtls_secrets_are_wired_into_every_hop(full_objects):
         v["name"]: v["secret"]["secretName"] for v in coordinator["volumes"] if "secret" in v
     }
     assert secrets == {
-        "tls": "outrider-coordinator-tls", "worker-tls": "outrider-coordinator-client-tls", "auth": "outrider-tokens"
-    }  # fmt: skip
+        "tls": "outrider-coordinator-tls",
+        "worker-tls": "outrider-coordinator-client-tls",
+        "auth": "outrider-tokens",
+    }
     for name in ("target", "draft"):
         worker = pod_spec(component(full_objects, "Deployment", name))
         env = env_of(worker["containers"][0])
@@ -484,7 +491,8 @@ def test_an_explicit_device_wins_over_the_one_gpu_count_implies(render, sets, de
 def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(
     default_objects, full_objects
 ):
-    # Defaults: the target and the coordinator's tokenizer are the embedded model; prompt lookup needs none.
+    # Defaults: the target and the coordinator's tokenizer are the embedded
+    # model; prompt lookup needs none.
     for name in ("coordinator", "target"):
         (init,) = pod_spec(component(default_objects, "Deployment", name))["initContainers"]
         assert init["args"] == ["models", "fetch", "smollm2-135m-instruct"]

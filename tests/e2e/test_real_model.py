@@ -30,7 +30,8 @@ PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Write a short travel blog post about a weekend in Lisbon.",
 )
-"""Our own prompts (a question, code, open writing), so the test needs no data from outside the repository."""
+"""Our own prompts (a question, code, open writing), so the test needs no
+data from outside the repository."""
 
 
 @pytest.fixture(scope="module")

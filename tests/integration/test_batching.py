@@ -64,7 +64,7 @@ async def test_concurrent_sessions_each_get_their_solo_target_only_output(
                 return await client.generate(token_ids=prompt, max_new_tokens=n, **speculation)
 
             results = await asyncio.gather(*(session(i) for i in range(len(cases))))
-        for result, reference, (_, n, speculation) in zip(results, references, cases):
+        for result, reference, (_, _, speculation) in zip(results, references, cases, strict=True):
             assert list(result.token_ids) == reference, speculation
             assert result.finish_reason == "length"
         assert any(

@@ -37,7 +37,8 @@ def test_bench_runs_every_configuration_and_writes_json_and_plot(
             sys.executable, "-m", "outrider", "bench",
             "--prompts", str(prompts), "--target-model", str(tiny_target_dir), "--dtype", "float64",
             "--max-new-tokens", "8", "--k", "4", "--drafters", "prompt-lookup", "--threads", "1",
-            "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"), "--no-progress",
+            "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
+            "--no-progress",
         ],
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip
@@ -88,9 +89,10 @@ def test_bench_concurrency_runs_every_configuration_at_every_concurrency(
         [
             sys.executable, "-m", "outrider", "bench",
             "--prompts", str(prompts), "--target-model", str(tiny_target_dir), "--dtype", "float64",
-            "--max-new-tokens", "8", "--k", "4", "--drafters", "prompt-lookup", "--no-adaptive", "--threads", "1",
-            "--concurrency", "2", "--coordinators", "2", "--ignore-eos", "--device", "cpu",
-            "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"), "--no-progress",
+            "--max-new-tokens", "8", "--k", "4", "--drafters", "prompt-lookup", "--no-adaptive",
+            "--threads", "1", "--concurrency", "2", "--coordinators", "2", "--ignore-eos",
+            "--device", "cpu", "--json", str(tmp_path / "bench.json"),
+            "--plot", str(tmp_path / "bench.png"), "--no-progress",
         ],
         capture_output=True, text=True, timeout=110,
     )  # fmt: skip

@@ -117,7 +117,8 @@ async def test_the_routing_table_follows_endpointslices_added_made_not_ready_and
     replicas = Replicas("target", [SERVICE], worker_pb2_grpc.TargetWorkerStub, kube_api=kube.api)
     await replicas.start()
     try:
-        # Added: a missing `ready` counts as ready; a not-ready endpoint is known but gets no sessions.
+        # Added: a missing `ready` counts as ready; a not-ready endpoint is
+        # known but gets no sessions.
         await kube.create(
             "target-a",
             [

@@ -5,6 +5,8 @@ multi-token accept cut exactly; and no session outlives its stream."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import grpc
 import pytest
 
@@ -88,7 +90,7 @@ async def test_unrelated_draft_is_almost_never_accepted(
     assert len(result.stats.accepted_per_position) == 4
     # A draft is only accepted after all the drafts before it were.
     per_position = result.stats.accepted_per_position
-    assert all(a >= b for a, b in zip(per_position, per_position[1:]))
+    assert all(a >= b for a, b in pairwise(per_position))
     assert per_position[0] == result.stats.accepted_tokens - sum(per_position[1:])
 
 

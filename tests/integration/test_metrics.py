@@ -33,7 +33,7 @@ class Scrape:
 
     def value(self, name: str, **labels: str) -> float:
         """The sum over the samples of ``name`` whose labels include ``labels``."""
-        matches = [v for l, v in self.samples[name] if labels.items() <= l.items()]
+        matches = [v for found, v in self.samples[name] if labels.items() <= found.items()]
         assert matches, f"no sample {name}{labels} in:\n{self.text}"
         return sum(matches)
 

@@ -67,8 +67,9 @@ async def test_pipelined_rounds_reach_the_bound_with_paced_workers(
     speedup, achieved = pipelined_tps / sync_tps, pipelined_tps / bound
     print(
         f"\npipelined {pipelined_tps:.1f} tok/s, synchronous {sync_tps:.1f}: {speedup:.2f}x; "
-        f"bound {bound:.1f} tok/s (t_verify {1000 * t_verify:.2f} ms, t_draft {1000 * t_draft:.2f} ms, "
-        f"t_rpc {1000 * t_rpc:.2f} ms): achieved/bound {achieved:.3f}; critical-path overhead p50 "
+        f"bound {bound:.1f} tok/s (t_verify {1000 * t_verify:.2f} ms, "
+        f"t_draft {1000 * t_draft:.2f} ms, t_rpc {1000 * t_rpc:.2f} ms): "
+        f"achieved/bound {achieved:.3f}; critical-path overhead p50 "
         f"{1000 * statistics.median(p.critical_path_overhead_s_p50 for p in pipelined):.2f} ms"
     )
     assert speedup >= 1.6

@@ -130,7 +130,7 @@ class TableLM(torch.nn.Module):
         with torch.inference_mode():
             logits = model(input_ids=seqs).logits
         self.table: dict[tuple[int, ...], torch.Tensor] = {}
-        for seq, rows in zip(seqs.tolist(), logits):
+        for seq, rows in zip(seqs.tolist(), logits, strict=True):
             for i in range(len(seq)):
                 self.table.setdefault(tuple(seq[: i + 1]), rows[i].clone())
 
@@ -332,13 +332,14 @@ def one_thread_quiet_loop():
     torch.set_num_threads(threads)
     if P_VALUES:
         print(
-            "\n[sampling-distribution] summary (check: p > %g; negative controls: p < %g)"
-            % (ALPHA, CONTROL_ALPHA)
+            f"\n[sampling-distribution] summary (check: p > {ALPHA:g}; "
+            f"negative controls: p < {CONTROL_ALPHA:g})"
         )
         print(f"  {'mode':<9} {'draft':<13} {'setting':<16} {'pos':>3} {'n':>5}  {'p':>8}")
         for mode, draft, setting, position, n, p, note in P_VALUES:
             print(
-                f"  {mode:<9} {draft:<13} {setting:<16} {position:>3} {n:>5}  {format_p(p):>8}  {note}"
+                f"  {mode:<9} {draft:<13} {setting:<16} {position:>3} {n:>5}  "
+                f"{format_p(p):>8}  {note}"
             )
         P_VALUES.clear()
 

@@ -197,7 +197,7 @@ async def test_seeded_requests_reproduce_across_restarts_and_unseeded_ones_repor
 
     seeds = [f.stats.seed for f in fresh]
     assert all(0 <= s < 2**64 for s in seeds) and seeds[0] != seeds[1]
-    for f, replay in zip(fresh, replays):
+    for f, replay in zip(fresh, replays, strict=True):
         assert replay.stats.seed == f.stats.seed
         assert replay.token_ids == f.token_ids and replay.text == f.text
 

@@ -26,7 +26,8 @@ def openssl(*args: str, cwd: Path) -> None:
 def make_ca(directory: Path, name: str) -> None:
     openssl(
         "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}", cwd=directory,
+        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
+        cwd=directory,
     )  # fmt: skip
 
 
@@ -37,8 +38,9 @@ def make_cert(directory: Path, name: str, ca: str, san: str = "IP:127.0.0.1,DNS:
     )  # fmt: skip
     (directory / f"{name}.ext").write_text(f"subjectAltName={san}\n")
     openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-        "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=directory,
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+        "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext",
+        cwd=directory,
     )  # fmt: skip
 
 
@@ -161,7 +163,8 @@ async def test_discovered_workers_are_checked_against_their_service_name(pki):
         health = health_pb2_grpc.HealthStub(discovered.members[pod].channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        # Listed by address, the same pod is checked against 127.0.0.1, which its certificate does not name.
+        # Listed by address, the same pod is checked against 127.0.0.1, which
+        # its certificate does not name.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await health_pb2_grpc.HealthStub(static.members[pod].channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10

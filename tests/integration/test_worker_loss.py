@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -235,7 +236,7 @@ async def test_no_target_left_ends_the_stream_unavailable(tiny_target_dir, promp
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
-async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other_within_the_verify_deadline(
+async def test_target_replica_frozen_mid_stream_finishes_on_the_other_within_the_verify_deadline(
     tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, pipeline
 ):
     recovery = Recovery(
@@ -300,7 +301,7 @@ async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other
         del stack.targets[busy].verify
         assert ids == reference
         assert stats.pipeline == pipeline
-        stall_s = max(b - a for a, b in zip([frozen_at, *times[at:]], times[at:]))
+        stall_s = max(b - a for a, b in pairwise([frozen_at, *times[at:]]))
         frozen_to_done_s = times[-1] - frozen_at
         assert stall_s <= deadline_s + 1.0
         # The rest of the stream may run up to twice as slow on a shared machine.
@@ -312,8 +313,9 @@ async def test_target_replica_frozen_mid_stream_the_stream_finishes_on_the_other
         # The frozen replica frees its session once thawed (its stream was cancelled).
         assert await stack.sessions_left() == (0, 0)
     print(
-        f"\ntarget frozen mid-stream ({'pipelined' if pipeline else 'synchronous'}, verify deadline "
-        f"{deadline_s:.2f} s): longest stall {stall_s:.2f} s, done {frozen_to_done_s:.2f} s after the freeze "
+        f"\ntarget frozen mid-stream ({'pipelined' if pipeline else 'synchronous'}, "
+        f"verify deadline {deadline_s:.2f} s): longest stall {stall_s:.2f} s, "
+        f"done {frozen_to_done_s:.2f} s after the freeze "
         f"(the rest of an unfrozen stream: {rest_s:.2f} s)"
     )
 

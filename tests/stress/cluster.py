@@ -126,7 +126,8 @@ class Cluster:
         port: int = 0,
         wait: bool = True,
     ) -> Service:
-        """Starts ``outrider serve ROLE ARGS``; returns once it is SERVING unless ``wait`` is False."""
+        """Starts ``outrider serve ROLE ARGS``; returns once it is SERVING
+        unless ``wait`` is False."""
         name = name or role
         if any(s.name == name and s.alive() for s in self.services):
             raise RuntimeError(f"a service named {name!r} is already running")
@@ -158,12 +159,13 @@ class Cluster:
         while not service.ready_file.exists():
             if not service.alive():
                 raise RuntimeError(
-                    f"the {service.name} exited with code {service.process.exitcode} while starting:\n"
-                    f"{service.log_tail()}"
+                    f"the {service.name} exited with code {service.process.exitcode} "
+                    f"while starting:\n{service.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the {service.name} was not ready within {timeout_s:.0f} s:\n{service.log_tail()}"
+                    f"the {service.name} was not ready within {timeout_s:.0f} s:\n"
+                    f"{service.log_tail()}"
                 )
             await asyncio.sleep(0.02)
         service.port = int(service.ready_file.read_text())
@@ -216,7 +218,10 @@ async def sessions_left(
     deadline = time.monotonic() + timeout_s
     while True:
         infos = [await worker_info(w) for w in workers]
-        counts = {w.name: (i.active_sessions, i.cached_tokens) for w, i in zip(workers, infos)}
+        counts = {
+            w.name: (i.active_sessions, i.cached_tokens)
+            for w, i in zip(workers, infos, strict=True)
+        }
         if all(c == (0, 0) for c in counts.values()) or time.monotonic() > deadline:
             return counts
         await asyncio.sleep(0.05)

@@ -2,9 +2,9 @@
 coordinator's history is the truth): a draft worker SIGKILLed mid-stream in
 20 trials (and mid-speculation, pipelined, in 5), a draft frozen with
 SIGSTOP, one of two target workers SIGKILLed or frozen (the stream moves
-within the verify deadline), and the last target gone. Every stream that can finish does, with output
-identical to target-only greedy decoding; the one that cannot ends
-UNAVAILABLE within a bound, never hangs."""
+within the verify deadline), and the last target gone. Every stream that
+can finish does, with output identical to target-only greedy decoding; the
+one that cannot ends UNAVAILABLE within a bound, never hangs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import asyncio
 import random
 import signal
 import time
+from functools import partial
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -83,18 +85,22 @@ async def draft_sigkill_trials(
     (draft,) = stack.drafts
     rng = random.Random(20)
     outcomes = []
+
+    async def kill_and_restart(draft, restarted: list) -> None:
+        draft.signal(signal.SIGKILL)
+        restarted.append(await cluster.restart(draft, wait=False))
+
     async with AsyncClient(stack.coordinator.address, timeout=120) as client:
-        for trial in range(trials):
+        for _ in range(trials):
             restarted = []
-
-            async def kill_and_restart():
-                draft.signal(signal.SIGKILL)
-                restarted.append(await cluster.restart(draft, wait=False))
-
             # Of ~80 chunks at full speculation; the first is the prefill's token.
             kill_at = rng.randint(2, 40)
             ids, sizes, stats = await stream(
-                client, prompt_ids, after_chunk=kill_and_restart, at=kill_at, pipeline=pipeline
+                client,
+                prompt_ids,
+                after_chunk=partial(kill_and_restart, draft, restarted),
+                at=kill_at,
+                pipeline=pipeline,
             )
             draft = restarted[0]
             await cluster.wait_ready(draft)
@@ -129,15 +135,18 @@ def summarize_draft_sigkill_trials(outcomes: list[dict], what: str) -> dict[str,
     }
     resumed_after_s = sorted(o["resumed_after_s"] for o in outcomes)
     print(
-        f"\ndraft SIGKILL mid-stream{what}, {len(outcomes)} trials: {summary['identical']} finished identical to "
-        f"target-only; {summary['drafted_before_kill']} speculated (all {K} accepted) before the kill, the "
-        f"restarted draft of the trial before included; {summary['k0_after_kill']} went on at K=0 after it; "
-        f"{summary['resumed_in_stream']} resumed speculation within the same stream on the restarted draft; "
-        f"a new request speculated again {resumed_after_s[len(resumed_after_s) // 2]:.2f} s (median, max "
+        f"\ndraft SIGKILL mid-stream{what}, {len(outcomes)} trials: "
+        f"{summary['identical']} finished identical to target-only; "
+        f"{summary['drafted_before_kill']} speculated (all {K} accepted) before the kill, "
+        f"the restarted draft of the trial before included; "
+        f"{summary['k0_after_kill']} went on at K=0 after it; "
+        f"{summary['resumed_in_stream']} resumed speculation within the same stream on the "
+        "restarted draft; a new request speculated again "
+        f"{resumed_after_s[len(resumed_after_s) // 2]:.2f} s (median, max "
         f"{resumed_after_s[-1]:.2f} s) after the restarted draft was SERVING"
         + (
-            f"; pipelined: {summary['speculated_before_kill']} hit every speculation before the kill, "
-            f"{summary['missed_at_kill']} missed the one the kill cut short"
+            f"; pipelined: {summary['speculated_before_kill']} hit every speculation before "
+            f"the kill, {summary['missed_at_kill']} missed the one the kill cut short"
             if summary["speculated_before_kill"] or summary["missed_at_kill"]
             else ""
         )
@@ -159,7 +168,7 @@ async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finis
     assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
 
 
-async def test_draft_worker_sigkilled_mid_speculation_in_5_trials_every_pipelined_stream_finishes_identical(
+async def test_draft_sigkilled_mid_speculation_5_trials_every_pipelined_stream_finishes_identical(
     cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
 ):
     stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
@@ -248,8 +257,9 @@ async def test_frozen_draft_worker_the_stream_goes_on_at_k0_within_the_deadline(
     assert frozen_stream_s < deadline_s + k0_stream_s
     assert new_request_s < deadline_s + 2.0
     print(
-        f"\ndraft SIGSTOPped mid-stream (deadline {deadline_s:g} s): the stream went on at K=0 and finished in "
-        f"{frozen_stream_s:.2f} s, identical; a new request meanwhile took {new_request_s:.2f} s"
+        f"\ndraft SIGSTOPped mid-stream (deadline {deadline_s:g} s): the stream went on at K=0 "
+        f"and finished in {frozen_stream_s:.2f} s, identical; a new request meanwhile took "
+        f"{new_request_s:.2f} s"
     )
 
 
@@ -260,19 +270,19 @@ async def test_one_of_two_target_workers_sigkilled_mid_stream_the_stream_finishe
     targets = list(stack.targets)
     rng = random.Random(2)
     identical = 0
+
+    async def kill_the_busy_target(killed: list[int]) -> None:
+        infos = [await worker_info(t) for t in targets]
+        (busy,) = [i for i, info in enumerate(infos) if info.active_sessions]
+        targets[busy].signal(signal.SIGKILL)
+        killed.append(busy)
+
     async with AsyncClient(stack.coordinator.address, timeout=120) as client:
-        for trial in range(TARGET_TRIALS):
+        for _ in range(TARGET_TRIALS):
             killed = []
-
-            async def kill_the_busy_target():
-                infos = [await worker_info(t) for t in targets]
-                (busy,) = [i for i, info in enumerate(infos) if info.active_sessions]
-                targets[busy].signal(signal.SIGKILL)
-                killed.append(busy)
-
             kill_at = rng.randint(1, 40)
             ids, sizes, _ = await stream(
-                client, prompt_ids, after_chunk=kill_the_busy_target, at=kill_at
+                client, prompt_ids, after_chunk=partial(kill_the_busy_target, killed), at=kill_at
             )
             assert len(sizes) > kill_at, "the stream had ended before the kill"
             identical += ids == reference
@@ -283,14 +293,14 @@ async def test_one_of_two_target_workers_sigkilled_mid_stream_the_stream_finishe
             }
             targets[busy] = await cluster.restart(targets[busy])
     print(
-        f"\none of two targets SIGKILLed mid-stream, {TARGET_TRIALS} trials: {identical} streams finished on the "
-        "other replica, identical to target-only"
+        f"\none of two targets SIGKILLed mid-stream, {TARGET_TRIALS} trials: "
+        f"{identical} streams finished on the other replica, identical to target-only"
     )
     assert identical == TARGET_TRIALS
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["synchronous", "pipelined"])
-async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_on_the_other_within_the_verify_deadline(
+async def test_one_of_two_targets_frozen_mid_stream_finishes_on_the_other_within_verify_deadline(
     cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference, pipeline
 ):
     floor_s = 1.0
@@ -340,7 +350,7 @@ async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_o
     assert len(sizes) > at, "the stream had ended before the freeze"
     assert ids == reference
     assert stats.pipeline == pipeline
-    stall_s = max(b - a for a, b in zip([frozen_at, *times[at:]], times[at:]))
+    stall_s = max(b - a for a, b in pairwise([frozen_at, *times[at:]]))
     frozen_to_done_s = times[-1] - frozen_at
     assert stall_s <= deadline_s + 1.0, (
         f"a {stall_s:.2f} s stall after the freeze (verify deadline {deadline_s:.2f} s)"
@@ -350,10 +360,11 @@ async def test_one_of_two_target_workers_frozen_mid_stream_the_stream_finishes_o
     # Thawed, the frozen worker finds its session's stream cancelled and frees it.
     assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
     print(
-        f"\none of two targets SIGSTOPped mid-stream ({'pipelined' if pipeline else 'synchronous'}, verify "
-        f"deadline {deadline_s:.2f} s): the longest stall was {stall_s:.2f} s; the stream finished on the other "
-        f"replica {frozen_to_done_s:.2f} s after the freeze, identical (the rest of an unfrozen stream: "
-        f"{rest_s:.2f} s)"
+        "\none of two targets SIGSTOPped mid-stream "
+        f"({'pipelined' if pipeline else 'synchronous'}, verify deadline {deadline_s:.2f} s): "
+        f"the longest stall was {stall_s:.2f} s; the stream finished on the other replica "
+        f"{frozen_to_done_s:.2f} s after the freeze, identical "
+        f"(the rest of an unfrozen stream: {rest_s:.2f} s)"
     )
 
 
@@ -384,6 +395,7 @@ async def test_no_target_worker_left_the_stream_ends_unavailable_within_a_bound(
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert "no target worker" in error.details()
     print(
-        f"\nno target left: the stream in flight ended UNAVAILABLE {in_flight_s:.2f} s after the kill, a new "
-        f"request {new_s:.2f} s after it was sent ({in_flight.value.details()!r})"
+        "\nno target left: the stream in flight ended UNAVAILABLE "
+        f"{in_flight_s:.2f} s after the kill, a new request {new_s:.2f} s after it was sent "
+        f"({in_flight.value.details()!r})"
     )

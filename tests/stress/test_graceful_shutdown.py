@@ -118,8 +118,8 @@ async def test_sigterm_coordinator_finishes_streams_in_flight_refuses_new_ones_a
     assert await sessions_left(stack.workers) == {w.name: (0, 0) for w in stack.workers}
     print(
         f"\ncoordinator SIGTERM: {len(streams)} streams in flight finished "
-        f"({[s.chunks_after(signalled) for s in streams]} chunks after the signal), new request refused "
-        f"UNAVAILABLE, exit code {exit_code} "
+        f"({[s.chunks_after(signalled) for s in streams]} chunks after the signal), "
+        f"new request refused UNAVAILABLE, exit code {exit_code} "
         f"{exited_after_s:.2f} s after SIGTERM (grace {grace_s:g} s)"
     )
 
@@ -163,8 +163,9 @@ async def test_sigterm_target_worker_finishes_its_sessions_while_new_ones_go_to_
     }
     print(
         f"\ntarget SIGTERM: in-flight stream finished on the draining target "
-        f"({in_flight.chunks_after(signalled)} chunks after the signal), {len(new)} new streams served by the "
-        f"other replica, the draining target exited {exit_code}"
+        f"({in_flight.chunks_after(signalled)} chunks after the signal), "
+        f"{len(new)} new streams served by the other replica, "
+        f"the draining target exited {exit_code}"
     )
 
 
@@ -197,6 +198,7 @@ async def test_target_worker_past_its_grace_period_hands_its_sessions_back(
         w.name: (0, 0) for w in [other, *stack.drafts]
     }
     print(
-        f"\ntarget SIGTERM, grace {grace_s} s: exited {exit_code}, its session went on on the other replica "
+        f"\ntarget SIGTERM, grace {grace_s} s: exited {exit_code}, "
+        "its session went on on the other replica "
         f"({stream.chunks_after(exited)} chunks after the exit), output identical to target-only"
     )

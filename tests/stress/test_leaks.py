@@ -67,7 +67,8 @@ async def cancelled_stream(client: AsyncClient, prompt_ids, rng: random.Random) 
 
 
 async def cancel_many(address: str, prompt_ids, n: int, rng: random.Random) -> dict[str, int]:
-    """``n`` streams, ``CONCURRENCY`` at a time; counts where each was cancelled (or what it raised)."""
+    """``n`` streams, ``CONCURRENCY`` at a time; counts where each was
+    cancelled (or what it raised)."""
     outcomes: dict[str, int] = {}
     pending = iter(range(n))
     async with AsyncClient(address, timeout=60) as client:
@@ -112,7 +113,8 @@ async def test_1000_streams_cancelled_at_random_points_leave_no_session_and_memo
         rss.append(rss_mib(services))
 
     print(
-        f"\n{sum(BATCHES)} streams cancelled: {outcomes}; sessions left (open, cached tokens): {left}"
+        f"\n{sum(BATCHES)} streams cancelled: {outcomes}; "
+        f"sessions left (open, cached tokens): {left}"
     )
     print("RSS MiB after warm-up / first batch / second batch:")
     for s in services:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -66,7 +67,7 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
                 continue
             latencies.append(chunk_times[-1] - started)
             ttfts.append(chunk_times[0] - started)
-            gaps.extend(b - a for a, b in zip(chunk_times, chunk_times[1:]))
+            gaps.extend(b - a for a, b in pairwise(chunk_times))
             mismatches += ids != references[index]
             tokens += len(ids)
             drafted += stats.draft_tokens
@@ -87,14 +88,16 @@ async def test_32_concurrent_streams_for_two_minutes_without_an_error(cluster, t
     print(
         f"\nload: {CONCURRENCY} concurrent streams for {elapsed:.0f} s: {len(latencies)} requests, "
         f"{len(errors)} errors, {mismatches} outputs differing from target-only, "
-        f"{tokens / elapsed:.0f} tokens/s, acceptance rate {accepted / drafted if drafted else 0:.2f}"
+        f"{tokens / elapsed:.0f} tokens/s, "
+        f"acceptance rate {accepted / drafted if drafted else 0:.2f}"
     )
     print(f"  request latency    {percentiles(latencies)}")
     print(f"  time to 1st chunk  {percentiles(ttfts)}")
     print(f"  between chunks     {percentiles(gaps)}")
     for s in services:
         print(
-            f"  RSS {s.name:12} {rss_before[s.name]:.1f} MiB before, {rss_after[s.name]:.1f} MiB after"
+            f"  RSS {s.name:12} {rss_before[s.name]:.1f} MiB before, "
+            f"{rss_after[s.name]:.1f} MiB after"
         )
     assert elapsed >= DURATION_S
     assert errors == [], errors[:5]

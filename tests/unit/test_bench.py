@@ -210,8 +210,9 @@ def test_bench_has_help_naming_every_flag():
     )
     assert out.returncode == 0
     for flag in (
-        "--prompts", "--limit", "--max-new-tokens", "--k", "--drafters", "--no-hf", "--no-adaptive", "--no-pipelined",
-        "--json", "--plot", "--threads", "--target-model", "--dtype", "--device", "--ignore-eos",
+        "--prompts", "--limit", "--max-new-tokens", "--k", "--drafters", "--no-hf", "--no-adaptive",
+        "--no-pipelined", "--json", "--plot", "--threads", "--target-model", "--dtype", "--device",
+        "--ignore-eos",
         "--concurrency", "--coordinators", "--no-progress", "--log-level",
     ):  # fmt: skip
         assert flag in out.stdout
@@ -261,7 +262,8 @@ def m(
 ) -> Measurement:
     return Measurement(
         token_ids=tuple(range(tokens)), prompt_tokens=10, wall_s=wall, rounds=rounds,
-        draft_tokens=drafted, accepted_tokens=accepted, accepted_per_position=tuple(per_position), **fields,
+        draft_tokens=drafted, accepted_tokens=accepted, accepted_per_position=tuple(per_position),
+        **fields,
     )  # fmt: skip
 
 
@@ -369,9 +371,9 @@ def test_aggregate_sums_hits_and_misses_and_takes_the_median_critical_path():
 def stats(**fields):
     """The SDK's GenerationStats, as far as the bench reads it."""
     base = dict(
-        prompt_tokens=12, rounds=5, draft_tokens=16, accepted_tokens=9, accepted_per_position=[4, 3, 2],
-        draft_time_s=0.01, verify_time_s=0.5, overhead_time_s=0.005, overhead_s_p50=0.0008, adaptive=False,
-        num_drafts=4,
+        prompt_tokens=12, rounds=5, draft_tokens=16, accepted_tokens=9,
+        accepted_per_position=[4, 3, 2], draft_time_s=0.01, verify_time_s=0.5,
+        overhead_time_s=0.005, overhead_s_p50=0.0008, adaptive=False, num_drafts=4,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **fields})
 
@@ -525,8 +527,9 @@ def pipelined_totals(draft_time_s: float, hits: int, misses: int):
     """10 rounds of 4 drafts (k̄ = 4), verify 100 ms and rpc 1 ms a round, 27 accepted (E = 3.7)."""
     return aggregate(
         [
-            m(37, 1.0, 10, 40, 27, (8, 7, 6, 6), draft_time_s=draft_time_s, verify_time_s=1.0, overhead_time_s=0.01,
-              num_drafts=10, pipeline=True, speculation_hits=hits, speculation_misses=misses)
+            m(37, 1.0, 10, 40, 27, (8, 7, 6, 6), draft_time_s=draft_time_s, verify_time_s=1.0,
+              overhead_time_s=0.01, num_drafts=10, pipeline=True, speculation_hits=hits,
+              speculation_misses=misses)
         ]
     )  # fmt: skip
 
@@ -539,7 +542,8 @@ def test_pipelined_round_time_when_the_verify_is_the_longer():
         pipelined_totals(0.4, hits=6, misses=4), k0, pipelined=True
     )  # t_draft = 10 ms
     assert bound.hit_rate == pytest.approx(0.6)
-    # The draft's 40 ms a round (d̄) overlap the verify's 100 + 1 ms; a miss (40%) drafts afresh first.
+    # The draft's 40 ms a round (d̄) overlap the verify's 100 + 1 ms; a miss
+    # (40%) drafts afresh first.
     t = max(0.101, 0.040) + 0.4 * 0.040  # 0.117
     assert bound.round_time_s == pytest.approx(t)
     assert bound.speedup == pytest.approx(3.7 * 0.080 / t)
@@ -695,12 +699,14 @@ def make_pipelined_report() -> dict:
         draft_time_s=0.4, verify_time_s=1.0, overhead_time_s=0.01, overhead_s=0.0005, num_drafts=10
     )
     results = {
-        "outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=0.8, overhead_time_s=0.0, overhead_s=0.0004,
-                          critical_path_overhead_s=0.0004)],
-        "outrider-pl-k4": [m(37, 1.5, 10, 40, 27, (8, 7, 6, 6), critical_path_overhead_s=0.045, **spec)],
+        "outrider-k0": [m(10, 1.0, 10, draft_time_s=0.0, verify_time_s=0.8, overhead_time_s=0.0,
+                          overhead_s=0.0004, critical_path_overhead_s=0.0004)],
+        "outrider-pl-k4": [
+            m(37, 1.5, 10, 40, 27, (8, 7, 6, 6), critical_path_overhead_s=0.045, **spec)
+        ],
         "outrider-pl-k4-pipelined": [
-            m(37, 1.25, 10, 40, 27, (8, 7, 6, 6), pipeline=True, speculation_hits=6, speculation_misses=4,
-              critical_path_overhead_s=0.0175, **spec)
+            m(37, 1.25, 10, 40, 27, (8, 7, 6, 6), pipeline=True, speculation_hits=6,
+              speculation_misses=4, critical_path_overhead_s=0.0175, **spec)
         ],
     }  # fmt: skip
     return build_report(configs, prompts, results, {"title": "test"})
@@ -732,7 +738,8 @@ def test_report_of_a_pipelined_configuration():
     assert pipelined["achieved_over_bound"] == approx4((37 / 1.25 / 10) / (3.7 * 0.080 / 0.117))
     assert report["headline"]["pipelined_over_synchronous"] == {
         "outrider-pl-k4-pipelined": {
-            "synchronous": "outrider-pl-k4", "tokens_per_s": approx4(1.5 / 1.25), "critical_path_ms_p50": [45.0, 17.5],
+            "synchronous": "outrider-pl-k4", "tokens_per_s": approx4(1.5 / 1.25),
+            "critical_path_ms_p50": [45.0, 17.5],
         }
     }  # fmt: skip
 
@@ -744,8 +751,8 @@ def test_render_shows_the_critical_path_and_the_hits():
     assert "critical path" in text and "hits/misses" in text
     assert ".60 (6/4)" in text and "17.50" in text
     assert (
-        "pipelined ÷ synchronous tokens/s: outrider-pl-k4-pipelined 1.20 (critical path p50 45.00 → 17.50 ms)"
-        in text
+        "pipelined ÷ synchronous tokens/s: outrider-pl-k4-pipelined 1.20 "
+        "(critical path p50 45.00 → 17.50 ms)" in text
     )
 
 

@@ -190,8 +190,8 @@ def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
     stats = GenerationStats(
         prompt_tokens=5, generated_tokens=12, rounds=4, draft_tokens=16, accepted_tokens=8,
         accepted_per_position=(3, 2, 2, 1), mean_acceptance_length=3.0, acceptance_rate=0.5,
-        draft_time_s=0.1, verify_time_s=0.2, overhead_time_s=0.01, time_to_first_token_s=0.05, total_time_s=0.4,
-        num_speculative_tokens=4,
+        draft_time_s=0.1, verify_time_s=0.2, overhead_time_s=0.01, time_to_first_token_s=0.05,
+        total_time_s=0.4, num_speculative_tokens=4,
     )  # fmt: skip
     _print_stats(stats)
     assert "speculation hits" not in capsys.readouterr().out

@@ -199,7 +199,7 @@ async def speculating(
     return draft, client
 
 
-async def test_a_speculation_hit_returns_its_proposal_and_the_next_round_syncs_the_assumed_drafts_and_guess():
+async def test_speculation_hit_returns_its_proposal_and_next_round_syncs_assumed_drafts_and_guess():
     session = SpeculatingSession(guess=9)
     history = [1, 2, 3]
     draft, _ = await speculating(session, history)
@@ -231,7 +231,7 @@ async def test_a_speculation_hit_returns_its_proposal_and_the_next_round_syncs_t
         pytest.param([7, 7, 4], id="another-bonus-token"),
     ],
 )
-async def test_a_speculation_miss_returns_nothing_and_the_next_propose_syncs_the_real_committed_tokens(
+async def test_speculation_miss_returns_nothing_and_next_propose_syncs_the_real_committed_tokens(
     committed,
 ):
     session = SpeculatingSession(guess=9)

@@ -70,13 +70,15 @@ def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_g
         runner.pad_groups = pad_groups
         caches = [runner.new_kv() for _ in sequences]
         cuts = (3, 3, 4, 10, 17)  # step 1: a chunk of each; step 2: the rest, with every logit
-        for kv, s in zip(caches, sequences):
+        for kv, s in zip(caches, sequences, strict=True):
             kv.reserve(len(s))
-        runner.execute([Row(kv, s[:c], 0) for kv, s, c in zip(caches, sequences, cuts)])
-        outputs = runner.execute(
-            [Row(kv, s[c:], len(s) - c) for kv, s, c in zip(caches, sequences, cuts)]
+        runner.execute(
+            [Row(kv, s[:c], 0) for kv, s, c in zip(caches, sequences, cuts, strict=True)]
         )
-    for out, logits, cut in zip(outputs, expected, cuts):
+        outputs = runner.execute(
+            [Row(kv, s[c:], len(s) - c) for kv, s, c in zip(caches, sequences, cuts, strict=True)]
+        )
+    for out, logits, cut in zip(outputs, expected, cuts, strict=True):
         torch.testing.assert_close(out.values, logits[cut:], rtol=0, atol=1e-12)
         assert out.argmax == logits[cut:].argmax(-1).tolist()
 
@@ -93,12 +95,14 @@ def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_trans
     with torch.inference_mode():
         expected = [llama(torch.tensor([s])).logits[0, -1] for s in sequences]
         caches = [runner.new_kv() for _ in sequences]
-        for kv, s in zip(caches, sequences):
+        for kv, s in zip(caches, sequences, strict=True):
             kv.reserve(len(s))
-        runner.execute([Row(kv, s[:-1], 0) for kv, s in zip(caches, sequences)])
-        outputs = runner.execute([Row(kv, s[-1:], 1) for kv, s in zip(caches, sequences)])
+        runner.execute([Row(kv, s[:-1], 0) for kv, s in zip(caches, sequences, strict=True)])
+        outputs = runner.execute(
+            [Row(kv, s[-1:], 1) for kv, s in zip(caches, sequences, strict=True)]
+        )
     assert seen[-1] == 3  # short contexts share a group; 90 and 200 blocks have one each
-    for out, logits in zip(outputs, expected):
+    for out, logits in zip(outputs, expected, strict=True):
         torch.testing.assert_close(out.values[0], logits, rtol=0, atol=1e-12)
 
 
@@ -180,7 +184,7 @@ def solo(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-async def test_sessions_starting_and_ending_at_different_times_share_steps_and_get_their_solo_tokens(
+async def test_sessions_starting_and_ending_at_different_times_share_steps_and_get_solo_tokens(
     llama,
 ):
     spy = Spy(paged(llama, blocks=256))
@@ -202,7 +206,7 @@ async def test_sessions_starting_and_ending_at_different_times_share_steps_and_g
         results = await asyncio.gather(*(session(i) for i in range(len(prompts))))
     finally:
         engine.shutdown()
-    for prompt, n, tokens in zip(prompts, lengths, results):
+    for prompt, n, tokens in zip(prompts, lengths, results, strict=True):
         assert tokens == solo(llama, prompt, n)
     assert max(len(rows) for rows in spy.steps) >= 3  # decode steps of several sessions in one pass
     assert len(spy.steps) < sum(lengths)

@@ -182,7 +182,7 @@ def test_rows_are_processed_independently_and_as_single_rows():
     params = sampled(temperature=0.8, top_k=3, top_p=0.8, min_p=0.1)
     batched = probabilities(rows, params)
     assert batched.dtype == torch.float64 and batched.shape == rows.shape
-    for row, expected in zip(rows, batched):
+    for row, expected in zip(rows, batched, strict=True):
         assert torch.equal(probabilities(row, params), expected)
 
 

@@ -1,4 +1,5 @@
-"""Greedy verification on hand-made target tokens (and logits), where the verdict is known exactly."""
+"""Greedy verification on hand-made target tokens (and logits), where the
+verdict is known exactly."""
 
 import pytest
 import torch

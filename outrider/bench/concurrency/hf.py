@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 from outrider.bench.concurrency.streams import (
     Batch,
@@ -33,7 +34,8 @@ def hf_load_configs(hf: HuggingFace) -> list[LoadConfig]:
 
 
 class _StepClock:
-    """A ``generate`` streamer that keeps only when each step's tokens reach the host (the first ``put`` is the prompt)."""
+    """A ``generate`` streamer that keeps only when each step's tokens reach
+    the host (the first ``put`` is the prompt)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -52,7 +54,8 @@ def padded_batches(
     max_new_tokens: int,
     done: Callable[[int], None],
 ) -> Batch:
-    """``generate`` on batches of N requests, left-padded with an attention mask, one batch after the other.
+    """``generate`` on batches of N requests, left-padded with an attention
+    mask, one batch after the other.
 
     Every row of a batch is sent when its ``generate()`` call starts; its first
     token (TTFT ≈ the batch's prefill) and each later one arrive when the step
@@ -113,13 +116,13 @@ def continuous_batching(
     rows = [hf.prompt_ids(p) for p in requests]
     pages = math.ceil((max(map(len, rows)) + max_new_tokens) / 32) + 1
     # transformers 5.17 names the cache unit block_size; later releases, page_size.
-    unit = (
-        "page_size"
+    unit: dict[str, Any] = (
+        {"page_size": 32}
         if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-        else "block_size"
+        else {"block_size": 32}
     )
     batching = ContinuousBatchingConfig(
-        **{unit: 32},
+        **unit,
         num_blocks=concurrency * pages,
         max_batch_tokens=2048 if hf.device.type == "cuda" else 256,
         max_requests_per_batch=concurrency,
@@ -150,7 +153,7 @@ def continuous_batching(
     sent = closed_loop_send_times([r.created_time for r in results], ends, concurrency)
     streams = [
         _one_token_a_step(hf.cut_at_eos(list(r.generated_tokens)), s, r.timestamps)
-        for r, s in zip(results, sent)
+        for r, s in zip(results, sent, strict=True)
     ]
     return Batch(concurrency, tuple(streams), max(ends) - min(r.created_time for r in results))
 
@@ -162,7 +165,8 @@ def _one_token_a_step(token_ids: list[int], sent_s: float, step_times: Sequence[
 
 
 def _pad_token_id(hf: HuggingFace) -> int:
-    """The tokenizer's pad token, else the model's, else an end-of-sequence token (masked out either way)."""
+    """The tokenizer's pad token, else the model's, else an end-of-sequence
+    token (masked out either way)."""
     for candidate in (
         hf.tokenizer.pad_token_id,
         hf.model.generation_config.pad_token_id,
@@ -175,8 +179,9 @@ def _pad_token_id(hf: HuggingFace) -> int:
 
 @contextmanager
 def _kept_log():
-    """The error messages of transformers' continuous batching, kept instead of printed: it logs a failure
-    (and, on a CPU without psutil, a harmless one on every call) rather than raising it."""
+    """The error messages of transformers' continuous batching, kept instead
+    of printed: it logs a failure (and, on a CPU without psutil, a harmless
+    one on every call) rather than raising it."""
     logger = logging.getLogger("ContinuousBatchingLogger")
     kept = _Kept()
     saved, logger.handlers = logger.handlers, [kept]

@@ -1,4 +1,5 @@
-"""``--plot`` with ``--concurrency``: throughput and latency against concurrency, per configuration."""
+"""``--plot`` with ``--concurrency``: throughput and latency against
+concurrency, per configuration."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from outrider.bench.plot import pyplot
 
 
 def plot(report: Mapping[str, Any], path: Path) -> None:
-    """Three panels over N on a log-2 axis: total tokens/s; TTFT p50 and p99; ITL per token p50 and p99."""
+    """Three panels over N on a log-2 axis: total tokens/s; TTFT p50 and
+    p99; ITL per token p50 and p99."""
     plt = pyplot()
     from matplotlib import ticker
 

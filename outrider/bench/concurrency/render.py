@@ -1,4 +1,5 @@
-"""The concurrency report in the terminal: one row per configuration × concurrency, then the checks."""
+"""The concurrency report in the terminal: one row per configuration ×
+concurrency, then the checks."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 from outrider.bench.render import fmt, print_tables
 
 HEADER = [
-    "config", "N", "requests", "tok/s", "× N=1", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-    "ITL/token p50 ms", "ITL/token p99 ms", "tok/chunk", "accept", "K chosen", "verified", "mismatch",
+    "config", "N", "requests", "tok/s", "× N=1", "TTFT p50 ms", "TTFT p99 ms",
+    "ITL p50 ms", "ITL p99 ms", "ITL/token p50 ms", "ITL/token p99 ms", "tok/chunk",
+    "accept", "K chosen", "verified", "mismatch",
 ]  # fmt: skip
 
 
@@ -51,12 +53,15 @@ def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
 def headline_lines(report: Mapping[str, Any]) -> list[str]:
     reference = report["mismatch_reference"]
     lines = [
-        "tok/s = all streams' generated tokens ÷ wall time of the batch; × N=1 = tok/s ÷ tok/s at concurrency 1.",
-        "TTFT = request sent → first streamed chunk; ITL = gap between chunks (Outrider streams a chunk per round, "
-        "Hugging Face a token per step); ITL/token = gap ÷ tokens in the chunk; client-side, p50/p99 over the batch.",
-        "K chosen = the share of rounds that asked the draft for each K (0: target-only); verified = draft "
-        "tokens the target verified ÷ proposed.",
-        f"mismatch = requests whose tokens differ from {reference} / from the same configuration at N=1.",
+        "tok/s = all streams' generated tokens ÷ wall time of the batch; "
+        "× N=1 = tok/s ÷ tok/s at concurrency 1.",
+        "TTFT = request sent → first streamed chunk; ITL = gap between chunks "
+        "(Outrider streams a chunk per round, Hugging Face a token per step); "
+        "ITL/token = gap ÷ tokens in the chunk; client-side, p50/p99 over the batch.",
+        "K chosen = the share of rounds that asked the draft for each K (0: target-only); "
+        "verified = draft tokens the target verified ÷ proposed.",
+        f"mismatch = requests whose tokens differ from {reference} "
+        "/ from the same configuration at N=1.",
     ]
     for name, error in report["not_run"].items():
         lines.append(f"{name}: did not run ({error})")
@@ -65,15 +70,16 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"MISMATCH: {len(mismatches)} (config, concurrency, request) outputs differ: "
             + "; ".join(
-                f"{m['config']} at N={m['concurrency']} on {m['prompt']} vs {m['reference']} at token {m['first_difference_at']}"
+                f"{m['config']} at N={m['concurrency']} on {m['prompt']} "
+                f"vs {m['reference']} at token {m['first_difference_at']}"
                 for m in mismatches[:12]
             )
             + (" …" if len(mismatches) > 12 else "")
         )
     else:
         lines.append(
-            f"outputs: every configuration at every concurrency produced the same tokens as {reference} "
-            "and as itself at N=1."
+            "outputs: every configuration at every concurrency produced the same tokens "
+            f"as {reference} and as itself at N=1."
         )
     return lines
 

@@ -1,4 +1,5 @@
-"""The concurrency report (what ``--json`` writes with ``--concurrency``), built from the batches (pure)."""
+"""The concurrency report (what ``--json`` writes with ``--concurrency``),
+built from the batches (pure)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,19 @@ from outrider.bench.prompts import Prompt
 from outrider.bench.report import first_difference, ratio, round_or_none
 
 DEFINITIONS = {
-    "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; stream s sends requests s, s+N, ... in turn",
-    "tokens_per_s": "all streams' generated tokens / wall time of the batch (first request sent -> last stream ended)",
-    "speedup_vs_concurrency_1": "tokens_per_s / tokens_per_s of the same configuration at concurrency 1",
+    "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; "
+    "stream s sends requests s, s+N, ... in turn",
+    "tokens_per_s": "all streams' generated tokens / wall time of the batch "
+    "(first request sent -> last stream ended)",
+    "speedup_vs_concurrency_1": "tokens_per_s / tokens_per_s of the same configuration "
+    "at concurrency 1",
     "ttft": "client-side, request sent -> first streamed chunk; p50/p99 over the batch's requests",
-    "itl": "client-side, between consecutive streamed chunks (Outrider: a chunk per round; Hugging Face: per token)",
+    "itl": "client-side, between consecutive streamed chunks "
+    "(Outrider: a chunk per round; Hugging Face: per token)",
     "itl_per_token": "each chunk gap / tokens in that chunk",
     "percentiles": "linear interpolation between order statistics (numpy's default)",
-    "k_distribution": "Outrider: the share of rounds that asked the draft for each K (K = 0: target-only), as the "
-    "speculation policy chose",
+    "k_distribution": "Outrider: the share of rounds that asked the draft for each K "
+    "(K = 0: target-only), as the speculation policy chose",
     "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed",
 }
 REQUIRED_RUN_KEYS = (
@@ -37,7 +42,8 @@ REQUIRED_RUN_KEYS = (
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0–100), interpolating linearly between order statistics; None without values."""
+    """The q-th percentile (0–100), interpolating linearly between order
+    statistics; None without values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -57,7 +63,9 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
     tokens = sum(s.generated_tokens for s in streams)
     ttfts = [s.ttft_s for s in streams]
     gaps = [g for s in streams for g in s.chunk_gaps_s]
-    per_token = [g / n for s in streams for g, n in zip(s.chunk_gaps_s, s.chunk_tokens)]
+    per_token = [
+        g / n for s in streams for g, n in zip(s.chunk_gaps_s, s.chunk_tokens, strict=True)
+    ]
     chunks = sum(len(s.chunk_gaps_s) + 1 for s in streams)
     rounds = sum(s.rounds for s in streams)
     drafted = sum(s.draft_tokens for s in streams)
@@ -91,7 +99,8 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
 
 
 def with_speedups(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs of one configuration, each with ``speedup_vs_concurrency_1`` (None without a run at 1)."""
+    """The runs of one configuration, each with ``speedup_vs_concurrency_1``
+    (None without a run at 1)."""
     one = next((r["tokens_per_s"] for r in runs if r["concurrency"] == 1), None)
     return [
         {**r, "speedup_vs_concurrency_1": round_or_none(ratio(r["tokens_per_s"], one))}
@@ -138,7 +147,8 @@ def build_report(
     not_run: Mapping[str, str] | None = None,
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole report: per configuration, one entry per concurrency; the output checks; what did not run."""
+    """The whole report: per configuration, one entry per concurrency; the
+    output checks; what did not run."""
     reference = BASELINE if BASELINE in batches else TARGET_ONLY
     mismatches = find_mismatches(batches, prompts, reference)
     rows = []

@@ -1,4 +1,5 @@
-"""The concurrency run: every configuration at every concurrency, interleaved, after one warm-up each."""
+"""The concurrency run: every configuration at every concurrency,
+interleaved, after one warm-up each."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def run_concurrency(
     from tqdm import tqdm
 
     not_run: dict[str, str] = {}
-    warm = {}
+    warm: dict[str, Batch] = {}
     for config in tqdm(configs, desc="warm-up", unit="config", disable=not progress, leave=False):
-        warm[config.name] = _run_batch(config, prompts[:1], 1, min(max_new_tokens, 16), not_run)
-    configs = [c for c in configs if c.name not in not_run]
+        batch = _run_batch(config, prompts[:1], 1, min(max_new_tokens, 16), not_run)
+        if batch is not None:
+            warm[config.name] = batch
+    configs = [c for c in configs if c.name in warm]
     configs = without_ignored_options(configs, {c.name: warm[c.name].streams[0] for c in configs})
 
     batches: dict[str, dict[int, Batch]] = {c.name: {} for c in configs}

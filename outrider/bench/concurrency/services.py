@@ -1,10 +1,12 @@
-"""Outrider at concurrency N: N streaming clients, spread round-robin over a drafter's coordinator replicas."""
+"""Outrider at concurrency N: N streaming clients, spread round-robin over a
+drafter's coordinator replicas."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from outrider.bench.concurrency.streams import Batch, LoadConfig, Stream, stream_from_arrivals
 from outrider.bench.configs import outrider_variants
@@ -30,7 +32,8 @@ class Replicas:
         adaptive: bool = False,
         pipeline: bool = False,
     ) -> Batch:
-        """N streams at once; stream s sends requests s, s + N, … and uses replica s mod replicas."""
+        """N streams at once; stream s sends requests s, s + N, … and uses
+        replica s mod replicas."""
         return asyncio.run(
             self._run(
                 requests,
@@ -52,7 +55,7 @@ class Replicas:
         try:
             # Connect every channel before the clock starts.
             await asyncio.gather(*(client.model_info() for client in clients))
-            streams: list[Stream | None] = [None] * len(requests)
+            streams: dict[int, Stream] = {}
 
             async def stream(s: int) -> None:
                 client = clients[s % len(clients)]
@@ -72,7 +75,7 @@ class Replicas:
             wall_s = time.perf_counter() - started
         finally:
             await asyncio.gather(*(client.close() for client in clients))
-        return Batch(concurrency, tuple(streams), wall_s)  # type: ignore[arg-type]
+        return Batch(concurrency, tuple(streams[j] for j in range(len(requests))), wall_s)
 
     async def _request(
         self,
@@ -104,12 +107,20 @@ class Replicas:
                 stats = chunk.stats or stats
         except Exception as exc:
             raise RuntimeError(f"the request for {prompt.id}: {failure_detail(exc)}") from exc
+        if stats is None:
+            raise RuntimeError(f"the request for {prompt.id}: the stream ended without statistics")
         return stream_from_arrivals(
-            token_ids, sent_s, arrivals,
-            rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-            adaptive=stats.adaptive, pipeline=stats.pipeline, rounds_by_k=stats.rounds_by_k,
+            token_ids,
+            sent_s,
+            arrivals,
+            rounds=stats.rounds,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            adaptive=stats.adaptive,
+            pipeline=stats.pipeline,
+            rounds_by_k=stats.rounds_by_k,
             proposed_tokens=stats.proposed_tokens,
-        )  # fmt: skip
+        )
 
 
 def outrider_load_configs(
@@ -121,13 +132,11 @@ def outrider_load_configs(
         LoadConfig(
             v.name,
             "outrider",
-            lambda r, n, t, d, e=replicas[v.coordinator], k=v.k, a=v.adaptive, pl=v.pipeline: e.run(
-                r, n, t, d, k=k, adaptive=a, pipeline=pl
-            ),
+            partial(replicas[v.coordinator].run, k=v.k, adaptive=v.adaptive, pipeline=v.pipeline),
             v.drafter,
             v.k,
             v.adaptive,
             v.pipeline,
-        )  # fmt: skip
+        )
         for v in outrider_variants(list(replicas), ks, adaptive=adaptive, pipelined=pipelined)
     ]

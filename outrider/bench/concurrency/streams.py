@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import TypedDict, Unpack
 
 from outrider.bench.prompts import Prompt
 
@@ -56,11 +58,23 @@ class Stream:
         return len(self.token_ids)
 
 
+class StreamStats(TypedDict, total=False):
+    """The coordinator's statistics a :class:`Stream` keeps."""
+
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    adaptive: bool
+    pipeline: bool
+    rounds_by_k: tuple[int, ...]
+    proposed_tokens: int
+
+
 def stream_from_arrivals(
     token_ids: Sequence[int],
     sent_s: float,
     arrivals: Sequence[tuple[float, int]],
-    **stats: int | bool | tuple[int, ...],
+    **stats: Unpack[StreamStats],
 ) -> Stream:
     """A :class:`Stream` from when its request was sent and each chunk's (arrival time, tokens);
     chunks without tokens do not count."""
@@ -70,7 +84,7 @@ def stream_from_arrivals(
     return Stream(
         token_ids=tuple(token_ids),
         ttft_s=chunks[0][0] - sent_s,
-        chunk_gaps_s=tuple(b[0] - a[0] for a, b in zip(chunks, chunks[1:])),
+        chunk_gaps_s=tuple(b[0] - a[0] for a, b in pairwise(chunks)),
         chunk_tokens=tuple(n for _, n in chunks[1:]),
         **stats,
     )
@@ -78,8 +92,8 @@ def stream_from_arrivals(
 
 @dataclass(frozen=True)
 class Batch:
-    """One configuration at one concurrency: its requests' streams in request order, and its wall time
-    (first request sent → last stream ended)."""
+    """One configuration at one concurrency: its requests' streams in request
+    order, and its wall time (first request sent → last stream ended)."""
 
     concurrency: int
     streams: tuple[Stream, ...]
@@ -100,4 +114,5 @@ class LoadConfig:
     adaptive: bool = False
     pipeline: bool = False
     may_fail: bool = False
-    """A failure leaves it out of the run, named in the report with its error, instead of stopping the run."""
+    """A failure leaves it out of the run, named in the report with its
+    error, instead of stopping the run."""
