@@ -8,7 +8,8 @@ tokens (Leviathan et al. 2023) and costs
 
     T(K) = K·t_draft + t_verify(K) + t_rpc(2)
 
-with two RPCs on the critical path (propose, verify). Pipelined (DESIGN §5),
+with two RPCs on the critical path (propose, verify). Pipelined
+(docs/design.md#pipelined-rounds),
 the draft drafts the next round — K + 1 steps, its guess of the bonus token
 first — while the target verifies this one, so a round whose speculation
 held (a hit, probability α^(K+1)) costs

@@ -425,7 +425,7 @@ def test_a_measurement_from_a_server_without_pipelining_has_none_of_it():
 
 
 def iid_tokens_per_round(alpha: float, k: float) -> float:
-    """DESIGN §5's E, each position accepted independently with probability α."""
+    """The cost model's E, each position accepted independently with probability α."""
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 

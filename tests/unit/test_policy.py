@@ -43,7 +43,7 @@ def test_a_draft_slower_than_the_target_is_never_consulted_again():
 
 
 def test_cpu_verify_costs_favour_a_middle_k():
-    # DESIGN §8: a verify pass of 5 tokens costs 1.45 steps, of 9 tokens 1.85.
+    # CPU-like verify costs: a pass of 5 tokens costs 1.45 steps, of 9 tokens 1.85.
     policy = AdaptiveK(8, costs(draft=0.0, verify={0: 1.0, 4: 1.45, 8: 1.85}))
     policy.accepted, policy.rejected = 6.0, 4.0  # α = 0.6
     k = policy.choose(limit=100)
