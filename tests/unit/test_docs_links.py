@@ -61,12 +61,9 @@ def anchors(page: Path) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    links = []
-    for line in prose_lines(page):
-        for target in LINK.findall(INLINE_CODE.sub("", line)):
-            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
-                links.append(target)
-    return links
+    """The targets of the page's links that are not URLs (a link's text may span lines)."""
+    prose = INLINE_CODE.sub("", "\n".join(prose_lines(page)))
+    return [t for t in LINK.findall(prose) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
 
 
 def test_the_pages_are_found():
