@@ -98,11 +98,12 @@ class DraftSessions:
         up to ``num_draft_tokens`` tokens, with their q in wire form when the
         draft sampled them (else none: a point mass).
 
-        Given ``assumed`` tokens, even none (a speculation, DESIGN §5), it
-        proposes after them instead, as if the target accepted them whole: it drafts one
-        token more, its guess of the target's bonus token, which the drafts
-        then follow. Nothing of the assumption is committed; the next round's
-        new tokens say what was."""
+        Given ``assumed`` tokens, even none (a speculation,
+        docs/design.md#pipelined-rounds), it proposes after them instead, as
+        if the target accepted them whole: it drafts one token more, its guess
+        of the target's bonus token, which the drafts then follow. Nothing of
+        the assumption is committed; the next round's new tokens say what
+        was."""
         session = self.store.get(session_id)
         if session.committed_len + len(new_tokens) != committed_len:
             raise FailedPrecondition(

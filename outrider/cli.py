@@ -467,16 +467,18 @@ def _add_bench_parser(commands) -> None:
             "and Hugging Face assisted generation on the same models. Greedy decoding; outputs are "
             "checked to be identical. Reports tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance "
             "rate, mean acceptance length, accepted per position, the per-round time split and the "
-            "analytic bound E·t_target/T of DESIGN §5, per configuration and per prompt category. "
+            "analytic bound E·t_target/T (docs/design.md#cost-model), per configuration and per "
+            "prompt category. "
             "Starts its own services (one target worker, one draft worker and coordinator per drafter). "
             "With --concurrency it measures throughput and latency with N streams at once instead."
         ),
     )
     bench.add_argument(
-        "--prompts", action="append", metavar="FILE",
-        help="JSONL prompt file, rows with `turns` (the first is used) or `prompt`, and optionally "
-        "`category` (else the file stem); each is sent as one user chat message (repeatable; "
-        "default: ../shared/data/mt_bench/question.jsonl next to the repository)",
+        "--prompts", action="append", metavar="SET|FILE",
+        help="a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 "
+        "HumanEval prompts) or a JSONL file, rows with `turns` (the first is used) or `prompt`, "
+        "and optionally `category` (else the file stem); each is sent as one user chat message "
+        "(repeatable; default: mt-bench)",
     )  # fmt: skip
     bench.add_argument(
         "--limit", type=int, help="prompts per file, spread evenly over the file (default: all)"

@@ -7,9 +7,9 @@ the float domain: tinygemm's layout, which torchao and gpt-fast use too).
 Products are computed by torch's own int4 kernels, on the packed weights,
 without ever unpacking them: ``_weight_int4pack_mm_for_cpu`` on the CPU and
 tinygemm's ``_weight_int4pack_mm`` on CUDA. Both take bfloat16 activations
-(the CPU's float32 variant is an unvectorised loop, 10–40× slower), so
-:meth:`Int4Weight.linear` casts to bfloat16 and back: the rest of the model
-keeps its own dtype.
+(the CPU's float32 variant is an unvectorised loop, many times slower:
+docs/benchmark.md#the-int4-drafter), so :meth:`Int4Weight.linear` casts to
+bfloat16 and back: the rest of the model keeps its own dtype.
 
 torchao is not used: its int4 weight-only configurations (0.18, for torch
 2.13) have no CPU path for a float32 model (``plain`` and ``preshuffled``
@@ -119,9 +119,8 @@ class Int4Weight:
 class Int8Weight:
     """A ``[out_features, in_features]`` weight in 8 bits, one scale per row
     (symmetric), computed by ``_weight_int8pack_mm`` (CPU and CUDA). The LM
-    head takes it: its logits decide every draft token, and in 4 bits the
-    default model's drafts agree with the target on 88% of tokens, in 8 on
-    98% (README, "The default drafter")."""
+    head takes it: its logits decide every draft token, and in 4 bits they
+    agree with the target far less often (docs/benchmark.md#the-int4-drafter)."""
 
     weight: torch.Tensor  # int8
     scales: torch.Tensor  # [out_features], bfloat16

@@ -344,7 +344,8 @@ async def start_server(
 
 def run_service(main: Coroutine[Any, Any, None]) -> None:
     """Runs a service's main coroutine on uvloop when it is installed (a gRPC
-    round trip on loopback is ~17% faster there), else on asyncio's loop."""
+    round trip on loopback is faster there, docs/benchmark.md#overhead-per-round),
+    else on asyncio's loop."""
     try:
         import uvloop
     except ImportError:

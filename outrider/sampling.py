@@ -2,7 +2,7 @@
 randomness comes from.
 
 Both workers use this module, so the draft's ``q`` and the target's ``p`` are
-processed the same way (DESIGN.md §3: temperature, top-k, top-p and min-p are
+processed the same way (docs/design.md#verification: temperature, top-k, top-p and min-p are
 applied to both *before* the acceptance test), and both draw their random
 numbers from the same counter-based generator.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The worker engine's GPU run in one command, from a clean checkout on a CUDA
-# machine with the project installed (`make venv` there, or the offline
-# recipe of ../shared/GPU.md with PYTHON=python3):
+# machine with the project installed (`make venv` there, or PYTHON=python3
+# where outrider is installed into the system's Python):
 #
 #   make bench-gpu                    # or: scripts/bench_gpu.sh [OUT]
 #
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${1:-docs/gpu-$(date +%Y%m%d)}
-PROMPTS=${PROMPTS:-../shared/data/mt_bench/question.jsonl}
+PROMPTS=${PROMPTS:-mt-bench}
 mkdir -p "$OUT"
 
 "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device: this run needs one")'

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+MT_BENCH = Path(__file__).resolve().parents[1] / "outrider/bench/data/mt_bench/question.jsonl"
 
 
 def start(

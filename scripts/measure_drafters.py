@@ -18,9 +18,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from outrider import Client
+from outrider.bench.prompts import PROMPT_SETS
 from outrider.stack import start_stack
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+MT_BENCH = PROMPT_SETS["mt-bench"]
 
 CANDIDATES = {
     "prompt lookup": ["--drafter", "prompt-lookup"],

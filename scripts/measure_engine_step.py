@@ -11,9 +11,10 @@ session holding ``--context`` cached tokens) it times, median of
   forward pass over the paged cache;
 * ``graph`` — the same step replayed from a captured CUDA graph (CUDA only).
 
-and prints each also as a multiple of transformers' single-token step (the
-unit of GPU.md's table). Random weights from a config directory (the
-default target's shape is ../shared/data/smollm2-135m-shape) or a real model.
+and prints each also as a multiple of transformers' single-token step.
+The model is a real one (default: the default model, fetched by ``outrider
+models fetch``), or random weights in its shape with ``--shape`` overrides
+(or from a directory holding only a config).
 
     python scripts/measure_engine_step.py --device cuda --shapes 1x1,1x5,8x5,32x5,64x5
 """
@@ -34,22 +35,19 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from outrider import models  # noqa: E402
 from outrider.device import resolve_device, resolve_dtype  # noqa: E402
 from outrider.engine.kv_cache import BlockPool  # noqa: E402
 from outrider.engine.llama import LlamaForward  # noqa: E402
 from outrider.engine.runner import PagedRunner  # noqa: E402
 from outrider.engine.scheduler import Row  # noqa: E402
 
-SHAPE_DIR = REPO.parent / "shared" / "data" / "smollm2-135m-shape"
-
 
 def load(model: str, dtype: torch.dtype, device: torch.device, overrides: dict) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from outrider import models
-
     path = Path(model)
-    if (path / "config.json").exists() and not any(path.glob("*.safetensors")):
+    if (path / "config.json").exists() and (overrides or not any(path.glob("*.safetensors"))):
         torch.manual_seed(0)
         config = AutoConfig.from_pretrained(path)
         for key, value in overrides.items():
@@ -124,15 +122,16 @@ def main() -> int:
     )
     parser.add_argument(
         "--model",
-        default=str(SHAPE_DIR),
-        help="config directory (random weights) or model (default: %(default)s)",
+        default=str(models.model_path(models.DEFAULT_MODEL)),
+        help="model, or a config directory (random weights) (default: %(default)s)",
     )
     parser.add_argument(
         "--shape",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value of a random-weight model, e.g. hidden_size=2048 (repeatable)",
+        help="random weights in the model's shape with this config value overridden, e.g. "
+        "hidden_size=2048 (repeatable)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(

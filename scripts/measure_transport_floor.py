@@ -1,7 +1,7 @@
 """Measures the floor under Outrider's per-round overhead on this machine.
 
 A round is one message to the draft worker and one to the target worker, each
-answered over its session stream (DESIGN §2). This script times that shape
+answered over its session stream (docs/design.md#protocol). This script times that shape
 with nothing of Outrider's on the path but the engine thread a worker hands
 its forward pass to: a client like the coordinator's (grpc.aio on uvloop) and
 two echo servers in their own processes — the draft answers at once, the

@@ -1,12 +1,12 @@
-"""Analytic bound (DESIGN §5), from a configuration's own statistics (pure).
+"""Analytic bound (docs/design.md#cost-model), from a configuration's own statistics (pure).
 
-**Tokens per round.** DESIGN §5 writes E = (1 − α^(k+1)) / (1 − α), which
+**Tokens per round.** The cost model writes E = (1 − α^(k+1)) / (1 − α), which
 assumes every draft position is accepted independently with the same α. Real
 drafts are not like that: acceptances come in runs (prompt lookup copies a
 whole span or nothing; early positions are accepted more often than late
 ones), and with α = accepted/drafted that formula comes out below the tokens
-a round really commits — achieved/bound then reached 1.15–1.20 for prompt
-lookup, a "bound" the implementation beat. So E is taken from the measured
+a round really commits — a "bound" the implementation beats for prompt
+lookup (docs/benchmark.md#about-the-bound). So E is taken from the measured
 accepted-per-position distribution instead. With R = ``num_drafts`` (rounds
 that verified at least one draft) and a_i = ``accepted_per_position[i]``
 (rounds whose draft at position i was accepted), a drafting round commits
@@ -67,7 +67,7 @@ from outrider.bench.measurements import Totals
 
 @dataclass(frozen=True)
 class Bound:
-    """DESIGN §5's bound, from one configuration's totals and outrider-k0's."""
+    """The cost model's bound, from one configuration's totals and outrider-k0's."""
 
     alpha: float
     """accepted / drafted; reported, not used: E comes from the distribution."""

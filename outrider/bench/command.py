@@ -25,7 +25,7 @@ from outrider.bench.configs import Drafter, parse_drafter, parse_k_list
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import HuggingFace
 from outrider.bench.plot import plot, pyplot
-from outrider.bench.prompts import default_prompt_files, load_prompts
+from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompts, prompt_file
 from outrider.bench.render import render
 from outrider.bench.report import build_report
 from outrider.bench.runner import run_interleaved, warm_up, without_ignored_options
@@ -230,14 +230,12 @@ def parse_concurrency_list(raw: str) -> list[int]:
 def options_from_args(args: Any) -> BenchOptions:
     """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
     raises ValueError on bad flags."""
-    files = tuple(Path(p) for p in (args.prompts or default_prompt_files()))
-    if not files:
-        raise ValueError(
-            "give --prompts FILE (the default, ../shared/data/mt_bench/question.jsonl, is not here)"
-        )
+    files = tuple(prompt_file(p) for p in (args.prompts or [DEFAULT_PROMPT_SET]))
     for path in files:
         if not path.is_file():
-            raise ValueError(f"--prompts {path}: no such file")
+            raise ValueError(
+                f"--prompts {path}: no such file (the shipped sets are {', '.join(PROMPT_SETS)})"
+            )
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be at least 1")
     if args.max_new_tokens < 1:

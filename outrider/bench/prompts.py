@@ -1,4 +1,9 @@
-"""The prompt set: JSONL rows, each sent as one user chat message."""
+"""The prompt set: JSONL rows, each sent as one user chat message.
+
+Two sets ship with the package, each beside its licence and provenance
+(``outrider/bench/data/``): the 80 MT-Bench questions (Apache-2.0) and the
+164 HumanEval prompts (MIT). ``--prompts`` names one of them or a file.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+DATA_DIR = Path(__file__).resolve().parent / "data"
+PROMPT_SETS = {
+    "mt-bench": DATA_DIR / "mt_bench" / "question.jsonl",
+    "humaneval": DATA_DIR / "humaneval" / "HumanEval_prompts.jsonl",
+}
+"""The shipped prompt sets, by the name ``--prompts`` takes."""
+DEFAULT_PROMPT_SET = "mt-bench"
 
-def default_prompt_files() -> list[Path]:
-    """MT-Bench from the shared data next to the repository, if it is there."""
-    mt_bench = (
-        Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
-    )
-    return [mt_bench] if mt_bench.is_file() else []
+
+def prompt_file(name_or_path: str) -> Path:
+    """The file of a shipped prompt set named ``name_or_path``, else that path."""
+    return PROMPT_SETS.get(name_or_path, Path(name_or_path))
 
 
 @dataclass(frozen=True)

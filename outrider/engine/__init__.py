@@ -1,4 +1,4 @@
-"""The engine inside a worker (DESIGN §6): a scheduler, a model runner and a
+"""The engine inside a worker (docs/design.md#engine): a scheduler, a model runner and a
 paged KV cache, driven by one loop that runs every session's pending work as
 one forward pass per step.
 

@@ -134,8 +134,8 @@ class _Returns:
     arrives a round trip later. An engine that steps the moment any work is
     waiting splits sessions that run together into groups that then take
     turns for good, two forward passes per round where one would do — and a
-    pass costs far less than twice a pass of half the rows (on the CPU, a
-    8-session verify of 5 tokens costs 3.3 single ones; on CUDA, the same).
+    pass costs far less than twice a pass of half the rows
+    (docs/benchmark.md#holding-a-step-for-the-sessions-just-answered).
     So while work waits, the engine holds the step for the sessions it
     answered last, until they are all back or ``max_wait`` of a forward pass
     has gone by — only while their round trip (its moving average) is that

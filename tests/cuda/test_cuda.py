@@ -10,12 +10,12 @@ import asyncio
 import copy
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from outrider import models
+from outrider.bench.prompts import PROMPT_SETS
 from outrider.client import AsyncClient
 from outrider.config import EngineConfig
 from outrider.engine.kv_cache import BlockPool
@@ -32,7 +32,7 @@ from tests.integration.harness import running_stack  # noqa: E402
 
 NO_EOS = -1
 CUDA_FP32 = EngineConfig(device="cuda", dtype="float32")
-MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+MT_BENCH = PROMPT_SETS["mt-bench"]
 
 
 def prompts(count: int, *, seed: int, vocab: int = 512, lengths=(3, 60)) -> list[list[int]]:
@@ -130,8 +130,8 @@ async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(
 
 @pytest.mark.e2e
 async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batched():
-    if not models.is_fetched(models.DEFAULT_MODEL) or not MT_BENCH.exists():
-        pytest.skip("needs the default model (outrider models fetch) and ../shared/data")
+    if not models.is_fetched(models.DEFAULT_MODEL):
+        pytest.skip("needs the default model (outrider models fetch)")
     from transformers import AutoTokenizer
 
     model_dir = models.model_path(models.DEFAULT_MODEL)

@@ -282,7 +282,7 @@ async def test_int4_draft_steps_batched_across_sessions_propose_what_each_sessio
 async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(
     tiny_target_dir, tiny_draft_other_dir
 ):
-    """Pipelined rounds (DESIGN §5): a speculation assumes the drafts under
+    """Pipelined rounds (docs/design.md#pipelined-rounds): a speculation assumes the drafts under
     verification, guesses the bonus token, and drafts after the guess —
     exactly what a fresh round after that history proposes; when the
     assumption holds, the next round syncs it from the cache the

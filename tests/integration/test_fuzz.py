@@ -1,4 +1,4 @@
-"""Fuzzing the three services with hypothesis (DESIGN §2, invariant 4: bad
+"""Fuzzing the three services with hypothesis (docs/design.md#protocol: bad
 input never takes a worker down).
 
 Real grpc.aio servers on 127.0.0.1 run on tiny float64 models in an event

@@ -2,7 +2,7 @@
 here, so their forward passes are paced to fixed costs instead (target
 20 ms a verify, draft 4 ms a token, K = 4, a draft identical to the target):
 pipelined rounds must run at least 1.6× as fast as synchronous ones, and
-within 10% of the analytic bound of DESIGN §5,
+within 10% of the analytic bound (docs/design.md#cost-model),
 
     T_hit = max(t_verify + t_rpc, (K + 1)·t_draft)     E = K + 1
 

@@ -1,4 +1,4 @@
-"""Worker loss mid-stream with real processes (DESIGN §2, invariant 1: the
+"""Worker loss mid-stream with real processes (docs/design.md#protocol: the
 coordinator's history is the truth): a draft worker SIGKILLed mid-stream in
 20 trials (and mid-speculation, pipelined, in 5), a draft frozen with
 SIGSTOP, one of two target workers SIGKILLed or frozen (the stream moves

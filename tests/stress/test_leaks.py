@@ -1,7 +1,7 @@
 """1,000 streams cancelled by the client at random points — while the
 sessions open (prefill), or after a random number of chunks — leave no
 session and no cached token on either worker (session lifetime = stream
-lifetime, DESIGN §2), and the workers' memory stops growing."""
+lifetime, docs/design.md#protocol), and the workers' memory stops growing."""
 
 from __future__ import annotations
 

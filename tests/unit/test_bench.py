@@ -20,7 +20,7 @@ from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import rounds_from_forward_calls
 from outrider.bench.measurements import Measurement, aggregate, measurement_from_stats
 from outrider.bench.plot import plot
-from outrider.bench.prompts import Prompt, category_of_file, load_prompts
+from outrider.bench.prompts import PROMPT_SETS, Prompt, category_of_file, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import REQUIRED_CONFIG_KEYS, build_report
 from outrider.bench.runner import interleaved_order, run_interleaved, without_ignored_options
@@ -218,6 +218,32 @@ def test_bench_has_help_naming_every_flag():
         assert flag in out.stdout
 
 
+def test_bench_defaults_to_the_shipped_mt_bench_questions():
+    from outrider.cli import build_parser
+
+    options = options_from_args(build_parser().parse_args(["bench"]))
+    assert options.prompt_files == (PROMPT_SETS["mt-bench"],)
+    prompts = load_prompts(options.prompt_files[0])
+    assert len(prompts) == 80
+    assert {p.category for p in prompts} == {
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"
+    }  # fmt: skip
+
+
+def test_shipped_prompt_sets_are_named_and_carry_their_licence_and_provenance():
+    from outrider.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--prompts", "mt-bench", "--prompts", "humaneval"])
+    files = options_from_args(args).prompt_files
+    assert files == (PROMPT_SETS["mt-bench"], PROMPT_SETS["humaneval"])
+    humaneval = load_prompts(files[1])
+    assert len(humaneval) == 164
+    assert {p.category for p in humaneval} == {"humaneval"}
+    for path in files:
+        assert (path.parent / "LICENSE").is_file()
+        assert (path.parent / "PROVENANCE.md").is_file()
+
+
 def test_missing_prompt_file_is_a_clear_error(capsys):
     from outrider.cli import main
 
@@ -401,7 +427,7 @@ def test_a_measurement_from_a_server_without_pipelining_has_none_of_it():
 
 
 def iid_tokens_per_round(alpha: float, k: float) -> float:
-    """DESIGN §5's E, each position accepted independently with probability α."""
+    """The cost model's E, each position accepted independently with probability α."""
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 

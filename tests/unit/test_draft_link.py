@@ -98,7 +98,7 @@ async def test_closing_while_an_open_runs_in_the_background_cancels_it():
     assert draft.opening is None and client.sessions == []
 
 
-# --- speculation (pipelined rounds, DESIGN §5) ------------------------------------
+# --- speculation (docs/design.md#pipelined-rounds) -------------------------------
 
 
 @dataclass(frozen=True)
