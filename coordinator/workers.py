@@ -62,6 +62,10 @@ class DraftSession(Protocol):
         a guess of the bonus token after them, then the drafts after that."""
         ...
 
+    def failing(self) -> None:
+        """Says the session's worker stopped answering: new sessions go to
+        other replicas for a while."""
+
     async def close(self) -> None: ...
 
 
@@ -85,6 +89,7 @@ class DraftClient(Protocol):
         request_id: str,
         target: WorkerInfo,
         sampling: SamplingParams,
+        deadline_s: float | None = None,
     ) -> tuple[DraftSession, float]: ...
 
 
@@ -248,7 +253,15 @@ class GrpcDraftClient(GrpcWorkerClient):
             kube_api=kube_api,
         )
 
-    async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
+    async def open(
+        self,
+        tokens,
+        *,
+        request_id: str,
+        target: WorkerInfo,
+        sampling: SamplingParams,
+        deadline_s: float | None = None,
+    ):
         request = pb.DraftRequest(
             open=pb.SessionOpen(
                 token_ids=tokens,
@@ -258,7 +271,7 @@ class GrpcDraftClient(GrpcWorkerClient):
                 sampling=sampling_to_pb(sampling),
             )
         )
-        return await self._open(request, request_id=request_id)
+        return await self._open(request, request_id=request_id, deadline_s=deadline_s)
 
 
 class GrpcTargetClient(GrpcWorkerClient):

@@ -6,8 +6,8 @@ one process, with the same loop code as across three."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 from coordinator.workers import Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions
@@ -93,6 +93,7 @@ class InProcessDraftClient:
         request_id: str,
         target: WorkerInfo,
         sampling: SamplingParams,
+        deadline_s: float | None = None,
     ):
         session_id = uuid.uuid4().hex[:16]
         _, compute_s = await self.engine.timed(
@@ -121,6 +122,9 @@ class _InProcessDraftSession:
             assumed,
         )
         return Reply(replace(proposal, round_id=round_id), compute_s)
+
+    def failing(self) -> None:
+        pass
 
     async def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
