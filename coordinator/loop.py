@@ -270,9 +270,13 @@ class Generation:
         return delta
 
     async def close(self) -> None:
-        await self.target.close()
+        """Ends both sessions: closed when the generation finished (the
+        workers count them done), cut otherwise (a failure, or the client
+        went away). The workers free their caches either way."""
+        finished = self.finish_reason is not None
+        self.target.close(finished=finished)
         if self.drafts is not None:
-            await self.drafts.close()
+            await self.drafts.close(finished=finished)
 
 
 def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:

@@ -243,17 +243,36 @@ class DraftLink:
             retry_in_s=delay,
         )
 
-    async def close(self) -> None:
-        """Closes the session; an open or a speculation in flight is cancelled
-        (the worker frees the session's cache either way)."""
-        for task in (self.opening, self.speculation and self.speculation.task):
-            if task is not None:
-                task.cancel()  # an open cut short closes its stream itself
-                await asyncio.gather(task, return_exceptions=True)
-        self.opening = self.speculation = None
+    async def close(self, *, finished: bool = False) -> None:
+        """Ends the session: closed when the generation ``finished`` (after
+        the speculation in flight, whose answer is no longer needed), cut
+        otherwise. An open in flight is cancelled; the worker frees the
+        session's cache either way."""
+        opening, self.opening = self.opening, None
+        if opening is not None:
+            opening.cancel()  # an open cut short cancels its stream itself
+            await asyncio.gather(opening, return_exceptions=True)
+        speculation, self.speculation = self.speculation, None
         session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        if speculation is not None:
+            if finished:
+                speculation.task.add_done_callback(_ignore_outcome)
+            else:
+                speculation.task.cancel()
+                await asyncio.gather(speculation.task, return_exceptions=True)
+        if session is None:
+            return
+        if finished:
+            session.close()
+        else:
+            session.cancel()
+
+
+def _ignore_outcome(task: asyncio.Future) -> None:
+    """Takes the outcome of a task no one awaits (so asyncio does not log an
+    exception as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class TargetLink:
@@ -324,10 +343,15 @@ class TargetLink:
                 )
                 last = Unavailable(f"the target gave no verdict within {deadline_s:.3g} s")
                 self.session.failing()
-            await self.close()
+            self.close()
         raise Unavailable(f"no target worker could finish the request: {last}")
 
-    async def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Ends the session: closed when the generation ``finished``, cut otherwise."""
         session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        if session is None:
+            return
+        if finished:
+            session.close()
+        else:
+            session.cancel()

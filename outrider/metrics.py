@@ -213,7 +213,8 @@ class WorkerMetrics:
         )
         self.closed = Counter(
             PREFIX + "worker_sessions_closed",
-            "Sessions closed, by how the stream ended: done (the coordinator ended it), cancelled, or error.",
+            "Sessions closed, by what ended them: done (closed by the coordinator, its generation "
+            "finished), cancelled (cut: cancelled, or the coordinator gone), or an error status.",
             ["reason"],
             registry=registry,
         )

@@ -153,7 +153,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     if single:
                         request = parse(request)
                     with self._drain.admit(method):
-                        return await behavior(request, context)
+                        response = await behavior(request, context)
+                    code = _returned_code(context)
+                    return response
                 except Exception as exc:
                     code = _code_of(exc, context)
                     if _is_abort(exc):
@@ -181,6 +183,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     with self._drain.admit(method):
                         async for response in behavior(request, context):
                             yield response
+                    code = _returned_code(context)
                 except Exception as exc:
                     code = _code_of(exc, context)
                     if _is_abort(exc):
@@ -223,6 +226,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 def _is_abort(exc: BaseException) -> bool:
     # context.abort() raises this to end the call; it must pass through.
     return isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError"
+
+
+def _returned_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that returned ends with: OK, unless the handler set another."""
+    return context.code() or grpc.StatusCode.OK
 
 
 def _code_of(exc: Exception, context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -63,8 +63,10 @@ class _InProcessTargetSession:
     def failing(self) -> None:
         pass
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
+
+    cancel = close
 
 
 class InProcessDraftClient:
@@ -126,5 +128,7 @@ class _InProcessDraftSession:
     def failing(self) -> None:
         pass
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
+
+    cancel = close

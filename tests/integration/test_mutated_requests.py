@@ -73,12 +73,14 @@ def session_messages(role: str, vocab: int, fingerprint: str) -> list[bytes]:
         return [
             wpb.DraftRequest(open=open_).SerializeToString(),
             wpb.DraftRequest(round=round_).SerializeToString(),
+            wpb.DraftRequest(close=wpb.SessionClose()).SerializeToString(),
         ]
     open_ = wpb.SessionOpen(token_ids=CANARY_PROMPT, request_id="r-2", sampling=sampling)
     round_ = wpb.VerifyRound(committed_len=5, draft_token_ids=[8, 9])
     return [
         wpb.VerifyRequest(open=open_).SerializeToString(),
         wpb.VerifyRequest(round=round_).SerializeToString(),
+        wpb.VerifyRequest(close=wpb.SessionClose()).SerializeToString(),
     ]
 
 
@@ -124,8 +126,9 @@ async def server_streaming(channel: grpc.aio.Channel, method: str, raw: bytes) -
 
 
 async def session(channel: grpc.aio.Channel, method: str, messages: list[bytes]) -> grpc.StatusCode:
-    """Sends the messages one at a time, each after the last one's answer,
-    then half-closes and waits for the status the worker ends the stream with."""
+    """Sends the messages one at a time, each after the last one's answer
+    (the last one a close), and waits for the status the worker ends the
+    stream with."""
     call = channel.stream_stream(method)(timeout=CALL_TIMEOUT_S)
     try:
         for message in messages:
@@ -211,10 +214,12 @@ async def test_mutated_requests_are_refused_unparsed_and_counted_and_the_service
         cases = {}
         for role, service in (("target", "TargetWorker"), ("draft", "DraftWorker")):
             call = session_call(role, service)
-            opening, round_ = sessions[role]
+            opening, round_, close = sessions[role]
             cases[(role, f"/outrider.v1.{service}/Session")] = (
-                lambda call=call, o=opening, r=round_: (
-                    call([mutate(o, rng)]) if rng.random() < 0.5 else call([o, mutate(r, rng)])
+                lambda call=call, o=opening, r=round_, c=close: (
+                    call([mutate(o, rng), c])
+                    if rng.random() < 0.5
+                    else call([o, mutate(r, rng), c])
                 )
             )
             cases[(role, f"/outrider.v1.{service}/GetWorkerInfo")] = (

@@ -25,22 +25,36 @@ from outrider.speculation import Proposal
 TARGET = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=512)
 
 
-class RecordingSession:
+class EndingSession:
+    """Records how the session ended: closed (its generation finished) or cancelled (cut)."""
+
     def __init__(self) -> None:
+        self.ended: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.ended is not None
+
+    def failing(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+    def cancel(self) -> None:
+        self.ended = "cancelled"
+
+
+class RecordingSession(EndingSession):
+    def __init__(self) -> None:
+        super().__init__()
         self.rounds: list[tuple[int, list[int]]] = []
-        self.closed = False
 
     async def propose(
         self, committed_len, new_tokens, k, assumed=None, round_id=0
     ) -> Reply[Proposal]:
         self.rounds.append((committed_len, list(new_tokens)))
         return Reply(Proposal([7] * k, round_id=round_id, follows_len=committed_len), 0.001)
-
-    def failing(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class SlowOpenDraft:
@@ -117,7 +131,7 @@ class Call:
     round_id: int
 
 
-class SpeculatingSession:
+class SpeculatingSession(EndingSession):
     """A draft session that drafts 7s; asked to speculate, it guesses
     ``guess`` as the bonus token and drafts 8s after it. ``fail`` makes a
     speculation raise, ``stall`` holds it until set, and ``bad_answer``
@@ -136,9 +150,10 @@ class SpeculatingSession:
         self.fail = fail
         self.stall = stall
         self.bad_answer = bad_answer
+        super().__init__()
         self.calls: list[Call] = []
         self.cancelled = False
-        self.closed = False
+        """A speculation was cancelled while the worker drafted it."""
 
     async def propose(
         self, committed_len, new_tokens, k, assumed=None, round_id=0
@@ -170,12 +185,6 @@ class SpeculatingSession:
         return Reply(
             Proposal([8] * k, round_id=round_id, follows_len=follows_len, guess=self.guess), 0.001
         )
-
-    def failing(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class OneSessionDraft:
@@ -306,7 +315,7 @@ async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_ba
     await draft.close()
 
 
-async def test_closing_while_a_speculation_is_in_flight_cancels_it():
+async def test_cutting_the_session_while_a_speculation_is_in_flight_cancels_it():
     session = SpeculatingSession(stall=asyncio.Event())
     draft, _ = await speculating(session, [1, 2, 3], deadline_s=30.0)
     task = draft.speculation.task
@@ -316,9 +325,25 @@ async def test_closing_while_a_speculation_is_in_flight_cancels_it():
     started = time.monotonic()
     await draft.close()
     assert time.monotonic() - started < 0.5
-    assert task.cancelled() and session.cancelled and session.closed
+    assert task.cancelled() and session.cancelled and session.ended == "cancelled"
     assert draft.speculation is None and draft.session is None
     assert await draft.speculated([1, 2, 3, 7, 7, 9]) == (None, None)
+
+
+async def test_a_finished_generation_closes_its_session_without_cutting_the_speculation_in_flight():
+    stall = asyncio.Event()
+    session = SpeculatingSession(stall=stall)
+    draft, _ = await speculating(session, [1, 2, 3], deadline_s=30.0)
+    task = draft.speculation.task
+    await asyncio.sleep(0.01)  # the speculation is waiting on the worker
+
+    started = time.monotonic()
+    await draft.close(finished=True)
+    assert time.monotonic() - started < 0.05  # the close itself runs in the background
+    assert session.ended == "closed" and not task.done()
+    stall.set()  # the worker answers; the session's close follows that answer
+    await task
+    assert not session.cancelled and draft.session is None
 
 
 # --- a frozen draft ----------------------------------------------------------------
