@@ -50,6 +50,7 @@ from prometheus_client import (
 )
 
 from outrider.logging import get_logger
+from outrider.startup import StartupError
 
 if TYPE_CHECKING:
     from threading import Thread
@@ -119,7 +120,10 @@ def start_metrics_endpoint(host: str, port: int) -> MetricsEndpoint:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    except OSError as exc:
+        raise StartupError("--metrics-port", port, f"cannot listen there: {exc.strerror}") from None
     return MetricsEndpoint(registry, server.server_port, server, thread)
 
 

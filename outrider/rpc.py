@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from outrider import errors
 from outrider.logging import bind_contextvars, get_logger
+from outrider.startup import StartupError
 from outrider.validation import check_request_id
 
 if TYPE_CHECKING:
@@ -364,13 +365,21 @@ async def start_server(
         server,
     )
     address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials)
-        if credentials
-        else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpc says no more than that it failed
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise StartupError(
+            "--port",
+            port,
+            f"cannot listen on {host}:{port}: the port is taken, or --host is not an address "
+            "of this machine",
+        )
     await server.start()
     running = RunningServer(
         server=server, health=health, port=bound, service_names=tuple(service_names), drain=drain
