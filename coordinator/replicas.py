@@ -220,14 +220,17 @@ class Replicas:
             key=lambda ir: (ir[1].down_until > now, ir[1].load, (ir[0] - turn) % n),
         )[1]
 
-    async def choose(self) -> Replica:
-        """:meth:`pick`, asking a replica what it serves before its first session."""
+    async def choose(self, timeout_s: float | None = None) -> Replica:
+        """:meth:`pick`, asking a replica what it serves before its first
+        session; one that has not answered within ``timeout_s`` (at most
+        DESCRIBE_TIMEOUT_S) counts as failed."""
+        timeout_s = min(DESCRIBE_TIMEOUT_S, timeout_s or DESCRIBE_TIMEOUT_S)
         while True:
             replica = self.pick()
             if not replica.checked:
                 try:
                     info = await replica.stub.GetWorkerInfo(
-                        pb.GetWorkerInfoRequest(), timeout=DESCRIBE_TIMEOUT_S
+                        pb.GetWorkerInfoRequest(), timeout=timeout_s
                     )
                 except grpc.aio.AioRpcError as exc:
                     replica.failed()

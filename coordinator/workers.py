@@ -280,7 +280,7 @@ class GrpcWorkerClient:
     async def _open(self, request, *, request_id: str, deadline_s: float | None = None):
         """Opens a session on a replica; one that does not answer within
         ``deadline_s`` (frozen) counts as failed: Unavailable."""
-        replica = await self.replicas.choose()
+        replica = await self.replicas.choose(deadline_s)
         call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
         session = self.session_class(self.role, call, replica, self.replicas.close_later)
         try:
