@@ -295,11 +295,15 @@ class Generation:
         return delta
 
     async def close(self) -> None:
+        """Ends both sessions: closed when the generation finished (the
+        workers count them done), cut otherwise (a failure, or the client
+        went away). The workers free their caches either way."""
         if self.policy is not None:
             self.policy.close()
-        await self.target.close()
+        finished = self.finish_reason is not None
+        self.target.close(finished=finished)
         if self.drafts is not None:
-            await self.drafts.close()
+            await self.drafts.close(finished=finished)
 
 
 def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:

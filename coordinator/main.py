@@ -7,13 +7,14 @@ import asyncio
 from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService, SpeculationPolicy
-from coordinator.workers import GrpcDraftClient, GrpcTargetClient
+from coordinator.workers import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient, WorkerInfo
 from outrider import models
 from outrider.config import CoordinatorConfig
+from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
 from outrider.rpc import run_service, serve_until_signalled, start_server
-from outrider.security import load_tokens
+from outrider.startup import StartupError, auth_tokens, check_coordinator, first_line
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = get_logger(__name__)
@@ -21,7 +22,15 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 
 async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = None) -> None:
-    tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
+    tokens = auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset()
+    try:
+        tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise StartupError(
+            "--tokenizer",
+            config.tokenizer or models.DEFAULT_MODEL,
+            f"does not load: {first_line(exc)}",
+        ) from None
     generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
     target = GrpcTargetClient(config.target, credentials=worker_credentials)
@@ -39,8 +48,14 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         await target.start()
         if draft:
             await draft.start()
-        target_info = await target.info(config.worker_wait_s)
-        draft_info = await draft.info(config.worker_wait_s) if draft else None
+        target_info = await workers_info(target, "--target", config.target, config.worker_wait_s)
+        draft_info = (
+            await workers_info(draft, "--draft", config.draft, config.worker_wait_s)
+            if draft
+            else None
+        )
+        if draft_info is not None:
+            check_pairing(target_info, draft_info, config.draft)
         service = CoordinatorService(
             Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info),
             target,
@@ -70,7 +85,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             host=config.service.host,
             port=config.service.port,
             credentials=tls.credentials() if (tls := config.service.tls) else None,
-            tokens=load_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset(),
+            tokens=tokens,
             metrics=RpcMetrics(metrics.registry) if metrics else None,
         )
         await serve_until_signalled(
@@ -82,6 +97,41 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             await draft.close()
 
 
+async def workers_info(
+    client: GrpcWorkerClient, flag: str, addresses: tuple[str, ...], wait_s: float
+) -> WorkerInfo:
+    """What the workers at ``addresses`` (given as ``flag``) serve, once one
+    has answered, within ``wait_s`` (--worker-wait-s)."""
+    try:
+        return await client.info(wait_s)
+    except Unavailable as exc:
+        raise StartupError(
+            flag,
+            ",".join(addresses),
+            f"{exc}; start the worker first, or check the address "
+            "(--worker-wait-s says how long to wait)",
+        ) from None
+
+
+def check_pairing(target: WorkerInfo, draft: WorkerInfo, addresses: tuple[str, ...]) -> None:
+    """A draft worker serves the target's vocabulary (a model-free drafter serves any)."""
+    if (target.vocab_fingerprint and draft.vocab_fingerprint) and (
+        target.vocab_fingerprint != draft.vocab_fingerprint
+    ):
+        differs = "a vocabulary that differs from the target's"
+    elif target.vocab_size and draft.vocab_size and target.vocab_size != draft.vocab_size:
+        differs = f"a vocabulary of {draft.vocab_size} tokens, the target {target.vocab_size}"
+    else:
+        return
+    raise StartupError(
+        "--draft",
+        ",".join(addresses),
+        f"the draft worker serves {draft.model!r}, {differs} ({target.model!r}): serve a draft "
+        "model that shares the target's tokenizer, or --drafter prompt-lookup",
+    )
+
+
 def main(config: CoordinatorConfig) -> None:
+    check_coordinator(config)
     with serving_metrics(config.service) as metrics:
         run_service(serve(config, metrics))

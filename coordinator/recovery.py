@@ -6,7 +6,8 @@ on the history:
 
 * **draft** — a failure, or no answer within the per-round deadline, costs
   only speed: the stream goes on at K = 0 (target only) and the draft session
-  is reopened, prefilled from the history, after a back-off.
+  is reopened in the background, prefilled from the history, after a
+  back-off; the stream never waits for a lost draft.
 * **target** — a failure reopens the session on another replica (or the same
   one once it is back) and the round is retried; the client sees latency, not
   an error. With no target left the request ends UNAVAILABLE.
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.workers import DraftClient, Reply, TargetClient, WorkerInfo
+from coordinator.workers import DraftClient, DraftSession, Reply, TargetClient, WorkerInfo
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
@@ -43,7 +44,14 @@ class Speculation:
 
 
 class DraftLink:
-    """The draft session of one generation; None of it while it is lost."""
+    """The draft session of one generation; None of it while it is lost.
+
+    A frozen draft stalls the stream once, by one deadline at most: the
+    round that finds it unresponsive (or the first open, which waits no
+    longer than a round). From then on the draft is lost: it is reopened in
+    the background, after a back-off that grows while the reopens keep
+    failing, and the rounds go on at K = 0 without waiting for it until a
+    reopen has succeeded."""
 
     def __init__(
         self,
@@ -65,16 +73,17 @@ class DraftLink:
         self.open_deadline_s = open_deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.session = None
-        self.opening: asyncio.Future | None = None
-        """An open in the background (begun early, or still running after its
-        round's deadline: a slow prefill, a frozen draft)."""
+        self.session: DraftSession | None = None
+        self.opening: asyncio.Task[DraftSession] | None = None
+        """An open running in the background (a reopen, a first open begun
+        early or slower than a round)."""
         self.open_started = 0.0
-        self.open_waited = False
-        """Whether a round has waited for the open in flight (one does, once)."""
+        self.first_open_waited = False
+        """A round has waited for the first open (one does, once)."""
         self.opened = False
         self.synced = 0
         self.failures = 0
+        """Losses since the last round the draft answered."""
         self.retry_at = 0.0
         self.rounds = 0
         """Ids of the rounds asked for: a proposal must answer the last one."""
@@ -90,71 +99,88 @@ class DraftLink:
         rounds never draft (adaptive K at 0) never costs the draft worker
         anything. A refusal of that first open (a bad argument, a vocabulary
         mismatch) reaches the client; a draft that is down, slow or full only
-        means K = 0 for now. A round waits for an open only until one
-        deadline after the open began, and only once: past that it goes on in
-        the background while the rounds go on at K = 0, so a frozen draft
-        never stalls the stream for more than one deadline."""
+        means K = 0 for now."""
         open_s = 0.0
-        if self.session is None:
+        session = self.session
+        if session is None:
             if self.opening is None:
                 if time.monotonic() < self.retry_at:
                     return None, 0.0
-                self.open_soon(history)
-            if not self.opening.done() and not self.open_waited:
-                self.open_waited = True
+                self._begin_open(history)
+                if self.failures:
+                    log.debug(
+                        "reopening the draft session in the background", attempt=self.failures
+                    )
+            if not self.opening.done() and not self.opened and not self.first_open_waited:
+                # The first open: worth a round's wait, from when it began.
+                self.first_open_waited = True
                 started = time.perf_counter()
                 left = self.open_started + self.deadline_s - time.monotonic()
                 await asyncio.wait({self.opening}, timeout=max(0.0, left))
                 open_s = time.perf_counter() - started
+                if not self.opening.done():
+                    log.warning(
+                        "draft session not open within the round deadline: "
+                        "rounds go on at K=0 while it opens",
+                        deadline_s=self.deadline_s,
+                    )
             if not self.opening.done():
                 return None, open_s
             opening, self.opening = self.opening, None
             try:
-                opening.result()
-            except (Unavailable, ResourceExhausted, TimeoutError) as exc:
-                self._lost(exc)
+                session = opening.result()
+            except (Unavailable, ResourceExhausted) as exc:
+                self._lost(str(exc))
                 return None, open_s
             except OutriderError as exc:
                 if not self.opened:
                     raise
-                self._lost(exc)
+                self._lost(str(exc))
                 return None, open_s
             if self.failures:
-                log.info("draft session reopened", committed_len=self.synced)
+                log.info(
+                    "draft session reopened", committed_len=self.synced, failures=self.failures
+                )
         try:
             async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
-                proposal = await self._ask(*self._round(history), k, None)
-        except (OutriderError, TimeoutError) as exc:
-            await self.close()
-            self._lost(exc)
+                proposal = await self._ask(session, *self._round(history), k, None)
+        except TimeoutError:
+            session.failing()
+            await self._drop(f"no proposal within the round deadline of {self.deadline_s:g} s")
+            return None, open_s
+        except OutriderError as exc:
+            await self._drop(str(exc))
             return None, open_s
         self.failures = 0
         return proposal, open_s
 
     def open_soon(self, history: list[int]) -> None:
-        """Starts opening the session now, in the background (its prefill
-        beside the target's, at a generation's start); the rounds draft once
-        it is open."""
-        if self.session is None and self.opening is None and time.monotonic() >= self.retry_at:
-            # A copy: the history grows while an open runs in the background.
-            self.opening = asyncio.ensure_future(
-                asyncio.wait_for(self._open(list(history)), self.open_deadline_s)
-            )
-            self.open_started, self.open_waited = time.monotonic(), False
+        """Starts the first open now, in the background, so that the draft's
+        prefill runs beside the target's at a generation's start; the first
+        round that drafts waits for it until a round's deadline after it
+        began, as for any first open."""
+        if self.session is None and self.opening is None and not self.opened:
+            self._begin_open(history)
+
+    def _begin_open(self, history: list[int]) -> None:
+        # A copy: the history grows while an open runs in the background.
+        self.opening = asyncio.ensure_future(self._open(list(history)))
+        self.open_started = time.monotonic()
 
     def speculate(self, history: list[int], drafts: list[int], k: int) -> None:
         """Starts a speculation (docs/design.md#pipelined-rounds): while the target verifies
         ``drafts``, the draft proposes the next round of ``k`` drafts as if
         it accepted them whole and committed the draft's guess of its bonus
         token. A lost draft speculates nothing."""
-        if self.session is None or self.speculation is not None:
+        session = self.session
+        if session is None or self.speculation is not None:
             return
         drafts = list(drafts)
         round_ = self._round(history)  # now: the loop's history grows while this runs
 
         async def ask() -> Reply[Proposal]:
             async with asyncio.timeout(self.deadline_s):
-                return await self._ask(*round_, k, drafts)
+                return await self._ask(session, *round_, k, drafts)
 
         self.speculation = Speculation(len(history), drafts, asyncio.ensure_future(ask()))
 
@@ -168,9 +194,13 @@ class DraftLink:
             return None, None
         try:
             reply = await speculation.task
-        except (OutriderError, TimeoutError) as exc:
-            await self.close()
-            self._lost(exc)
+        except TimeoutError:
+            if self.session is not None:
+                self.session.failing()
+            await self._drop(f"no speculation within the round deadline of {self.deadline_s:g} s")
+            return None, False
+        except OutriderError as exc:
+            await self._drop(str(exc))
             return None, False
         committed = history[speculation.committed_len :]  # since the speculation started
         guess = reply.value.guess
@@ -186,6 +216,7 @@ class DraftLink:
 
     async def _ask(
         self,
+        session: DraftSession,
         committed_len: int,
         new_tokens: list[int],
         round_id: int,
@@ -194,7 +225,7 @@ class DraftLink:
     ) -> Reply[Proposal]:
         """One round on the session: propose after the committed history (or
         after ``assumed``, when given), and check the answer is that round's."""
-        reply = await self.session.propose(committed_len, new_tokens, k, assumed, round_id)
+        reply = await session.propose(committed_len, new_tokens, k, assumed, round_id)
         proposal = reply.value
         follows = committed_len if assumed is None else committed_len + len(assumed) + 1
         if proposal.round_id != round_id or (proposal.tokens and proposal.follows_len != follows):
@@ -204,31 +235,64 @@ class DraftLink:
             )
         return reply
 
-    async def _open(self, history: Sequence[int]) -> None:
+    async def _open(self, history: Sequence[int]) -> DraftSession:
         self.session, _ = await self.client.open(
-            history, request_id=self.request_id, target=self.target, sampling=self.sampling
+            history,
+            request_id=self.request_id,
+            target=self.target,
+            sampling=self.sampling,
+            deadline_s=self.open_deadline_s,
         )
         self.opened = True
         self.synced = len(history)
+        return self.session
 
-    def _lost(self, exc: BaseException) -> None:
+    async def _drop(self, why: str) -> None:
+        """The session failed or stopped answering: cut it, and go on without it."""
+        await self.close()
+        self._lost(why)
+
+    def _lost(self, why: str) -> None:
         self.failures += 1
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.failures - 1))
         self.retry_at = time.monotonic() + delay
-        reason = str(exc) or f"no answer within {self.deadline_s} s"
-        log.warning("draft lost: continuing at K=0", error=reason, retry_in_s=delay)
+        log.warning(
+            "draft lost: continuing at K=0, reopening it in the background",
+            error=why,
+            failures=self.failures,
+            retry_in_s=delay,
+        )
 
-    async def close(self) -> None:
-        """Closes the session; an open or a speculation in flight is cancelled
-        (the worker frees the session's cache either way)."""
-        for task in (self.opening, self.speculation and self.speculation.task):
-            if task is not None:
-                task.cancel()  # an open cut short closes its stream itself
-                await asyncio.gather(task, return_exceptions=True)
-        self.opening = self.speculation = None
+    async def close(self, *, finished: bool = False) -> None:
+        """Ends the session: closed when the generation ``finished`` (after
+        the speculation in flight, whose answer is no longer needed), cut
+        otherwise. An open in flight is cancelled; the worker frees the
+        session's cache either way."""
+        opening, self.opening = self.opening, None
+        if opening is not None:
+            opening.cancel()  # an open cut short cancels its stream itself
+            await asyncio.gather(opening, return_exceptions=True)
+        speculation, self.speculation = self.speculation, None
         session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        if speculation is not None:
+            if finished:
+                speculation.task.add_done_callback(_ignore_outcome)
+            else:
+                speculation.task.cancel()
+                await asyncio.gather(speculation.task, return_exceptions=True)
+        if session is None:
+            return
+        if finished:
+            session.close()
+        else:
+            session.cancel()
+
+
+def _ignore_outcome(task: asyncio.Future) -> None:
+    """Takes the outcome of a task no one awaits (so asyncio does not log an
+    exception as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class TargetLink:
@@ -301,10 +365,15 @@ class TargetLink:
                 )
                 last = Unavailable(f"the target gave no verdict within {deadline_s:.3g} s")
                 self.session.failing()
-            await self.close()
+            self.close()
         raise Unavailable(f"no target worker could finish the request: {last}")
 
-    async def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Ends the session: closed when the generation ``finished``, cut otherwise."""
         session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        if session is None:
+            return
+        if finished:
+            session.close()
+        else:
+            session.cancel()

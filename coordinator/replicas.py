@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,7 @@ class Replicas:
         self._sources: dict[str, dict[str, bool]] = {}
         """Where members come from (static, or a k8s:// address) → address → takes new sessions."""
         self._closing: set[asyncio.Task] = set()
+        """Channels and sessions being closed."""
         self._changed = asyncio.Event()
         self._reference: pb.WorkerInfo | None = None
         self._tiebreak = itertools.count()
@@ -188,11 +189,7 @@ class Replicas:
                 address=address,
                 sessions=replica.load,
             )
-            closing = asyncio.ensure_future(
-                replica.channel.close()
-            )  # ends the streams on it at once
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            self.close_later(replica.channel.close())  # ends the streams on it at once
         for address, ready in wanted.items():
             replica = self._members.get(address)
             if replica is None:
@@ -212,6 +209,13 @@ class Replicas:
                         sessions=replica.load,
                     )
         self._changed.set()
+
+    def close_later(self, closing: Coroutine[Any, Any, None]) -> None:
+        """Runs ``closing`` (of a channel, or of a session) on its own;
+        :meth:`close` waits for it."""
+        task = asyncio.ensure_future(closing)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _replica(self, address: str, ready: bool, tls_name: str | None) -> Replica:
         if self._credentials:
@@ -239,14 +243,17 @@ class Replicas:
             key=lambda ir: (ir[1].down_until > now, ir[1].load, (ir[0] - turn) % n),
         )[1]
 
-    async def choose(self) -> Replica:
-        """:meth:`pick`, asking a replica what it serves before its first session."""
+    async def choose(self, timeout_s: float | None = None) -> Replica:
+        """:meth:`pick`, asking a replica what it serves before its first
+        session; one that has not answered within ``timeout_s`` (at most
+        DESCRIBE_TIMEOUT_S) counts as failed."""
+        timeout_s = min(DESCRIBE_TIMEOUT_S, timeout_s or DESCRIBE_TIMEOUT_S)
         while True:
             replica = self.pick()
             if not replica.checked:
                 try:
                     info = await replica.stub.GetWorkerInfo(
-                        pb.GetWorkerInfoRequest(), timeout=DESCRIBE_TIMEOUT_S
+                        pb.GetWorkerInfoRequest(), timeout=timeout_s
                     )
                 except grpc.aio.AioRpcError as exc:
                     replica.failed()
@@ -354,4 +361,5 @@ class Replicas:
             await asyncio.to_thread(thread.join)
         if self._owns_kube_api:
             await asyncio.to_thread(self._kube_api.close)
-        await asyncio.gather(*self._closing, *(r.channel.close() for r in self._members.values()))
+        await asyncio.gather(*self._closing)  # sessions ending, before their channels close
+        await asyncio.gather(*(r.channel.close() for r in self._members.values()))

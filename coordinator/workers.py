@@ -10,7 +10,7 @@ the same loop code either way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -71,7 +71,16 @@ class DraftSession(Protocol):
         a guess of the bonus token after them, then the drafts after that."""
         ...
 
-    async def close(self) -> None: ...
+    def failing(self) -> None:
+        """Says the session's worker stopped answering: new sessions go to
+        other replicas for a while."""
+
+    def close(self) -> None:
+        """Ends the session, its generation finished (in the background)."""
+
+    def cancel(self) -> None:
+        """Cuts the session (its generation failed or was cancelled, or the
+        worker stopped answering)."""
 
 
 class TargetSession(Protocol):
@@ -87,7 +96,12 @@ class TargetSession(Protocol):
         """Says the session's worker stopped answering: new sessions go to
         other replicas for a while."""
 
-    async def close(self) -> None: ...
+    def close(self) -> None:
+        """Ends the session, its generation finished (in the background)."""
+
+    def cancel(self) -> None:
+        """Cuts the session (its generation failed or was cancelled, or the
+        worker stopped answering)."""
 
 
 class DraftClient(Protocol):
@@ -100,6 +114,7 @@ class DraftClient(Protocol):
         request_id: str,
         target: WorkerInfo,
         sampling: SamplingParams,
+        deadline_s: float | None = None,
     ) -> tuple[DraftSession, float]: ...
 
 
@@ -170,20 +185,38 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
 
 def _load(message) -> EngineLoad | None:
     return load_from_pb(message.load) if message.HasField("load") else None
+CLOSE_WAIT_S = 2.0
+"""How long the worker of a finished session may take to end its stream
+(after a round still in flight) before the call is cancelled."""
 
 
 class _GrpcSession:
     """One worker session: a bidirectional stream, one request and one
     response per step. A worker's error status becomes the domain error of
-    the same meaning, so the coordinator passes it on to its client."""
+    the same meaning, so the coordinator passes it on to its client.
 
-    def __init__(self, role: str, call: grpc.aio.StreamStreamCall, replica: Any) -> None:
+    A finished session is closed (the worker counts it done); a session given
+    up for any other reason is cancelled (the worker counts it cancelled)."""
+
+    close_request: Any
+    """The role's request that carries a SessionClose."""
+
+    def __init__(
+        self,
+        role: str,
+        call: grpc.aio.StreamStreamCall,
+        replica: Any,
+        close_later: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
         self.role = role
         self._call = call
         self.address = replica.address
         self._replica = replica
+        self._close_later = close_later
         replica.load += 1
         self._open = True
+        self._turn = asyncio.Lock()
+        """One exchange at a time; the close waits for the one in flight."""
 
     def failing(self) -> None:
         self._replica.failed()
@@ -194,36 +227,62 @@ class _GrpcSession:
         return await answer_of(self._exchange(request), self._replica, deadline_s)
 
     async def _exchange(self, request):
-        try:
-            await self._call.write(request)
-            response = await self._call.read()
-            if response is not grpc.aio.EOF:
-                kind = response.WhichOneof("kind")
-                if kind is not None and getattr(response, kind).HasField("load"):
-                    self._replica.answered(load_from_pb(getattr(response, kind).load))
-                return response
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the call has ended; its status says why
+        async with self._turn:
+            try:
+                await self._call.write(request)
+                response = await self._call.read()
+                if response is not grpc.aio.EOF:
+                    kind = response.WhichOneof("kind")
+                    if kind is not None and getattr(response, kind).HasField("load"):
+                        self._replica.answered(load_from_pb(getattr(response, kind).load))
+                    return response
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call has ended; its status says why
         code, details = await self._call.code(), await self._call.details()
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
         if isinstance(error, Unavailable) and not isinstance(error, SessionExpired):
             self._replica.failed()
         raise error
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Ends the finished session, in the background: once a round in
+        flight (a speculation) has its answer, tells the worker and waits for
+        its end of stream, CLOSE_WAIT_S at most, then cancels the call."""
+        self._release()
+        if not self._call.done():
+            self._close_later(self._end())
+
+    def cancel(self) -> None:
+        """Cuts the session now: the worker sees its stream cancelled."""
+        self._release()
+        self._call.cancel()
+
+    def _release(self) -> None:
         if self._open:
             self._replica.load -= 1
             self._open = False
-        # Half-close, then cancel: the worker frees the session either way.
-        if not self._call.done():
-            try:
-                await self._call.done_writing()
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                pass
-            self._call.cancel()
+
+    async def _end(self) -> None:
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_S), self._turn:
+                if not self._call.done():
+                    await self._call.write(self.close_request)
+                    await self._call.done_writing()
+                    await self._call.code()  # once the worker has ended the stream
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
+        except asyncio.CancelledError:
+            # grpc raises it for a call cancelled under it (its channel closed).
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+        finally:
+            self._call.cancel()  # nothing, once the stream has ended
 
 
 class GrpcDraftSession(_GrpcSession):
+    close_request = pb.DraftRequest(close=pb.SessionClose())
+
     async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
         response = await self.exchange(
             pb.DraftRequest(
@@ -242,6 +301,8 @@ class GrpcDraftSession(_GrpcSession):
 
 
 class GrpcTargetSession(_GrpcSession):
+    close_request = pb.VerifyRequest(close=pb.SessionClose())
+
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
     ) -> Reply[Verdict]:
@@ -285,20 +346,20 @@ class GrpcWorkerClient:
     async def _open(self, request, *, request_id: str, deadline_s: float | None = None):
         """Opens a session on a replica; one that does not answer within
         ``deadline_s`` (frozen) counts as failed: Unavailable."""
-        replica = await self.replicas.choose()
+        replica = await self.replicas.choose(deadline_s)
         call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
-        session = self.session_class(self.role, call, replica)
+        session = self.session_class(self.role, call, replica, self.replicas.close_later)
         try:
             response = await session.exchange(request, deadline_s)
         except TimeoutError:
-            await session.close()
+            session.cancel()
             replica.failed()
             raise Unavailable(
                 f"{self.role} worker {replica.address} did not open the session "
                 f"within {deadline_s:.3g} s"
             ) from None
         except BaseException:
-            await session.close()
+            session.cancel()
             raise
         replica.opened()
         opened = response.opened
@@ -317,7 +378,15 @@ class GrpcDraftClient(GrpcWorkerClient):
             kube_api=kube_api,
         )
 
-    async def open(self, tokens, *, request_id: str, target: WorkerInfo, sampling: SamplingParams):
+    async def open(
+        self,
+        tokens,
+        *,
+        request_id: str,
+        target: WorkerInfo,
+        sampling: SamplingParams,
+        deadline_s: float | None = None,
+    ):
         request = pb.DraftRequest(
             open=pb.SessionOpen(
                 token_ids=tokens,
@@ -327,7 +396,7 @@ class GrpcDraftClient(GrpcWorkerClient):
                 sampling=sampling_to_pb(sampling),
             )
         )
-        session, opened = await self._open(request, request_id=request_id)
+        session, opened = await self._open(request, request_id=request_id, deadline_s=deadline_s)
         return session, opened.compute_s
 
 

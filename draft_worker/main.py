@@ -20,6 +20,7 @@ from outrider.engine.build import build_runner
 from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
+from outrider.startup import check_worker
 from outrider.v1 import worker_pb2, worker_pb2_grpc
 from outrider.worker import WorkerRole, load_model, serve_worker
 
@@ -111,4 +112,5 @@ ROLE = WorkerRole(
 
 
 def main(config: DraftWorkerConfig) -> None:
+    check_worker(config)
     run_service(serve(config))

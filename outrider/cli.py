@@ -233,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from outrider.logging import configure_logging
+    from outrider.startup import StartupError
 
     try:
         config = flags.build(ROLE_CONFIGS[args.role], args)
@@ -246,7 +247,11 @@ def _serve(args: argparse.Namespace) -> int:
         from target_worker.main import main as run
     else:
         from draft_worker.main import main as run
-    run(config)
+    try:
+        run(config)
+    except StartupError as exc:
+        print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -275,20 +280,50 @@ def _stack_args(args: argparse.Namespace) -> dict:
     return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
 
 
+def _check_stack_args(args: argparse.Namespace) -> None:
+    """The start-up checks of ``up`` and ``demo``, by their own flags: the
+    device, the models, and that the draft model shares the target's
+    vocabulary (StartupError)."""
+    from outrider import models, startup
+
+    startup.check_device(args.device)
+    startup.check_model("--target-model", args.target_model)
+    if args.draft_model:
+        startup.check_model("--draft-model", args.draft_model)
+        target, draft = (
+            models.vocab_fingerprint_of(spec) for spec in (args.target_model, args.draft_model)
+        )
+        if target and draft and target != draft:
+            raise startup.StartupError(
+                "--draft-model",
+                args.draft_model,
+                "its vocabulary differs from the target's (--target-model): pick a draft model "
+                "that shares the target's tokenizer, or --drafter prompt-lookup",
+            )
+
+
 def _up(args: argparse.Namespace) -> int:
     from outrider.stack import StackError, start_stack
+    from outrider.startup import StartupError, check_port
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        _check_stack_args(args)
+        check_port("--port", "127.0.0.1", args.port)
+        if args.metrics_port:
+            check_port("--metrics-port", "127.0.0.1", args.metrics_port)
         stack = start_stack(
             coordinator_port=args.port, metrics_port=args.metrics_port, **_stack_args(args)
         )
-    except (StackError, ValueError) as exc:
+    except (StartupError, ValueError) as exc:
         print(f"outrider up: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except StackError as exc:
+        print(f"outrider up: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130
     with stack:
@@ -314,13 +349,18 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from outrider.client import Client
     from outrider.stack import StackError, start_stack
+    from outrider.startup import StartupError
 
-    print("Starting target worker, draft worker and coordinator...", flush=True)
     try:
+        _check_stack_args(args)
+        print("Starting target worker, draft worker and coordinator...", flush=True)
         stack = start_stack(**_stack_args(args))
-    except (StackError, ValueError) as exc:
+    except (StartupError, ValueError) as exc:
         print(f"outrider demo: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except StackError as exc:
+        print(f"outrider demo: {exc}", file=sys.stderr)
+        return exc.exit_code
     with stack, Client(stack.coordinator.address) as client:
         info = client.model_info()
         drafter = (

@@ -50,6 +50,7 @@ from prometheus_client import (
 )
 
 from outrider.logging import get_logger
+from outrider.startup import StartupError
 
 if TYPE_CHECKING:
     from threading import Thread
@@ -122,7 +123,10 @@ def start_metrics_endpoint(host: str, port: int) -> MetricsEndpoint:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    except OSError as exc:
+        raise StartupError("--metrics-port", port, f"cannot listen there: {exc.strerror}") from None
     return MetricsEndpoint(registry, server.server_port, server, thread)
 
 
@@ -217,8 +221,8 @@ class WorkerMetrics:
         )
         self.closed = Counter(
             PREFIX + "worker_sessions_closed",
-            "Sessions closed, by how the stream ended: "
-            "done (the coordinator ended it), cancelled, or error.",
+            "Sessions closed, by what ended them: done (closed by the coordinator, its generation "
+            "finished), cancelled (cut: cancelled, or the coordinator gone), or an error status.",
             ["reason"],
             registry=registry,
         )

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from outrider import errors
 from outrider.logging import bind_contextvars, get_logger
+from outrider.startup import StartupError
 from outrider.validation import check_request_id
 
 if TYPE_CHECKING:
@@ -66,12 +68,29 @@ def error_from_status(code: grpc.StatusCode, message: str) -> errors.OutriderErr
     return errors.Unavailable(f"{message} ({code.name})")
 
 
+def parsing(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``deserializer`` (None: the bytes as they are) with bytes that do not
+    parse (a corrupt wire format, invalid UTF-8 in a string) refused as the
+    client's mistake: InvalidArgument."""
+
+    def parse(raw: bytes) -> Any:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except DecodeError as exc:
+            raise errors.InvalidArgument(f"the request could not be parsed: {exc}") from None
+
+    return parse
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Binds the call's request id into structlog, turns a domain error into
     its status code, and any other exception into INTERNAL without leaking a
-    stack trace to the client (it is logged instead). With ``tokens``, every
-    call but health and reflection needs ``authorization: Bearer <token>``
-    (compared in constant time), else UNAUTHENTICATED. With ``metrics``, every
+    stack trace to the client (it is logged instead); a request that does not
+    parse is refused INVALID_ARGUMENT like any other bad request. With
+    ``tokens``, every call but health and reflection needs ``authorization:
+    Bearer <token>`` (compared in constant time), else UNAUTHENTICATED. With ``metrics``, every
     call is counted by its final status code and timed. Calls are admitted
     through ``drain`` (refused once the server shuts down)."""
 
@@ -105,6 +124,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         sent_request_id = metadata.get(REQUEST_ID_KEY)
         request_id = sent_request_id or uuid.uuid4().hex[:16]
+        # grpc parses a single request before the handler runs, and answers a
+        # failure there UNKNOWN, uncounted, with a traceback in the log; so a
+        # single request reaches the wrapped handler as bytes and is parsed
+        # inside it. A streamed request is parsed as the handler reads it.
+        parse = parsing(handler.request_deserializer)
+        single = not handler.request_streaming
+        deserializer = None if single else parse
 
         async def guard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, errors.OutriderError):
@@ -125,8 +151,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     self._authorize(metadata, method)
                     if sent_request_id:
                         check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
+                    if single:
+                        request = parse(request)
                     with self._drain.admit(method):
-                        return await behavior(request, context)
+                        response = await behavior(request, context)
+                    code = _returned_code(context)
+                    return response
                 except Exception as exc:
                     code = _code_of(exc, context)
                     if _is_abort(exc):
@@ -149,9 +179,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     self._authorize(metadata, method)
                     if sent_request_id:
                         check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
+                    if single:
+                        request = parse(request)
                     with self._drain.admit(method):
                         async for response in behavior(request, context):
                             yield response
+                    code = _returned_code(context)
                 except Exception as exc:
                     code = _code_of(exc, context)
                     if _is_abort(exc):
@@ -169,24 +202,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 wrap_unary(handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
             wrap_stream(handler.stream_stream),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=deserializer,
             response_serializer=handler.response_serializer,
         )
 
@@ -194,6 +227,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 def _is_abort(exc: BaseException) -> bool:
     # context.abort() raises this to end the call; it must pass through.
     return isinstance(exc, grpc.aio.AbortError) or type(exc).__name__ == "AbortError"
+
+
+def _returned_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that returned ends with: OK, unless the handler set another."""
+    return context.code() or grpc.StatusCode.OK
 
 
 def _code_of(exc: Exception, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -327,13 +365,21 @@ async def start_server(
         server,
     )
     address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials)
-        if credentials
-        else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpc says no more than that it failed
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise StartupError(
+            "--port",
+            port,
+            f"cannot listen on {host}:{port}: the port is taken, or --host is not an address "
+            "of this machine",
+        )
     await server.start()
     running = RunningServer(
         server=server, health=health, port=bound, service_names=tuple(service_names), drain=drain

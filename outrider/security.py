@@ -64,9 +64,9 @@ def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> S
         return None
     if cert is None or key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    for path in (cert, key, client_ca):
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
         if path is not None and not path.is_file():
-            raise ValueError(f"{path} is not a readable file")
+            raise ValueError(f"{flag} {path}: {'not a file' if path.exists() else 'no such file'}")
     return ServerTls(cert, key, client_ca)
 
 
@@ -78,5 +78,5 @@ def load_tokens(path: Path) -> frozenset[str]:
         if line.strip() and not line.lstrip().startswith("#")
     )
     if not tokens:
-        raise ValueError(f"{path} holds no token")
+        raise ValueError("it holds no token: write one per line (# starts a comment)")
     return tokens

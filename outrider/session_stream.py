@@ -1,8 +1,12 @@
 """The worker side of a session stream, shared by both workers.
 
 One bidirectional stream is one session: the first request opens it, each
-later request is one round, and when the stream ends — completed, cancelled,
-deadline, coordinator gone — the session and its KV cache are freed at once.
+later request is one round, a close ends it, and when the stream ends —
+closed, cancelled, deadline, coordinator gone — the session and its KV cache
+are freed at once. The metrics count it ``done`` only when the coordinator
+closed it; a stream that ends without a close was cut (a cancel and a lost
+connection read the same as a half-close: the requests end), so it counts as
+``cancelled`` and ends CANCELLED.
 Session lifetime is stream lifetime: nothing can leak, so no collector of
 orphans is needed. A stream that stays open but brings no message for
 ``idle_timeout_s`` (a stalled coordinator, a client that stopped reading)
@@ -16,6 +20,8 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
 
 from outrider.errors import FailedPrecondition, InvalidArgument, OutriderError, SessionExpired
 from outrider.logging import bind_contextvars, get_logger
@@ -32,6 +38,7 @@ Response = TypeVar("Response")
 
 async def session_stream(
     requests: AsyncIterable[Any],
+    context: grpc.aio.ServicerContext,
     *,
     engine: Engine | InlineEngine,
     on_open: Callable[[str, Any], Awaitable[Response]],
@@ -43,7 +50,7 @@ async def session_stream(
     session_id = uuid.uuid4().hex[:16]
     bind_contextvars(session_id=session_id)
     opened = False
-    ended = "done"  # how the stream ended, for the metrics
+    ended = "cancelled"  # how the stream ended, for the metrics
     try:
         async for request in _until_idle(requests, idle_timeout_s):
             kind = request.WhichOneof("kind")
@@ -77,10 +84,14 @@ async def session_stream(
                 if metrics:
                     metrics.round_seconds.observe(time.perf_counter() - started)
                 yield response
+            elif kind == "close":
+                ended = "done"
+                return
             else:
-                raise InvalidArgument("each session message must set either 'open' or 'round'")
+                raise InvalidArgument("each session message must set 'open', 'round' or 'close'")
+        context.set_code(grpc.StatusCode.CANCELLED)
+        context.set_details("the session stream ended without a close message")
     except (asyncio.CancelledError, GeneratorExit):
-        ended = "cancelled"
         raise
     except Exception as exc:
         ended = status_of(exc).name if isinstance(exc, OutriderError) else "INTERNAL"
@@ -90,7 +101,7 @@ async def session_stream(
         engine.submit(close, session_id)
         if metrics and opened:
             metrics.closed.labels(ended).inc()
-        log.debug("session closed")
+        log.debug("session closed", ended=ended)
 
 
 async def _until_idle(requests: AsyncIterable[Any], idle_timeout_s: float) -> AsyncIterator[Any]:
@@ -132,6 +143,7 @@ class SessionServicer:
     async def Session(self, request_iterator, context):
         async for response in session_stream(
             request_iterator,
+            context,
             engine=self.engine,
             on_open=self._open,
             on_round=self._round,

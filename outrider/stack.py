@@ -1,8 +1,11 @@
 """Runs the three services as separate processes on loopback (``outrider up``).
 
 Workers start first; each writes its bound port to a ready file once it is
-SERVING, then the coordinator starts against those ports. Stopping sends
-SIGTERM to all three (they drain), then SIGKILL to any that linger.
+SERVING, then the coordinator starts against those ports. What a service
+writes to stderr while it starts is held back, and passed on once it is
+ready: one that fails to start is reported in one line, its last (the
+reason ``outrider serve`` gives). Stopping sends SIGTERM to all three (they
+drain), then SIGKILL to any that linger.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,7 +31,44 @@ from outrider.metrics import metrics_port_file
 
 
 class StackError(RuntimeError):
-    pass
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        """2 when a service refused its configuration, as ``outrider serve`` does."""
+
+
+class HeldStderr:
+    """A service's stderr: held while it starts, passed on to ours once it
+    is ready (:meth:`pass_on`)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._held: deque[str] = deque(maxlen=1000)
+        self._passing = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._lock:
+                if self._passing:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                else:
+                    self._held.append(line)
+
+    def pass_on(self) -> None:
+        with self._lock:
+            sys.stderr.writelines(self._held)
+            sys.stderr.flush()
+            self._held.clear()
+            self._passing = True
+
+    def last_line(self, timeout_s: float = 5.0) -> str:
+        """The last line written, once the stream has ended (the process exited)."""
+        self._thread.join(timeout_s)
+        with self._lock:
+            return next((line.strip() for line in reversed(self._held) if line.strip()), "")
 
 
 @dataclass
@@ -33,6 +76,7 @@ class Service:
     name: str
     process: subprocess.Popen
     ready_file: Path
+    stderr: HeldStderr
     port: int | None = None
     metrics_port: int | None = None
     """Where it serves Prometheus metrics (``/metrics``); None: it does not."""
@@ -108,8 +152,11 @@ class Stack:
         ]
         if metrics_port is not None:
             command += ["--metrics-port", str(metrics_port)]
-        process = subprocess.Popen(command, start_new_session=True)
-        service = Service(label, process, ready_file)
+        process = subprocess.Popen(
+            command, start_new_session=True, stderr=subprocess.PIPE, text=True
+        )
+        assert process.stderr is not None  # a pipe, as asked
+        service = Service(label, process, ready_file, HeldStderr(process.stderr))
         self.services.append(service)
         return service
 
@@ -118,11 +165,9 @@ class Stack:
         StackError if it exits or times out."""
         deadline = time.monotonic() + timeout_s
         while not service.ready_file.exists():
-            if service.process.poll() is not None:
-                raise StackError(
-                    f"the {service.name} exited with code {service.process.returncode} "
-                    "while starting"
-                )
+            if (code := service.process.poll()) is not None:
+                why = service.stderr.last_line() or f"it exited with code {code}"
+                raise StackError(f"the {service.name} did not start: {why}", 2 if code == 2 else 1)
             if time.monotonic() > deadline:
                 raise StackError(
                     f"the {service.name} did not become ready within {timeout_s:.0f} s"
@@ -137,6 +182,7 @@ class Stack:
             )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             raise StackError(f"the {service.name} reports {status.status} instead of SERVING")
+        service.stderr.pass_on()
 
     def stop(self, grace_s: float = 10.0) -> None:
         for service in reversed(self.services):

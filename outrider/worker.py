@@ -18,6 +18,7 @@ from outrider.engine import Engine, InlineEngine
 from outrider.logging import get_logger
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
 from outrider.rpc import serve_until_signalled, start_server
+from outrider.startup import StartupError, first_line
 
 log = get_logger(__name__)
 
@@ -29,13 +30,20 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
     engine's device and dtype, and their names as the worker reports them."""
     device = resolve_device(config.engine.device)
     dtype = resolve_dtype(config.engine.dtype, device)
-    model = models.load_causal_lm(
-        config.model,
-        dtype=dtype,
-        device=device,
-        num_layers=num_layers,
-        trust_remote_code=config.trust_remote_code,
-    )
+    try:
+        model = models.load_causal_lm(
+            config.model,
+            dtype=dtype,
+            device=device,
+            num_layers=num_layers,
+            trust_remote_code=config.trust_remote_code,
+        )
+    except Exception as exc:  # whatever the checkpoint's loader raises: it does not load here
+        raise StartupError(
+            "--model",
+            config.model or models.DEFAULT_MODEL,
+            f"does not load: {type(exc).__name__}: {first_line(exc)}",
+        ) from None
     return model, str(device), str(dtype).removeprefix("torch.")
 
 

@@ -66,8 +66,10 @@ class _InProcessTargetSession:
     def failing(self) -> None:
         pass
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
+
+    cancel = close
 
 
 class InProcessDraftClient:
@@ -96,6 +98,7 @@ class InProcessDraftClient:
         request_id: str,
         target: WorkerInfo,
         sampling: SamplingParams,
+        deadline_s: float | None = None,
     ):
         session_id = uuid.uuid4().hex[:16]
         _, compute_s = await self.engine.timed(
@@ -125,5 +128,10 @@ class _InProcessDraftSession:
         )
         return Reply(replace(proposal, round_id=round_id), compute_s, self.client.engine.load)
 
-    async def close(self) -> None:
+    def failing(self) -> None:
+        pass
+
+    def close(self) -> None:
         self.client.engine.submit(self.client.sessions.close, self.session_id)
+
+    cancel = close

@@ -119,13 +119,19 @@ class DraftRound(_message.Message):
     round_id: int
     def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ...) -> None: ...
 
+class SessionClose(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftRequest(_message.Message):
-    __slots__ = ("open", "round")
+    __slots__ = ("open", "round", "close")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     round: DraftRound
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
+    close: SessionClose
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("draft_token_ids", "compute_s", "draft_probs", "round_id", "follows_len", "guess_token_id", "load")
@@ -164,12 +170,14 @@ class VerifyRound(_message.Message):
     def __init__(self, committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("open", "round")
+    __slots__ = ("open", "round", "close")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     round: VerifyRound
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ...) -> None: ...
+    close: SessionClose
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified")

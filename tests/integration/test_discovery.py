@@ -314,7 +314,7 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(
             assert await first.verify(len(prompt_ids) + 1, Proposal([])) is not None
         finally:
             for session in sessions:
-                await session.close()
+                session.close()
             await client.close()
         assert await stack.sessions_left() == (0, 0)
 

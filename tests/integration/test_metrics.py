@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from outrider.client import AsyncClient
 from outrider.config import WorkerLimits
+from outrider.v1 import worker_pb2 as wpb
+from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import running_stack
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -216,3 +218,34 @@ async def test_a_full_worker_counts_the_refused_session(tiny_target_dir):
     assert coordinator.value("outrider_request_success_total", finished_reason="length") == 1
     # The draft-less coordinator still exports the speculation counters, at 0.
     assert coordinator.value("outrider_spec_decode_num_drafts_total") == 0
+
+
+async def test_a_worker_counts_a_session_done_only_when_its_coordinator_closed_it(tiny_target_dir):
+    """A close ends the session OK, counted done; a stream that ends without
+    one (a half-close, a cancel) was cut: CANCELLED, counted cancelled."""
+    async with running_stack(tiny_target_dir, drafter=None, metrics=True) as stack:
+        async with grpc.aio.insecure_channel(stack.target_servers[0].address) as channel:
+            stub = worker_pb2_grpc.TargetWorkerStub(channel)
+            opening = wpb.VerifyRequest(open=wpb.SessionOpen(token_ids=[5, 6, 7]))
+            codes = []
+            for end in ("close", "half-close", "cancel"):
+                call = stub.Session()
+                await call.write(opening)
+                assert (await call.read()).WhichOneof("kind") == "opened"
+                if end == "close":
+                    await call.write(wpb.VerifyRequest(close=wpb.SessionClose()))
+                if end == "cancel":
+                    call.cancel()
+                else:
+                    await call.done_writing()
+                codes.append(await call.code())
+        assert await stack.sessions_left() == (0, 0)
+        target = await scrape(stack, "target")
+
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED]
+    closed = "outrider_worker_sessions_closed_total"
+    assert target.value(closed, reason="done") == 1
+    assert target.value(closed, reason="cancelled") == 2
+    handled = "outrider_grpc_server_handled_total"
+    assert target.value(handled, grpc_method="Session", grpc_code="OK") == 1
+    assert target.value(handled, grpc_method="Session", grpc_code="CANCELLED") == 2

@@ -1,5 +1,8 @@
 """DraftLink: a draft session open slower than the round deadline never
 stalls the stream; it finishes in the background while rounds run at K = 0.
+A frozen draft stalls the stream once, by one deadline: it is reopened in the
+background, with a back-off that grows while the reopens fail, and drafting
+resumes once one succeeds.
 A speculation (the next round drafted while this one is verified) is a hit
 only if the verdict committed what it assumed; one whose draft fails, is
 late or answers another round is a miss, and the draft is lost for a while."""
@@ -11,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import structlog.testing
 
 from coordinator.recovery import DraftLink
 from coordinator.workers import Reply, WorkerInfo
@@ -21,19 +25,36 @@ from outrider.speculation import Proposal
 TARGET = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=512)
 
 
-class RecordingSession:
+class EndingSession:
+    """Records how the session ended: closed (its generation finished) or cancelled (cut)."""
+
     def __init__(self) -> None:
+        self.ended: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.ended is not None
+
+    def failing(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+    def cancel(self) -> None:
+        self.ended = "cancelled"
+
+
+class RecordingSession(EndingSession):
+    def __init__(self) -> None:
+        super().__init__()
         self.rounds: list[tuple[int, list[int]]] = []
-        self.closed = False
 
     async def propose(
         self, committed_len, new_tokens, k, assumed=None, round_id=0
     ) -> Reply[Proposal]:
         self.rounds.append((committed_len, list(new_tokens)))
         return Reply(Proposal([7] * k, round_id=round_id, follows_len=committed_len), 0.001)
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class SlowOpenDraft:
@@ -44,7 +65,7 @@ class SlowOpenDraft:
         self.opened_with: list[list[int]] = []
         self.sessions: list[RecordingSession] = []
 
-    async def open(self, tokens, *, request_id, target, sampling):
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
         await asyncio.sleep(self.open_s)
         self.opened_with.append(list(tokens))
         self.sessions.append(RecordingSession())
@@ -110,7 +131,7 @@ class Call:
     round_id: int
 
 
-class SpeculatingSession:
+class SpeculatingSession(EndingSession):
     """A draft session that drafts 7s; asked to speculate, it guesses
     ``guess`` as the bonus token and drafts 8s after it. ``fail`` makes a
     speculation raise, ``stall`` holds it until set, and ``bad_answer``
@@ -129,9 +150,10 @@ class SpeculatingSession:
         self.fail = fail
         self.stall = stall
         self.bad_answer = bad_answer
+        super().__init__()
         self.calls: list[Call] = []
         self.cancelled = False
-        self.closed = False
+        """A speculation was cancelled while the worker drafted it."""
 
     async def propose(
         self, committed_len, new_tokens, k, assumed=None, round_id=0
@@ -164,9 +186,6 @@ class SpeculatingSession:
             Proposal([8] * k, round_id=round_id, follows_len=follows_len, guess=self.guess), 0.001
         )
 
-    async def close(self) -> None:
-        self.closed = True
-
 
 class OneSessionDraft:
     """A draft client whose opens return ``session`` at once."""
@@ -175,7 +194,7 @@ class OneSessionDraft:
         self.session = session
         self.opened_with: list[list[int]] = []
 
-    async def open(self, tokens, *, request_id, target, sampling):
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
         self.opened_with.append(list(tokens))
         return self.session, 0.0
 
@@ -285,15 +304,18 @@ async def test_a_failed_speculation_is_a_miss_and_the_draft_is_lost_until_its_ba
     await asyncio.sleep(0.25)
     history.append(5)
     session.fail = session.stall = session.bad_answer = None
+    # The back-off over, the reopen runs in the background: this round does not wait for it.
+    assert await draft.propose(history, 2) == (None, 0.0)
+    await asyncio.sleep(0)
+    assert client.opened_with == [[1, 2, 3], history]  # reopened on the whole history
     reply, _ = await draft.propose(history, 2)
     assert reply is not None and reply.value.tokens == [7, 7]
-    assert client.opened_with == [[1, 2, 3], history]  # reopened on the whole history
     assert session.calls[-1] == Call(len(history), [], 2, None, 3)
     assert draft.failures == 0
     await draft.close()
 
 
-async def test_closing_while_a_speculation_is_in_flight_cancels_it():
+async def test_cutting_the_session_while_a_speculation_is_in_flight_cancels_it():
     session = SpeculatingSession(stall=asyncio.Event())
     draft, _ = await speculating(session, [1, 2, 3], deadline_s=30.0)
     task = draft.speculation.task
@@ -303,6 +325,107 @@ async def test_closing_while_a_speculation_is_in_flight_cancels_it():
     started = time.monotonic()
     await draft.close()
     assert time.monotonic() - started < 0.5
-    assert task.cancelled() and session.cancelled and session.closed
+    assert task.cancelled() and session.cancelled and session.ended == "cancelled"
     assert draft.speculation is None and draft.session is None
     assert await draft.speculated([1, 2, 3, 7, 7, 9]) == (None, None)
+
+
+async def test_a_finished_generation_closes_its_session_without_cutting_the_speculation_in_flight():
+    stall = asyncio.Event()
+    session = SpeculatingSession(stall=stall)
+    draft, _ = await speculating(session, [1, 2, 3], deadline_s=30.0)
+    task = draft.speculation.task
+    await asyncio.sleep(0.01)  # the speculation is waiting on the worker
+
+    started = time.monotonic()
+    await draft.close(finished=True)
+    assert time.monotonic() - started < 0.05  # the close itself runs in the background
+    assert session.ended == "closed" and not task.done()
+    stall.set()  # the worker answers; the session's close follows that answer
+    await task
+    assert not session.cancelled and draft.session is None
+
+
+# --- a frozen draft ----------------------------------------------------------------
+
+
+class FreezableDraft:
+    """A draft worker that can be frozen, as SIGSTOP freezes one: an open or a
+    round sent while it is frozen gets no answer until it thaws, and an open
+    past its deadline fails as the gRPC client's does."""
+
+    def __init__(self) -> None:
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+        self.open_times: list[float] = []
+
+    def freeze(self) -> None:
+        self.thawed.clear()
+
+    def thaw(self) -> None:
+        self.thawed.set()
+
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
+        self.open_times.append(time.monotonic())
+        try:
+            await asyncio.wait_for(self.thawed.wait(), deadline_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"draft worker d did not open the session within {deadline_s:.3g} s"
+            ) from None
+        return FreezableSession(self), 0.001
+
+
+class FreezableSession(RecordingSession):
+    def __init__(self, draft: FreezableDraft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
+        await self.draft.thawed.wait()
+        return await super().propose(committed_len, new_tokens, k, assumed, round_id)
+
+
+async def test_a_draft_frozen_for_good_stalls_one_round_and_reopens_back_off_more_each_time():
+    client = FreezableDraft()
+    draft = DraftLink(
+        client,
+        request_id="r",
+        target=TARGET,
+        sampling=SamplingParams(),
+        deadline_s=0.05,
+        open_deadline_s=0.1,
+        backoff_s=0.02,
+        max_backoff_s=0.08,
+    )
+    history = [1, 2, 3]
+    assert (await draft.propose(history, 2))[0] is not None
+    client.freeze()
+    waited_s = 0.0
+    with structlog.testing.capture_logs() as logs:
+        until = time.monotonic() + 1.2
+        while time.monotonic() < until:  # rounds at K = 0, ~5 ms each
+            history.append(4)
+            started = time.monotonic()
+            reply, _ = await draft.propose(history, 2)
+            waited_s += time.monotonic() - started
+            assert reply is None
+            await asyncio.sleep(0.005)
+    assert waited_s < 0.05 + 0.03  # the round that found it frozen; nothing after
+    lost = [entry for entry in logs if entry["event"].startswith("draft lost")]
+    assert lost[0]["error"] == "no proposal within the round deadline of 0.05 s"
+    assert {entry["error"] for entry in lost[1:]} == {
+        "draft worker d did not open the session within 0.1 s"
+    }
+    assert [entry["retry_in_s"] for entry in lost[:5]] == [0.02, 0.04, 0.08, 0.08, 0.08]
+    # The first open, then one reopen after each loss (the last one still waiting).
+    assert len(client.open_times) == 1 + len(lost)
+
+    # Thawed: the reopen in flight succeeds, and drafting resumes without a wait.
+    client.thaw()
+    started = time.monotonic()
+    while (reply := (await draft.propose(history, 2))[0]) is None:
+        await asyncio.sleep(0.005)
+    assert time.monotonic() - started < 0.2
+    assert reply.value.tokens == [7, 7] and draft.failures == 0
+    await draft.close()
