@@ -26,7 +26,7 @@ from typing import Any
 from coordinator.policy import AdaptiveK, CostModel
 from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
-from coordinator.workers import DraftClient, TargetClient, WorkerInfo
+from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.detokenize import TextStream
 from outrider.logging import get_logger
@@ -91,9 +91,9 @@ async def generate(
             record = RoundRecord()
             proposal = await generation.draft(record)  # 2. draft, or take the speculation
             generation.speculate(proposal)  # (pipelined: draft the next round meanwhile)
-            verdict = await generation.verify(proposal, record)  # 3. verify in one target pass
-            delta = generation.commit(proposal, verdict)  # 4. commit; stop token by token
-            generation.account(proposal, verdict, record, delta)  # 5. learn from the round
+            judged = await generation.verify(proposal, record)  # 3. verify in one target pass
+            delta = generation.commit(judged.proposal, judged.verdict)  # 4. commit; stop by token
+            generation.account(proposal, judged, record, delta)  # 5. learn from the round
             yield generation.finish(delta)  # 6. stream (the last delta carries the outcome)
     finally:
         await generation.close()  # 7. close both sessions: the workers free their caches
@@ -219,8 +219,9 @@ class Generation:
             if (k := self.choose_k(assumed_len)) > 0:
                 self.drafts.speculate(self.history, drafts, k)
 
-    async def verify(self, proposal: Proposal | None, record: RoundRecord) -> Verdict:
-        """The target's verdict on the drafts (none: a target-only round),
+    async def verify(self, proposal: Proposal | None, record: RoundRecord) -> Judged:
+        """The target's verdict on the drafts (none: a target-only round) —
+        all of them, or a prefix when its step had no room for the rest —
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
@@ -257,24 +258,27 @@ class Generation:
         return delta
 
     def account(
-        self, proposal: Proposal | None, verdict: Verdict, record: RoundRecord, delta: Delta
+        self, proposal: Proposal | None, judged: Judged, record: RoundRecord, delta: Delta
     ) -> None:
         """Records the round in the statistics, as far as the client got its
         tokens, and teaches the cost model and the policy what it cost and
         what it accepted."""
-        drafts = proposal.tokens if proposal else []
+        drafted = proposal.tokens if proposal else []
+        verified, verdict = len(judged.proposal.tokens), judged.verdict
         record.ended()
-        self.stats.record_round(proposal, verdict, record, streamed=len(delta.token_ids))
+        self.stats.record_round(
+            proposal, verdict, record, streamed=len(delta.token_ids), verified=verified
+        )
         self.costs.observe(
-            num_drafts=len(drafts),
+            num_drafts=verified,
             draft_s=record.draft_s,
-            draft_steps=len(drafts) + bool(proposal and proposal.guess is not None),
+            draft_steps=len(drafted) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
             overhead_s=record.overhead_s,
             drafted=proposal is not None and not record.hit,
         )
         if self.policy:
-            self.policy.observe(len(drafts), verdict.num_accepted)
+            self.policy.observe(verified, verdict.num_accepted)
 
     def finish(self, delta: Delta) -> Delta:
         """The round's delta, with the statistics when it is the last."""

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.workers import DraftClient, DraftSession, Reply, TargetClient, WorkerInfo
+from coordinator.workers import DraftClient, DraftSession, Judged, Reply, TargetClient, WorkerInfo
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import Proposal, Verdict
+from outrider.speculation import Proposal
 
 log = get_logger(__name__)
 
@@ -341,7 +341,7 @@ class TargetLink:
         history: list[int],
         proposal: Proposal,
         deadline_s: float | None = None,
-    ) -> tuple[Reply[Verdict], float]:
+    ) -> tuple[Reply[Judged], float]:
         """Verifies, reopening the session on the history after a failure or
         after no answer within ``deadline_s`` (a frozen or overloaded worker:
         the reopen goes to another replica while there is one). Returns the

@@ -83,13 +83,23 @@ class DraftSession(Protocol):
         worker stopped answering)."""
 
 
+@dataclass(frozen=True)
+class Judged:
+    """A verify's outcome: the proposal as the target verified it (all of
+    it, or a prefix of its drafts when its step had no room for the rest),
+    and the verdict on it."""
+
+    proposal: Proposal
+    verdict: Verdict
+
+
 class TargetSession(Protocol):
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
-    ) -> Reply[Verdict]:
+    ) -> Reply[Judged]:
         """The verdict on ``proposal``; TimeoutError when the worker gives
-        none within ``deadline_s`` and its engine has not stepped meanwhile
-        (frozen: a busy worker is waited for)."""
+        none within ``deadline_s`` and its engine is not at work (frozen: a
+        busy worker is waited for)."""
         ...
 
     def failing(self) -> None:
@@ -185,6 +195,8 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
 
 def _load(message) -> EngineLoad | None:
     return load_from_pb(message.load) if message.HasField("load") else None
+
+
 CLOSE_WAIT_S = 2.0
 """How long the worker of a finished session may take to end its stream
 (after a round still in flight) before the call is cancelled."""
@@ -305,12 +317,13 @@ class GrpcTargetSession(_GrpcSession):
 
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
-    ) -> Reply[Verdict]:
+    ) -> Reply[Judged]:
         response = await self.exchange(
             pb.VerifyRequest(round=verify_round_to_pb(committed_len, proposal)), deadline_s
         )
         verdict = response.verdict
-        return Reply(verdict_from_pb(verdict), verdict.compute_s, _load(verdict))
+        judged = Judged(proposal.prefix(verdict.num_verified), verdict_from_pb(verdict))
+        return Reply(judged, verdict.compute_s, _load(verdict))
 
 
 class GrpcWorkerClient:

@@ -13,7 +13,7 @@ them at the edge).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,12 @@ class Proposal:
     history."""
     round_id: int = 0
     """The round it answers, as the coordinator numbered it (echoed)."""
+
+    def prefix(self, k: int) -> Proposal:
+        """Its first ``k`` drafts: a proposal too (a verifier may take fewer)."""
+        if k >= len(self.tokens):
+            return self
+        return replace(self, tokens=self.tokens[:k], probs=self.probs[:k])
 
 
 @dataclass(frozen=True)

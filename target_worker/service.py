@@ -30,7 +30,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
-        verdict, compute_s = await self.engine.timed(
+        (verdict, verified), compute_s = await self.engine.timed(
             self.sessions.verify,
             session_id,
             request.committed_len,
@@ -41,7 +41,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
             verdict=verdict_to_pb(
                 verdict,
                 compute_s=compute_s,
-                num_verified=len(request.draft_token_ids),
+                num_verified=verified,
                 load=self.engine.load,
             )
         )

@@ -61,7 +61,7 @@ class TargetSessions:
             yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
         if not first_token:
             return session.committed_len, None
-        verdict = yield from self._round(session, [], None)
+        verdict, _ = yield from self._round(session, [], None)
         return session.committed_len, verdict.next_token
 
     def verify(
@@ -85,14 +85,20 @@ class TargetSessions:
 
     def _round(
         self, session: Session, draft_tokens: Sequence[int], q: torch.Tensor | None
-    ) -> Generator[Feed, Logits, Verdict]:
+    ) -> Generator[Feed, Logits, tuple[Verdict, int]]:
         """Verifies ``draft_tokens`` after the session's history and commits
-        the verdict."""
+        the verdict; returns it and the drafts verified (all, or a prefix
+        when the step had no room for the rest)."""
         k, committed_len = len(draft_tokens), session.committed_len
 
-        # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions.
+        # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
+        #    (or over [x_n, d_1 .. d_m]: a prefix is a proposal too).
         kv = session.kv
-        out = yield Feed(kv, [*session.tokens[len(kv) :], *draft_tokens], num_logits=k + 1)
+        tokens = [*session.tokens[len(kv) :], *draft_tokens]
+        out = yield Feed(kv, tokens, num_logits=len(tokens), trimmable=k)
+        verified = len(out.argmax) - 1
+        if verified < k:
+            draft_tokens, q = draft_tokens[:verified], None if q is None else q[:verified]
 
         # 2. Verify (greedy against the argmaxes the engine took for the whole step).
         try:
@@ -111,7 +117,7 @@ class TargetSessions:
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
         kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)
-        return verdict
+        return verdict, verified
 
     def draft_distribution(self, rows: Sequence[CompactProbs], k: int) -> torch.Tensor | None:
         """q as the draft sent it, [K, vocab]; None for a deterministic draft."""

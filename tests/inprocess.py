@@ -9,11 +9,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
-from coordinator.workers import Reply, WorkerInfo
+from coordinator.workers import Judged, Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions
 from outrider.engine import Engine, InlineEngine
 from outrider.sampling import SamplingParams
-from outrider.speculation import Proposal, Verdict
+from outrider.speculation import Proposal
 from target_worker.sessions import TargetSessions
 
 
@@ -53,15 +53,15 @@ class _InProcessTargetSession:
 
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
-    ) -> Reply[Verdict]:
-        verdict, compute_s = await self.client.engine.timed(
+    ) -> Reply[Judged]:
+        (verdict, verified), compute_s = await self.client.engine.timed(
             self.client.sessions.verify,
             self.session_id,
             committed_len,
             list(proposal.tokens),
             list(proposal.probs),
         )
-        return Reply(verdict, compute_s, self.client.engine.load)
+        return Reply(Judged(proposal.prefix(verified), verdict), compute_s, self.client.engine.load)
 
     def failing(self) -> None:
         pass

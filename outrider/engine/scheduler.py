@@ -7,7 +7,10 @@ wait here:
 
 * **rounds** — feeds that want logits (a target's verify, a draft's
   proposal step): someone is waiting for a token. Each runs whole, oldest
-  first, while the budget lasts.
+  first, while the budget lasts; a verify whose drafts do not all fit what
+  is left runs a prefix of them instead of waiting a step (a prefix of the
+  drafts is a proposal too, as vLLM's scheduler trims speculative tokens to
+  its budget).
 * **prefills** — feeds that only fill a cache (a session opening on its
   history). They take what the rounds left of the budget, oldest first, in
   chunks, so a long prompt arriving mid-flight costs running sessions at
@@ -37,6 +40,10 @@ class Feed:
     kv: KVCache
     tokens: list[int]
     num_logits: int = 1
+    trimmable: int = 0
+    """How many of its last tokens may be left out when the step has no
+    room for them (a round's drafts: a prefix of them is a proposal too);
+    the logits then come back for the tokens that ran."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -44,6 +51,14 @@ class Feed:
         if not 0 <= self.num_logits <= len(self.tokens):
             raise ValueError(
                 f"num_logits = {self.num_logits} for a feed of {len(self.tokens)} tokens"
+            )
+        if self.trimmable < 0 or (
+            self.trimmable
+            and (self.trimmable >= self.num_logits or self.num_logits != len(self.tokens))
+        ):
+            raise ValueError(
+                f"trimmable = {self.trimmable}: only tokens that all want logits can be left "
+                f"out, and not all of them ({self.num_logits} of {len(self.tokens)} want logits)"
             )
 
 
@@ -72,10 +87,13 @@ class Scheduled:
 
     row: Row
     pending: _Pending = field(repr=False)
+    trimmed: bool = False
+    """Its feed's last tokens were left out: it finishes with this row."""
 
     @property
     def finishes(self) -> bool:
-        return self.pending.done + len(self.row.tokens) == len(self.pending.feed.tokens)
+        done = self.pending.done + len(self.row.tokens)
+        return self.trimmed or done == len(self.pending.feed.tokens)
 
 
 class Scheduler:
@@ -122,6 +140,10 @@ class Scheduler:
             left = len(pending.feed.tokens) - pending.done
             if left <= budget:
                 take = left
+            elif left - pending.feed.trimmable <= budget:
+                step.append(self._trimmed(pending, budget))  # a prefix fits: it runs now
+                budget = 0
+                continue
             elif step:
                 continue  # waits for a step with room for it
             elif left > pending.feed.num_logits:
@@ -139,6 +161,14 @@ class Scheduler:
             step.append(self._take(pending, take))
             budget -= take
         return step
+
+    @staticmethod
+    def _trimmed(pending: _Pending, count: int) -> Scheduled:
+        """The first ``count`` tokens of a trimmable feed, which then ends."""
+        feed = pending.feed
+        left_out = len(feed.tokens) - count
+        row = Row(feed.kv, feed.tokens[:count], feed.num_logits - left_out)
+        return Scheduled(row, pending, trimmed=True)
 
     @staticmethod
     def _take(pending: _Pending, count: int) -> Scheduled:

@@ -337,3 +337,27 @@ async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(
     finally:
         engine.shutdown()
     assert len(draft.store) == 0
+
+
+@pytest.mark.parametrize(("concurrency", "budget"), [(1, 3), (8, 16)])
+async def test_rounds_trimmed_to_a_full_step_still_give_the_target_only_output(
+    tiny_target_dir, tiny_draft_same_dir, concurrency, budget
+):
+    # A target whose steps hold `budget` tokens verifies a prefix of the
+    # drafts of a round that does not fit (alone: x_n and 2 of 4 drafts).
+    cases = prompts(concurrency, seed=3, lengths=(4, 20))
+    references = [reference_greedy(tiny_target_dir, p, 24, eos=None) for p in cases]
+    engine = EngineConfig(dtype="float64", threads=1, max_tokens_per_step=budget)
+    async with running_stack(
+        tiny_target_dir, draft_dir=tiny_draft_same_dir, eos_token_ids={NO_EOS}, engine=engine, k=4
+    ) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=p, max_new_tokens=24) for p in cases)
+            )
+        assert await stack.sessions_left() == (0, 0)
+    assert [list(r.token_ids) for r in results] == references
+    proposed = sum(r.stats.proposed_tokens for r in results)
+    verified = sum(r.stats.draft_tokens for r in results)
+    assert 0 < verified < proposed  # trimmed, and the verified drafts were accepted
+    assert sum(r.stats.accepted_tokens for r in results) == verified

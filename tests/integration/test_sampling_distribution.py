@@ -45,6 +45,7 @@ Engine calls run inline on the event loop instead of on engine threads.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
-from outrider.engine import InlineEngine
+from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
 from outrider.engine.runner import FallbackRunner, PagedRunner
@@ -540,3 +541,63 @@ async def test_table_models_decode_as_the_real_models(world, mode):
             table, _ = await run_once(world.models, world.target, world.drafts["good"], req)
             real, _ = await run_once(world.models, real_target, real_good, req)
             assert table == real, (seed, setting)
+
+
+# --- a target that verifies only a prefix of the drafts (its step is full) ---
+
+
+TRIMMED = {1: 2, 8: 8}
+"""Concurrency → the target's token budget per step: alone, a round of x_n
+and two drafts runs as x_n and one; eight at once share 8 tokens, so some
+rounds run whole, some a prefix."""
+
+
+async def trimmed_samples(
+    world: World, mode: str, setting: str, concurrency: int, n: int
+) -> tuple[np.ndarray, int, int]:
+    """Seeds 0 .. n-1 through a target engine that trims rounds to its
+    budget, ``concurrency`` generations at a time: their tokens, and the
+    draft tokens proposed and verified."""
+    target_runner = runner(TableLM(world.target_model, PROMPT, NEW_TOKENS - 1))
+    info = TargetInfo(model_name="target", vocab_size=VOCAB, vocab_fingerprint="", max_context=512)
+    store = SessionStore(max_sessions=8, pool=target_runner.pool)
+    engine = Engine(
+        target_runner, max_tokens_per_step=TRIMMED[concurrency], max_rows=8, torch_threads=1
+    )
+    target = InProcessTargetClient(TargetSessions(target_runner, store, info), engine)
+    out = np.empty((n, NEW_TOKENS), dtype=np.int64)
+    proposed = verified = 0
+    try:
+        for start in range(0, n, concurrency):
+            seeds = range(start, min(n, start + concurrency))
+            results = await asyncio.gather(
+                *(
+                    run_once(
+                        world.models, target, world.drafts["good"], request(setting, mode, s, K)
+                    )
+                    for s in seeds
+                )
+            )
+            for seed, (tokens, st) in zip(seeds, results, strict=True):
+                out[seed] = tokens
+                proposed += st.proposed_tokens
+                verified += st.draft_tokens
+    finally:
+        engine.shutdown()
+    return out, proposed, verified
+
+
+@pytest.mark.parametrize("concurrency", sorted(TRIMMED))
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+async def test_trimmed_rounds_keep_the_target_distribution(world, mode, concurrency):
+    setting = "T=1.0"
+    n = N if mode == "rejection" else N_GUMBEL_DRAFTED
+    tokens, proposed, verified = await trimmed_samples(world, mode, setting, concurrency, n)
+    note = f"(trimmed: {verified} of {proposed} draft tokens verified, {concurrency} at once)"
+    p_values = check(world, tokens, mode, f"good+trimmed@{concurrency}", setting, note=note)
+    assert min(p_values) > ALPHA, p_values
+    assert 0 < verified < proposed  # rounds really were trimmed, and still drafted
+    if mode == "gumbel":
+        # Drafter-invariance holds for a prefix too: seed for seed, target-only's tokens.
+        target_only = await samples(world, mode, TARGET_ONLY, setting)
+        assert np.array_equal(tokens, target_only.tokens[:n])

@@ -379,7 +379,7 @@ async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was
     with pytest.raises(InvalidArgument):
         await engine.run(target.verify, "s", committed, [2], [compact(q_elsewhere)])
     assert len(target.store.get("s").kv) == committed - 1
-    verdict = await engine.run(
+    verdict, _ = await engine.run(
         target.verify, "s", committed, [2], []
     )  # the same round, well formed
     assert verdict.next_token is not None

@@ -1,5 +1,7 @@
 """The scheduler: rounds whole and first, prefills chunked into what is left, progress always."""
 
+import pytest
+
 from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.engine.scheduler import Feed, Scheduler
 
@@ -83,3 +85,35 @@ def test_feeds_of_closed_sessions_are_dropped():
     closed.kv.free()
     assert scheduler.drop_closed() == ["closed"]
     assert [s.pending.owner for s in scheduler.schedule()] == ["open"]
+
+
+def test_a_verify_that_does_not_fit_runs_a_prefix_of_its_drafts_instead_of_waiting():
+    pool = BlockPool(64, 4)
+    scheduler = Scheduler(max_tokens_per_step=6, max_rows=8)
+    first, second = KVCache(pool), KVCache(pool)
+    scheduler.add(Feed(first, [1, 2, 3], num_logits=3, trimmable=2), "first")
+    scheduler.add(Feed(second, [4, 5, 6, 7, 8], num_logits=5, trimmable=4), "second")
+    step = scheduler.schedule()
+    # The first round whole (3 tokens), then 3 of the second's 5: x_n and 2 drafts.
+    assert [(s.row.tokens, s.row.num_logits, s.finishes) for s in step] == [
+        ([1, 2, 3], 3, True),
+        ([4, 5, 6], 3, True),
+    ]
+    assert [owner for owner, _ in scheduler.update(step, ["a", "b"])] == ["first", "second"]
+    assert len(scheduler) == 0
+
+
+def test_a_feed_that_may_not_be_trimmed_still_waits_for_room():
+    pool = BlockPool(64, 4)
+    scheduler = Scheduler(max_tokens_per_step=6, max_rows=8)
+    scheduler.add(Feed(KVCache(pool), [1, 2, 3], num_logits=3), "first")
+    scheduler.add(Feed(KVCache(pool), [4, 5, 6, 7, 8], num_logits=5), "second")
+    assert [s.pending.owner for s in scheduler.schedule()] == ["first"]
+
+
+def test_only_drafts_may_be_trimmed():
+    pool = BlockPool(8, 4)
+    with pytest.raises(ValueError, match="trimmable"):
+        Feed(KVCache(pool), [1, 2, 3], num_logits=3, trimmable=3)  # x_n must run
+    with pytest.raises(ValueError, match="trimmable"):
+        Feed(KVCache(pool), [1, 2, 3], num_logits=1, trimmable=1)  # a prefill chunk
