@@ -150,13 +150,15 @@ class _GrpcSession:
         if self._open:
             self._replica.load -= 1
             self._open = False
-        # Half-close, then cancel: the worker frees the session either way.
+        # Half-close, then cancel: the worker frees the session either way
+        # (also when this close is itself cancelled).
         if not self._call.done():
             try:
                 await self._call.done_writing()
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass
-            self._call.cancel()
+            finally:
+                self._call.cancel()
 
 
 class GrpcDraftSession(_GrpcSession):
