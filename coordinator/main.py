@@ -8,14 +8,16 @@ from transformers import GenerationConfig
 
 from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.service import CoordinatorService, SpeculationPolicy
+from coordinator.openai import HttpServer, create_app, start_http_server
+from coordinator.requests import SpeculationPolicy
+from coordinator.service import CoordinatorService
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from outrider import models
-from outrider.config import CoordinatorConfig
+from outrider.config import CoordinatorConfig, http_port_file
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
+from outrider.rpc import RunningServer, run_service, serve_until_signalled, start_server
 from outrider.security import load_tokens
-from outrider.rpc import run_service, serve_until_signalled, start_server
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = get_logger(__name__)
@@ -73,22 +75,59 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             draft=draft_info.model if draft_info else None,
             draft_device=draft_info.device if draft_info else None,
         )
+        tokens = load_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset()
         running = await start_server(
             lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
             [SERVICE_NAME],
             host=config.service.host,
             port=config.service.port,
             credentials=tls.credentials() if (tls := config.service.tls) else None,
-            tokens=load_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset(),
+            tokens=tokens,
             metrics=RpcMetrics(metrics.registry) if metrics else None,
         )
-        await serve_until_signalled(
-            running, ready_file=config.service.ready_file, grace_s=config.service.shutdown_grace_s
+        http = (
+            await serve_http(config, config.http_port, service, running, tokens)
+            if config.http_port is not None
+            else None
         )
+        try:
+            await serve_until_signalled(
+                running,
+                ready_file=config.service.ready_file,
+                grace_s=config.service.shutdown_grace_s,
+            )
+        finally:
+            if http is not None:
+                await http.stop()
     finally:
         await target.close()
         if draft:
             await draft.close()
+
+
+async def serve_http(
+    config: CoordinatorConfig,
+    port: int,
+    service: CoordinatorService,
+    running: RunningServer,
+    tokens: frozenset[str],
+) -> HttpServer:
+    """Starts the OpenAI-compatible API beside the gRPC one: the same round
+    loop, TLS and tokens, and the same drain on shutdown. Its bound port is
+    written next to the ready file (``*.http-port``)."""
+    http = await start_http_server(
+        create_app(service, tokens=tokens, drain=running.drain),
+        host=config.service.host,
+        port=port,
+        tls=config.service.tls,
+    )
+    log.info("serving the OpenAI-compatible API", port=http.port, path="/v1")
+    if config.service.ready_file is not None:
+        port_file = http_port_file(config.service.ready_file)
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(http.port))
+        tmp.replace(port_file)
+    return http
 
 
 def main(config: CoordinatorConfig) -> None:

@@ -206,7 +206,7 @@ class RequestBuilder:
         tokenizer = self.models.tokenizer
         if params.text is not None:
             if not params.text:
-                raise InvalidArgument(f"the prompt {names.text} is empty", param=names.text)
+                raise InvalidArgument(f"{names.text} is empty: send some text", param=names.text)
             ids = tokenizer(params.text)["input_ids"]  # type: ignore[operator]
         elif params.messages is not None:
             messages = params.messages
