@@ -115,7 +115,8 @@ class ServiceConfig:
                 raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
         if self.metrics_port not in (None, 0) and self.metrics_port == self.port:
             raise ValueError(
-                f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC port (--port)"
+                f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC "
+                "port (--port)"
             )
         server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)  # checks them together
 

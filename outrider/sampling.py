@@ -117,7 +117,8 @@ class SamplingParams:
             and self.temperature >= 0
         ):
             raise ValueError(
-                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"
+                "temperature must be a finite number >= 0 (0 means greedy), "
+                f"got {self.temperature!r}"
             )
         if not (_is_integer(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
@@ -366,7 +367,8 @@ def expand(c: CompactProbs, vocab_size: int) -> torch.Tensor:
     else:
         if len(c.token_ids) != _I32.itemsize * len(values):
             raise ValueError(
-                f"token_ids must hold one int32 per prob ({len(values)}), got {len(c.token_ids)} bytes"
+                f"token_ids must hold one int32 per prob ({len(values)}), "
+                f"got {len(c.token_ids)} bytes"
             )
         ids = np.frombuffer(c.token_ids, dtype=_I32)
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):

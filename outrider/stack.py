@@ -61,7 +61,8 @@ class Stack:
     """Holds the services' ready files; removed with the stack."""
     services: list[Service] = field(default_factory=list)
     coordinators: dict[str | None, list[Service]] = field(default_factory=dict)
-    """Coordinator replicas by drafter label (``start_shared_target_stack``; None: no draft worker)."""
+    """Coordinator replicas by drafter label (``start_shared_target_stack``; None: no draft
+    worker)."""
 
     @property
     def coordinator(self) -> Service:
@@ -91,8 +92,9 @@ class Stack:
         label: str | None = None,
         metrics_port: int | None = None,
     ) -> Service:
-        """Starts ``outrider serve NAME`` without waiting for it; ``label`` names the service when several
-        share a role; with ``metrics_port`` (0: any free port) it serves Prometheus metrics there."""
+        """Starts ``outrider serve NAME`` without waiting for it; ``label`` names the service
+        when several share a role; with ``metrics_port`` (0: any free port) it serves Prometheus
+        metrics there."""
         label = label or name
         ready_file = self.workdir / f"{label}.port"
         command = [
@@ -115,12 +117,14 @@ class Stack:
         return service
 
     def wait_ready(self, service: Service, timeout_s: float) -> None:
-        """Returns once ``service`` has written its port and reports SERVING; StackError if it exits or times out."""
+        """Returns once ``service`` has written its port and reports SERVING; StackError if it
+        exits or times out."""
         deadline = time.monotonic() + timeout_s
         while not service.ready_file.exists():
             if service.process.poll() is not None:
                 raise StackError(
-                    f"the {service.name} exited with code {service.process.returncode} while starting"
+                    f"the {service.name} exited with code {service.process.returncode} "
+                    "while starting"
                 )
             if time.monotonic() > deadline:
                 raise StackError(
@@ -211,7 +215,8 @@ def start_shared_target_stack(
     coordinator_replicas: int = 1,
     timeout_s: float = 300.0,
 ) -> Stack:
-    """One target worker shared by every drafter's draft worker and coordinators (``outrider bench``).
+    """One target worker shared by every drafter's draft worker and coordinators
+    (``outrider bench``).
 
     ``drafts`` maps a drafter label to its draft worker's flags; the
     ``coordinator_replicas`` coordinators in front of that draft worker (and
