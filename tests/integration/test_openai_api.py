@@ -17,6 +17,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from coordinator.openai import create_app
 from outrider.client import AsyncClient
+from outrider.config import Recovery, WorkerLimits
 from outrider.rpc import Drain
 from outrider.security import ServerTls
 from tests.integration.harness import running_stack
@@ -534,3 +535,33 @@ async def test_on_shutdown_new_requests_get_503_while_those_in_flight_finish(tin
             assert finished.json()["usage"]["completion_tokens"] == 60
             assert await drained is True
     assert await s.sessions_left() == (0, 0)
+
+
+async def test_a_full_worker_is_429_and_a_lost_target_is_503(tiny_target_dir):
+    async with (
+        running_stack(
+            tiny_target_dir,
+            drafter="prompt-lookup",
+            eos_token_ids={NO_EOS},
+            limits=WorkerLimits(max_sessions=1),
+            recovery=Recovery(target_attempts=1),
+            step_s={"target": 0.01},
+            http=True,
+        ) as s,
+        api(s, max_retries=0) as client,
+    ):
+        long = dict(model=served(s), prompt="Hello", max_tokens=300, temperature=0)
+        stream = await client.completions.create(stream=True, **long)
+        await anext(stream)  # its session holds the worker's one place
+        with pytest.raises(openai.RateLimitError) as full:
+            await client.completions.create(**long)
+        assert full.value.status_code == 429 and full.value.code == "server_busy"
+        with pytest.raises(openai.RateLimitError):  # a stream's status waits for its first round
+            await client.completions.create(stream=True, **long)
+        await stream.close()
+        assert await s.sessions_left() == (0, 0)
+
+        await s.target_servers[0].stop(None)
+        with pytest.raises(openai.InternalServerError) as lost:
+            await client.completions.create(**long)
+        assert lost.value.status_code == 503 and "no target worker" in lost.value.message
