@@ -109,7 +109,10 @@ class ClientWatch:
         self.gone = False
 
     async def __aenter__(self) -> ClientWatch:
-        self.task = asyncio.current_task()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a ClientWatch runs in a task")
+        self.task = task
         self.watcher = asyncio.create_task(self.watch())
         return self
 
@@ -117,12 +120,11 @@ class ClientWatch:
         while (await self.receive())["type"] != "http.disconnect":
             pass
         self.gone = True
-        assert self.task is not None
         self.task.cancel()
 
     async def __aexit__(self, kind, exc, traceback) -> bool:
         self.watcher.cancel()
-        if self.gone and self.task is not None:
+        if self.gone:
             self.task.uncancel()
             return kind is asyncio.CancelledError
         return False
