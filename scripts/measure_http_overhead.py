@@ -115,12 +115,18 @@ class RawHttp:
             b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
         ) + body
-        reader, writer = (
-            self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
-        )
         sent, times, text = time.perf_counter(), [], []
-        writer.write(request)
-        status = await reader.readline()
+        while True:
+            reused = bool(self.idle)
+            reader, writer = (
+                self.idle.pop() if reused else await asyncio.open_connection("127.0.0.1", self.port)
+            )
+            writer.write(request)
+            status = await reader.readline()
+            if status or not reused:
+                break
+            writer.close()  # the server closed it while idle (keep-alive timeout): anew
+            sent = time.perf_counter()
         if b" 200 " not in status:
             raise SystemExit(f"HTTP answered {status!r}")
         while await reader.readline() != b"\r\n":  # headers
