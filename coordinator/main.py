@@ -6,14 +6,16 @@ import asyncio
 
 from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.service import CoordinatorService, SpeculationPolicy
+from coordinator.openai import HttpServer, create_app, start_http_server
+from coordinator.requests import SpeculationPolicy
+from coordinator.service import CoordinatorService
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient, WorkerInfo
 from outrider import models
-from outrider.config import CoordinatorConfig
+from outrider.config import CoordinatorConfig, http_port_file
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
-from outrider.rpc import run_service, serve_until_signalled, start_server
+from outrider.rpc import RunningServer, run_service, serve_until_signalled, start_server
 from outrider.startup import StartupError, auth_tokens, check_coordinator, first_line
 from outrider.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -88,9 +90,20 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             tokens=tokens,
             metrics=RpcMetrics(metrics.registry) if metrics else None,
         )
-        await serve_until_signalled(
-            running, ready_file=config.service.ready_file, grace_s=config.service.shutdown_grace_s
+        http = (
+            await serve_http(config, config.http_port, service, running, tokens)
+            if config.http_port is not None
+            else None
         )
+        try:
+            await serve_until_signalled(
+                running,
+                ready_file=config.service.ready_file,
+                grace_s=config.service.shutdown_grace_s,
+            )
+        finally:
+            if http is not None:
+                await http.stop()
     finally:
         await target.close()
         if draft:
@@ -129,6 +142,31 @@ def check_pairing(target: WorkerInfo, draft: WorkerInfo, addresses: tuple[str, .
         f"the draft worker serves {draft.model!r}, {differs} ({target.model!r}): serve a draft "
         "model that shares the target's tokenizer, or --drafter prompt-lookup",
     )
+
+
+async def serve_http(
+    config: CoordinatorConfig,
+    port: int,
+    service: CoordinatorService,
+    running: RunningServer,
+    tokens: frozenset[str],
+) -> HttpServer:
+    """Starts the OpenAI-compatible API beside the gRPC one: the same round
+    loop, TLS and tokens, and the same drain on shutdown. Its bound port is
+    written next to the ready file (``*.http-port``)."""
+    http = await start_http_server(
+        create_app(service, tokens=tokens, drain=running.drain),
+        host=config.service.host,
+        port=port,
+        tls=config.service.tls,
+    )
+    log.info("serving the OpenAI-compatible API", port=http.port, path="/v1")
+    if config.service.ready_file is not None:
+        port_file = http_port_file(config.service.ready_file)
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(http.port))
+        tmp.replace(port_file)
+    return http
 
 
 def main(config: CoordinatorConfig) -> None:

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="coordinator port (0: any free port)",
     )
     up.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on "
+        "this port too (0: any free port), printed at start (default: gRPC only)",
+    )
+    up.add_argument(
         "--metrics-port",
         type=int,
         help="serve the coordinator's Prometheus metrics at /metrics on this port (0: any free port) "
@@ -316,7 +322,10 @@ def _up(args: argparse.Namespace) -> int:
         if args.metrics_port:
             check_port("--metrics-port", "127.0.0.1", args.metrics_port)
         stack = start_stack(
-            coordinator_port=args.port, metrics_port=args.metrics_port, **_stack_args(args)
+            coordinator_port=args.port,
+            metrics_port=args.metrics_port,
+            http_port=args.http_port,
+            **_stack_args(args),
         )
     except (StartupError, ValueError) as exc:
         print(f"outrider up: {exc}", file=sys.stderr)
@@ -332,6 +341,8 @@ def _up(args: argparse.Namespace) -> int:
             f"  try: outrider generate --address {stack.coordinator.address} --chat 'Hello!'",
             flush=True,
         )
+        if (http_port := stack.coordinator.http_port) is not None:
+            print(f"  OpenAI-compatible API: http://127.0.0.1:{http_port}/v1", flush=True)
         for service in stack.services:
             if service.metrics_url:
                 print(f"  metrics of the {service.name}: {service.metrics_url}", flush=True)

@@ -115,7 +115,8 @@ class ServiceConfig:
                 raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
         if self.metrics_port not in (None, 0) and self.metrics_port == self.port:
             raise ValueError(
-                f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC port (--port)"
+                f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC "
+                "port (--port)"
             )
         server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)  # checks them together
 
@@ -313,6 +314,10 @@ class CoordinatorConfig:
     """private key of --worker-tls-cert"""
     auth_tokens_file: Path | None = None
     """require a bearer token from this file (one per line)"""
+    http_port: int | None = None
+    """serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models) on --host at this port, with the same TLS and bearer tokens as gRPC (0: any
+    free port, written to the --ready-file's name with .http-port; unset: no HTTP API)"""
     recovery: Recovery = Recovery()
 
     def __post_init__(self) -> None:
@@ -330,6 +335,17 @@ class CoordinatorConfig:
             raise ValueError("--worker-tls-key needs --worker-tls-cert")
         if self.worker_tls_cert is not None and self.worker_tls_key is None:
             raise ValueError("--worker-tls-cert needs --worker-tls-key")
+        if self.http_port is not None:
+            if not 0 <= self.http_port <= 65535:
+                raise ValueError(f"--http-port {self.http_port}: not a port number (0 to 65535)")
+            if self.http_port != 0 and self.http_port in (
+                self.service.port,
+                self.service.metrics_port,
+            ):
+                raise ValueError(
+                    f"--http-port {self.http_port}: the HTTP port must differ from --port and "
+                    "--metrics-port"
+                )
 
     @property
     def adaptive(self) -> bool:
@@ -348,6 +364,11 @@ class CoordinatorConfig:
         if self.worker_tls_ca is None and self.worker_tls_cert is None:
             return None
         return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
+
+
+def http_port_file(ready_file: Path) -> Path:
+    """Where a coordinator with ``--ready-file F`` writes its bound HTTP port."""
+    return ready_file.with_suffix(".http-port")
 
 
 __all__ = [

@@ -12,6 +12,12 @@ class OutriderError(Exception):
 class InvalidArgument(OutriderError):
     """The request itself is wrong; the message says what to change."""
 
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        """The request field at fault, as the API that received the request
+        names it; None when the message names it alone, or the whole request."""
+
 
 class SessionNotFound(OutriderError):
     """The session does not exist (never opened, or already closed)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import signal
 import time
 import uuid
@@ -23,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from outrider import errors
 from outrider.logging import bind_contextvars, get_logger
+from outrider.security import authorized
 from outrider.startup import StartupError
 from outrider.validation import check_request_id
 
@@ -100,18 +100,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metrics: RpcMetrics | None = None,
         drain: Drain | None = None,
     ) -> None:
-        self._tokens = tuple(token.encode() for token in tokens)
+        self._tokens = tokens
         self._metrics = metrics
         self._drain = drain if drain is not None else Drain()
 
     def _authorize(self, metadata: dict, method: str) -> None:
         if not self._tokens or method.startswith(PUBLIC_SERVICES):
             return
-        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-        presented = token.strip().encode()
-        # Compare against every token, so timing says nothing about which matched.
-        matches = [hmac.compare_digest(presented, known) for known in self._tokens]
-        if scheme.lower() != "bearer" or not any(matches):
+        if not authorized(str(metadata.get("authorization", "")), self._tokens):
             raise errors.Unauthenticated(
                 "this service needs a bearer token: send metadata 'authorization: Bearer <token>'"
             )

@@ -27,6 +27,14 @@ class Verification(enum.StrEnum):
     REJECTION = "rejection"
     GUMBEL = "gumbel"
 
+    @staticmethod
+    def of_request(requested: Verification | None, temperature: float) -> Verification:
+        """The mode a request runs with: greedy at temperature 0 whatever it
+        asked, else what it asked, rejection when it asked nothing."""
+        if temperature == 0:
+            return Verification.GREEDY
+        return requested or Verification.REJECTION
+
 
 @dataclass(frozen=True)
 class SamplingParams:

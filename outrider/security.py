@@ -6,11 +6,14 @@
 * The coordinator reaches TLS workers with ``--worker-tls-ca`` (and presents
   ``--worker-tls-cert``/``--worker-tls-key`` to workers that require it).
 * The coordinator can require a bearer token from ``--auth-tokens-file`` (one
-  token per line, ``#`` comments); health and reflection stay open for probes.
+  token per line, ``#`` comments), on its gRPC and its HTTP API alike; health
+  and reflection stay open for probes.
 """
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,16 @@ def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> S
         if path is not None and not path.is_file():
             raise ValueError(f"{flag} {path}: {'not a file' if path.exists() else 'no such file'}")
     return ServerTls(cert, key, client_ca)
+
+
+def authorized(authorization: str, tokens: Collection[str]) -> bool:
+    """Whether an ``authorization`` header or metadata value is ``Bearer
+    <token>`` with one of ``tokens``. Every token is compared, in constant
+    time, so timing says nothing about which one matched."""
+    scheme, _, token = authorization.partition(" ")
+    presented = token.strip().encode()
+    matches = [hmac.compare_digest(presented, known.encode()) for known in tokens]
+    return scheme.lower() == "bearer" and any(matches)
 
 
 def load_tokens(path: Path) -> frozenset[str]:

@@ -27,6 +27,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from outrider.config import http_port_file
 from outrider.metrics import metrics_port_file
 
 
@@ -80,6 +81,8 @@ class Service:
     port: int | None = None
     metrics_port: int | None = None
     """Where it serves Prometheus metrics (``/metrics``); None: it does not."""
+    http_port: int | None = None
+    """Where a coordinator serves its OpenAI-compatible API; None: it does not."""
 
     @property
     def address(self) -> str:
@@ -176,6 +179,8 @@ class Stack:
         service.port = int(service.ready_file.read_text())
         if metrics_port_file(service.ready_file).exists():
             service.metrics_port = int(metrics_port_file(service.ready_file).read_text())
+        if http_port_file(service.ready_file).exists():
+            service.http_port = int(http_port_file(service.ready_file).read_text())
         with grpc.insecure_channel(service.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10
@@ -214,10 +219,13 @@ def start_stack(
     with_draft: bool = True,
     timeout_s: float = 300.0,
     metrics_port: int | None = None,
+    http_port: int | None = None,
 ) -> Stack:
     """Starts target, draft and coordinator; returns when all are SERVING.
     With ``metrics_port``, the coordinator serves its metrics there (0: any
-    free port) and each worker on a free port (``Service.metrics_port``)."""
+    free port) and each worker on a free port (``Service.metrics_port``).
+    With ``http_port``, the coordinator serves its OpenAI-compatible API
+    there too (0: any free port; ``Service.http_port``)."""
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-up-")))
     worker_metrics_port = None if metrics_port is None else 0
     try:
@@ -230,6 +238,8 @@ def start_stack(
                 "draft", draft_args, timeout_s=timeout_s, metrics_port=worker_metrics_port
             )
             coordinator += ["--draft", draft.address]
+        if http_port is not None:
+            coordinator += ["--http-port", str(http_port)]
         stack.start(
             "coordinator",
             [*coordinator, *coordinator_args],

@@ -13,19 +13,22 @@ VERIFICATION_TO_PB = {
     Verification.REJECTION: coordinator_pb2.VERIFICATION_REJECTION,
     Verification.GUMBEL: coordinator_pb2.VERIFICATION_GUMBEL,
 }
-VERIFICATION_FROM_PB = {v: k for k, v in VERIFICATION_TO_PB.items()}
+VERIFICATION_FROM_PB: dict[int, Verification] = {int(v): k for k, v in VERIFICATION_TO_PB.items()}
 
 
-def verification_from_pb(
-    value: coordinator_pb2.Verification, *, temperature: float
-) -> Verification:
-    """Temperature 0 is greedy whatever was asked; UNSPECIFIED while sampling
-    means rejection."""
-    if value != coordinator_pb2.VERIFICATION_UNSPECIFIED and value not in VERIFICATION_FROM_PB:
+def requested_verification(value: int) -> Verification | None:
+    """The mode a message asks for; None when it leaves it UNSPECIFIED."""
+    if value == coordinator_pb2.VERIFICATION_UNSPECIFIED:
+        return None
+    if value not in VERIFICATION_FROM_PB:
         raise InvalidArgument(f"unknown verification mode {value}: use greedy, rejection or gumbel")
-    if temperature == 0:
-        return Verification.GREEDY
-    return VERIFICATION_FROM_PB.get(value, Verification.REJECTION)
+    return VERIFICATION_FROM_PB[value]
+
+
+def verification_from_pb(value: int, *, temperature: float) -> Verification:
+    """Temperature 0 is greedy whatever was asked; UNSPECIFIED while sampling
+    means rejection (:meth:`Verification.of_request`)."""
+    return Verification.of_request(requested_verification(value), temperature)
 
 
 def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:

@@ -319,6 +319,37 @@ def test_worker_services_are_headless_with_a_grpc_port_and_only_ready_pods(objec
     assert "clusterIP" not in coordinator["spec"]  # the one load-balanced address clients use
 
 
+def test_the_coordinator_serves_the_openai_api_on_its_http_port(
+    default_objects, full_objects, render
+):
+    for objects, (container_port, service_port, protocol) in (
+        (default_objects, (8000, 8000, "http")),
+        (full_objects, (8080, 443, "https")),  # TLS on
+    ):
+        container = pod_spec(component(objects, "Deployment", "coordinator"))["containers"][0]
+        assert env_of(container)["OUTRIDER_HTTP_PORT"] == str(container_port)
+        assert {"name": "http", "containerPort": container_port, "protocol": "TCP"} in container[
+            "ports"
+        ]
+        ports = component(objects, "Service", "coordinator")["spec"]["ports"]
+        http = next(p for p in ports if p["name"] == "http")
+        assert (http["port"], http["targetPort"], http["appProtocol"]) == (
+            service_port,
+            "http",
+            protocol,
+        )
+    clients = by_kind(full_objects, "NetworkPolicy")[f"{RELEASE}-outrider-coordinator"]
+    assert {"port": "http", "protocol": "TCP"} in clients["spec"]["ingress"][0]["ports"]
+
+    grpc_only = render(sets=("coordinator.httpPort=null",))
+    container = pod_spec(component(grpc_only, "Deployment", "coordinator"))["containers"][0]
+    assert "OUTRIDER_HTTP_PORT" not in env_of(container)
+    assert "http" not in {p["name"] for p in container["ports"]}
+    assert "http" not in {
+        p["name"] for p in component(grpc_only, "Service", "coordinator")["spec"]["ports"]
+    }
+
+
 def test_the_coordinator_discovers_the_worker_pools_through_their_endpointslices(objects):
     env = env_of(pod_spec(component(objects, "Deployment", "coordinator"))["containers"][0])
     assert env["OUTRIDER_TARGET"] == f"k8s://{RELEASE}-outrider-target.{NAMESPACE}:grpc"

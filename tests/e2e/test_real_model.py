@@ -42,26 +42,29 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack_address(default_model_dir):
-    """`outrider up` on a free port, stopped with SIGTERM at the end."""
+def stack(default_model_dir):
+    """`outrider up` on free ports (gRPC and HTTP), stopped with SIGTERM at
+    the end: its gRPC address and the base URL of its OpenAI-compatible API."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "outrider", "up", "--port", "0"],
+        [sys.executable, "-m", "outrider", "up", "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
-        address = None
-        while address is None:
+        address = api_url = None
+        while address is None or api_url is None:
             line = process.stdout.readline()
             if not line:
                 pytest.fail(f"`outrider up` exited with {process.wait()} before serving")
             if match := re.search(r"serving on (\S+)", line):
                 address = match.group(1)
+            if match := re.search(r"OpenAI-compatible API: (\S+)", line):
+                api_url = match.group(1)
             if time.monotonic() > deadline:
                 pytest.fail("`outrider up` did not start within 300 s")
-        yield address
+        yield address, api_url
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -69,6 +72,11 @@ def stack_address(default_model_dir):
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def stack_address(stack) -> str:
+    return stack[0]
 
 
 def outrider_generate(address: str, prompt: str, *args: str) -> dict:
@@ -172,6 +180,29 @@ def test_generate_streams_text(stack_address):
         check=True,
     )
     assert out.stdout.strip()
+
+
+def test_the_openai_client_streams_the_grpc_answer_from_outrider_up(stack):
+    from openai import OpenAI
+
+    address, api_url = stack
+    expected = outrider_generate(address, PROMPTS[0], "--chat", "--max-new-tokens", "32")
+    with OpenAI(base_url=api_url, api_key="unused") as client:
+        (model,) = client.models.list().data
+        stream = client.chat.completions.create(
+            model=model.id,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content for c in chunks if c.choices)
+    assert text == expected["text"]
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
+    speculation = chunks[-1].model_extra["metrics"]["speculative_decoding"]
+    assert speculation["acceptance_rate"] >= 0.7  # the int4 drafter agrees on ~0.93
 
 
 def test_models_path_prints_the_converted_directory(default_model_dir):

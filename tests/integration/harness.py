@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.loop import Models
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.service import CoordinatorService, SpeculationPolicy
+from coordinator.openai import HttpServer, create_app, start_http_server
+from coordinator.requests import SpeculationPolicy
+from coordinator.service import CoordinatorService
 from coordinator.workers import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
 from draft_worker.sessions import DraftSessions
@@ -69,6 +71,10 @@ class Stack:
     metrics: dict[str, MetricsEndpoint] = field(default_factory=dict)
     """With ``running_stack(metrics=True)``: each service's /metrics endpoint
     (``target``, ``target-1``, ..., ``draft``, ``coordinator``)."""
+    coordinator: CoordinatorService | None = None
+    http_url: str | None = None
+    """With ``running_stack(http=True)``: the coordinator's OpenAI-compatible
+    API, ``http://127.0.0.1:PORT`` (``https://`` with ``coordinator_tls``)."""
 
     async def sessions_left(self, timeout_s: float = 5.0) -> tuple[int, int]:
         """Open sessions on (all targets, draft) once pending closes have run."""
@@ -103,12 +109,14 @@ async def running_stack(
     kube_api=None,
     engine: EngineConfig = EngineConfig(dtype="float64", threads=1),
     step_s: dict[str, float] | None = None,
+    http: bool = False,
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
     them (``engine`` says how: by default float64 on the CPU, each model
     worker batching on its own engine thread). ``step_s`` paces the
     workers' forward passes (``{"target": s, "draft": s}``, see
-    :class:`PacedRunner`). ``publish_targets`` gets the
+    :class:`PacedRunner`). ``http``: the coordinator also serves its
+    OpenAI-compatible API (``Stack.http_url``). ``publish_targets`` gets the
     target workers' addresses and returns the ones the coordinator is given
     (e.g. k8s:// ones after publishing EndpointSlices to the API server that
     ``kube_api`` reaches)."""
@@ -118,6 +126,8 @@ async def running_stack(
     engines: list[AnyEngine] = []
     clients = []
     endpoints: dict[str, MetricsEndpoint] = {}
+    http_server: HttpServer | None = None
+    http_url = None
 
     def registry(name: str):
         """A service's metrics registry, served on a free port; None without ``metrics``."""
@@ -241,6 +251,15 @@ async def running_stack(
                 metrics=RpcMetrics(coordinator_registry) if metrics else None,
             )
         )
+        if http:
+            http_server = await start_http_server(
+                create_app(service, tokens=tokens, drain=servers[-1].drain),
+                host="127.0.0.1",
+                port=0,
+                tls=coordinator_tls,
+            )
+            scheme = "https" if coordinator_tls else "http"
+            http_url = f"{scheme}://127.0.0.1:{http_server.port}"
         for server in servers:
             await server.set_serving(True)
         yield Stack(
@@ -252,8 +271,12 @@ async def running_stack(
             servers[target_replicas] if draft is not None else None,
             draft_engine,
             endpoints,
+            service,
+            http_url,
         )
     finally:
+        if http_server is not None:
+            await http_server.stop()
         for server in reversed(servers):
             await server.stop(None)
         for client in clients:

@@ -299,7 +299,7 @@ async def test_sessions_stay_on_their_pod_and_new_ones_avoid_a_not_ready_one(
                 lambda: not client.replicas.members[first.address].ready, "the pod is not ready"
             )
             reply = await first.verify(len(prompt_ids), Proposal([]))
-            assert reply.value.num_accepted == 0
+            assert reply.value.verdict.num_accepted == 0
             for _ in range(2):
                 await open_session()
             counts = open_counts()

@@ -5,7 +5,8 @@ become GenerationStats, the policy becomes ModelInfo."""
 import pytest
 
 from coordinator.loop import Models, Stats
-from coordinator.service import CoordinatorService, SpeculationPolicy, stats_to_pb
+from coordinator.requests import SpeculationPolicy
+from coordinator.service import CoordinatorService, stats_to_pb
 from coordinator.workers import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 

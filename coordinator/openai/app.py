@@ -1,0 +1,244 @@
+"""The OpenAI-compatible HTTP API: routes, bearer tokens, and the
+translation of OpenAI's request bodies into :class:`RequestParams`, which the
+coordinator validates as it validates gRPC requests."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+import uuid
+from importlib.metadata import version
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from coordinator.requests import ChatMessage, FieldNames, RequestParams
+from coordinator.service import CoordinatorService
+from outrider import errors
+from outrider.logging import bind_contextvars
+from outrider.rpc import REQUEST_ID_KEY, Drain
+from outrider.sampling_params import Verification
+from outrider.security import authorized
+from outrider.validation import check_request_id
+
+from .errors import (
+    UnknownModel,
+    on_http_error,
+    on_internal_error,
+    on_invalid_body,
+    on_outrider_error,
+)
+from .generation import CHAT, TEXT, Completion, GenerationResponse, Shape
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationBody
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest request body; a longer one is refused with 413 (a prompt of the
+longest context the coordinator serves is far shorter)."""
+MAX_PROMPTS = 64
+"""Most prompts in one completions request (one generation each, run at once)."""
+
+
+class OpenAIApi:
+    """The routes' state: the coordinator's servicer (its request builder and
+    round loop), the bearer tokens, and the server's drain."""
+
+    def __init__(
+        self, service: CoordinatorService, *, tokens: frozenset[str], drain: Drain
+    ) -> None:
+        self.service = service
+        self.tokens = tokens
+        self.drain = drain
+        self.started = int(time.time())
+
+    @property
+    def model(self) -> str:
+        return self.service.models.target.model
+
+    def authorize(self, request: Request) -> None:
+        if self.tokens and not authorized(request.headers.get("authorization", ""), self.tokens):
+            raise errors.Unauthenticated(
+                "this API needs a bearer token: send the header 'Authorization: Bearer <token>'"
+            )
+
+    def request_id(self, request: Request) -> str:
+        """The client's ``X-Request-Id``, else a new one, bound into the logs."""
+        request_id = request.headers.get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16]
+        check_request_id(request_id, what=f"header {REQUEST_ID_KEY}")
+        bind_contextvars(request_id=request_id)
+        return request_id
+
+    def completion(
+        self,
+        request: Request,
+        body: GenerationBody,
+        shape: Shape,
+        prompts: list[tuple[RequestParams, FieldNames]],
+    ) -> GenerationResponse:
+        """Validates each prompt's request (``prompts``: its prompt, token
+        limit and field names), then answers with their generations."""
+        received = time.perf_counter()
+        body.check_supported()
+        if body.model is not None and body.model != self.model:
+            raise UnknownModel(
+                f"model {body.model!r} is not served here; this server serves {self.model!r}"
+            )
+        request_id = self.request_id(request)
+        generations = []
+        for i, (prompt, names) in enumerate(prompts):
+            params = dataclasses.replace(
+                body_params(body),
+                text=prompt.text,
+                messages=prompt.messages,
+                token_ids=prompt.token_ids,
+                max_new_tokens=prompt.max_new_tokens,
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            )
+            built = self.service.requests.build(params, names)  # binds its request id
+            generations.append((self.service.deltas(built, received), contextvars.copy_context()))
+        bind_contextvars(request_id=request_id)
+        prefix = "chatcmpl" if shape is CHAT else "cmpl"
+        completion = Completion(
+            shape,
+            id=f"{prefix}-{request_id}",
+            model=self.model,
+            generations=generations,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        )
+        return GenerationResponse(completion, self.drain, {REQUEST_ID_KEY: request_id})
+
+
+def body_params(body: GenerationBody) -> RequestParams:
+    """The sampling and speculation parameters of a body (its prompts apart)."""
+    return RequestParams(
+        stop=body.stops,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        seed=body.seed,
+        verification=Verification(body.verification) if body.verification else None,
+        num_speculative_tokens=body.num_speculative_tokens,
+        adaptive=body.adaptive,
+        pipeline=body.pipeline,
+    )
+
+
+def chat_prompt(body: ChatCompletionRequest) -> list[tuple[RequestParams, FieldNames]]:
+    limit_field, limit = body.token_limit()
+    messages = [ChatMessage(m.role, m.text) for m in body.messages]
+    names = FieldNames(messages="messages", max_new_tokens=limit_field)
+    return [(RequestParams(messages=messages, max_new_tokens=limit), names)]
+
+
+def completion_prompts(body: CompletionRequest) -> list[tuple[RequestParams, FieldNames]]:
+    prompts = body.prompts
+    if not prompts:
+        raise errors.InvalidArgument(
+            "prompt is an empty list: send at least one prompt", param="prompt"
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise errors.InvalidArgument(
+            f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed",
+            param="prompt",
+        )
+    result = []
+    for i, prompt in enumerate(prompts):
+        name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        names = FieldNames(text=name, token_ids=name, max_new_tokens="max_tokens")
+        params = (
+            RequestParams(text=prompt, max_new_tokens=body.max_tokens)
+            if isinstance(prompt, str)
+            else RequestParams(token_ids=prompt, max_new_tokens=body.max_tokens)
+        )
+        result.append((params, names))
+    return result
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` (413, as OpenAI's error
+    object: Starlette's own limit answers in plain text), by its
+    Content-Length before reading it, and by what is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        too_large = HTTPException(413, f"the request body is over {self.max_bytes} bytes")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise too_large
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise too_large
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def create_app(
+    service: CoordinatorService, *, tokens: frozenset[str] = frozenset(), drain: Drain
+) -> FastAPI:
+    """The API's ASGI app. ``tokens``: bearer tokens a client must present
+    (none: open); ``drain``: the gRPC server's, so that a shutdown drains
+    both APIs' calls at once."""
+    api = OpenAIApi(service, tokens=tokens, drain=drain)
+    app = FastAPI(title="Outrider", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_exception_handler(errors.OutriderError, on_outrider_error)
+    app.add_exception_handler(RequestValidationError, on_invalid_body)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_internal_error)
+
+    # Probes and version checks need no token.
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if drain.draining:
+            raise errors.Unavailable("the coordinator is shutting down")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": version("outrider")}
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api.authorize)])
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        target = service.models.target
+        model = {
+            "id": api.model,
+            "object": "model",
+            "created": api.started,
+            "owned_by": "outrider",
+            "root": api.model,
+            "max_model_len": target.max_context,
+        }
+        return {"object": "list", "data": [model]}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> GenerationResponse:
+        return api.completion(request, body, CHAT, chat_prompt(body))
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> GenerationResponse:
+        return api.completion(request, body, TEXT, completion_prompts(body))
+
+    app.include_router(v1)
+    return app

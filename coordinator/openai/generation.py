@@ -1,0 +1,355 @@
+"""A completion request's run: its generations (one per prompt, run at once)
+through the round loop, answered as one JSON object or as server-sent events.
+
+The response runs the generations while it answers, so that
+
+* a request the workers refuse gets its status (429 when they are full, 503
+  when no target is reachable): the status line waits for the first round,
+  which is when the first tokens could be sent anyway;
+* a client that disconnects cancels its generations at once, wherever they
+  are (the workers free their sessions as the streams close);
+* a slow reader slows the generation down rather than piling up chunks: a
+  round's chunk is produced only once the previous one was handed to the
+  server, which stops taking them while the client does not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from coordinator.loop import Delta
+from coordinator.stats import Stats
+from outrider.rpc import Drain
+
+from .errors import status_and_error
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies pass each event on at once
+]
+DONE = b"data: [DONE]\n\n"
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def event(body: dict[str, Any]) -> bytes:
+    return b"data: " + encode(body) + b"\n\n"
+
+
+async def merged(
+    generations: Sequence[tuple[AsyncIterator[Delta], contextvars.Context]],
+) -> AsyncGenerator[tuple[int, Delta], None]:
+    """The deltas of several generations, each with its index, as they come.
+    The generations run at once, each in the context it was built in (its
+    request id bound for its log lines) and each held until its last delta
+    is taken; closing this early cancels those still running."""
+    if len(generations) == 1:
+        async with contextlib.aclosing(generations[0][0]) as only:  # type: ignore[type-var]
+            async for delta in only:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | None, Exception | None]] = asyncio.Queue(1)
+
+    async def pump(index: int, deltas: AsyncIterator[Delta]) -> None:
+        try:
+            async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+                async for delta in deltas:
+                    await queue.put((index, delta, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+        else:
+            await queue.put((index, None, None))  # this generation is over
+
+    pumps = [
+        asyncio.create_task(pump(index, deltas), context=context)
+        for index, (deltas, context) in enumerate(generations)
+    ]
+    try:
+        running = len(pumps)
+        while running:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def run_out(deltas: AsyncIterator[tuple[int, Delta]]) -> None:
+    """Lets generations that have yielded their last delta end (close their
+    sessions) before the response does."""
+    async for index, _ in deltas:
+        raise RuntimeError(f"generation {index} went on after its last delta")
+
+
+class ClientWatch:
+    """While the block runs, a client that disconnects cancels it (its
+    generations with it); the block then ends quietly, nothing left to send."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.gone = False
+
+    async def __aenter__(self) -> ClientWatch:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a ClientWatch runs in a task")
+        self.task = task
+        self.watcher = asyncio.create_task(self.watch())
+        return self
+
+    async def watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.task.cancel()
+
+    async def __aexit__(self, kind, exc, traceback) -> bool:
+        self.watcher.cancel()
+        if self.gone:
+            self.task.uncancel()
+            return kind is asyncio.CancelledError
+        return False
+
+
+class ChatShape:
+    """Chat completions: a message per choice, a delta per chunk."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+    @staticmethod
+    def chunk_choice(
+        index: int, text: str, finish_reason: str | None, first: bool
+    ) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+class TextShape:
+    """Completions: a text per choice and per chunk."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def chunk_choice(
+        index: int, text: str, finish_reason: str | None, first: bool
+    ) -> dict[str, Any]:
+        return TextShape.choice(index, text, finish_reason)
+
+
+Shape = type[ChatShape] | type[TextShape]
+CHAT: Shape = ChatShape
+TEXT: Shape = TextShape
+
+
+def stats_of(last_deltas: Iterable[Delta]) -> list[Stats]:
+    """The statistics the last deltas of generations carry."""
+    return [delta.stats for delta in last_deltas if delta.stats is not None]
+
+
+def usage(stats: Sequence[Stats]) -> dict[str, int]:
+    prompt = sum(s.prompt_tokens for s in stats)
+    completion = sum(s.generated_tokens for s in stats)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def speculative_decoding(stats: Sequence[Stats]) -> dict[str, Any]:
+    """The response's speculation, over its generations, in vLLM's words:
+    drafts (rounds that verified draft tokens), draft tokens, accepted
+    tokens, accepted per position; acceptance rate and mean acceptance length
+    (tokens generated per round, the recovered or bonus token included)."""
+    rounds = sum(s.rounds for s in stats)
+    draft_tokens = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    generated = sum(s.generated_tokens for s in stats)
+    positions = max((len(s.accepted_per_position) for s in stats), default=0)
+    return {
+        "rounds": rounds,
+        "num_drafts": sum(s.num_drafts for s in stats),
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": [
+            sum(s.accepted_per_position[p] for s in stats if p < len(s.accepted_per_position))
+            for p in range(positions)
+        ],
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": generated / rounds if rounds else 0.0,
+    }
+
+
+@dataclass
+class Completion:
+    """One request of either endpoint: its generations and how to answer."""
+
+    shape: Shape
+    id: str
+    model: str
+    generations: Sequence[tuple[AsyncIterator[Delta], contextvars.Context]]
+    """Each generation's deltas, and the context to run it in."""
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def head(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def body(self, texts: list[list[str]], finished: list[Delta]) -> dict[str, Any]:
+        """The whole answer, once every generation has finished."""
+        stats = stats_of(finished)
+        return {
+            **self.head(self.shape.object),
+            "choices": [
+                self.shape.choice(i, "".join(text), delta.finish_reason)
+                for i, (text, delta) in enumerate(zip(texts, finished, strict=True))
+            ],
+            "usage": usage(stats),
+            "metrics": {"speculative_decoding": speculative_decoding(stats)},
+        }
+
+    def chunk(self, index: int, delta: Delta, *, first: bool) -> dict[str, Any]:
+        choice = self.shape.chunk_choice(index, delta.text, delta.finish_reason, first)
+        chunk = {**self.head(self.shape.chunk_object), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's: null in every chunk but the usage chunk
+        return chunk
+
+    def usage_chunk(self, stats: Sequence[Stats]) -> dict[str, Any]:
+        return {**self.head(self.shape.chunk_object), "choices": [], "usage": usage(stats)}
+
+
+class GenerationResponse(Response):
+    """Answers a :class:`Completion` while running it (see the module
+    docstring), counted among the server's calls in flight (``drain``)."""
+
+    def __init__(self, completion: Completion, drain: Drain, headers: dict[str, str]) -> None:
+        self.completion = completion
+        self.drain = drain
+        self.init_headers(headers)
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        completion = self.completion
+        with self.drain.admit("/coordinator" + scope["path"]):
+            async with (
+                ClientWatch(receive),
+                contextlib.aclosing(merged(completion.generations)) as deltas,
+            ):
+                # An error before the first round answers with its status.
+                first = await anext(deltas)
+                if completion.stream:
+                    await self.stream(send, first, deltas)
+                else:
+                    await self.answer(send, first, deltas)
+
+    async def answer(
+        self,
+        send: Send,
+        first: tuple[int, Delta],
+        deltas: AsyncGenerator[tuple[int, Delta], None],
+    ) -> None:
+        count = len(self.completion.generations)
+        texts: list[list[str]] = [[] for _ in range(count)]
+        finished: dict[int, Delta] = {}
+        index, delta = first
+        while True:
+            texts[index].append(delta.text)
+            if delta.finish_reason is not None:
+                finished[index] = delta
+                if len(finished) == count:
+                    break
+            index, delta = await anext(deltas)
+        await run_out(deltas)
+        body = encode(self.completion.body(texts, [finished[i] for i in range(count)]))
+        headers = [
+            *self.raw_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def stream(
+        self,
+        send: Send,
+        first: tuple[int, Delta],
+        deltas: AsyncGenerator[tuple[int, Delta], None],
+    ) -> None:
+        completion = self.completion
+        count = len(completion.generations)
+        headers = [*self.raw_headers, *SSE_HEADERS]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        finished: dict[int, Delta] = {}
+        started: set[int] = set()
+        try:
+            index, delta = first
+            while True:
+                chunk = completion.chunk(index, delta, first=index not in started)
+                started.add(index)
+                if delta.finish_reason is not None:
+                    finished[index] = delta
+                    if len(finished) == count:
+                        break
+                await send_event(send, chunk)
+                index, delta = await anext(deltas)
+            # The response's last chunk carries its speculation: the usage
+            # chunk when asked for (OpenAI sends usage in a chunk of its own).
+            stats = stats_of(finished[i] for i in range(count))
+            speculation = {"speculative_decoding": speculative_decoding(stats)}
+            if not completion.include_usage:
+                chunk["metrics"] = speculation
+            await send_event(send, chunk)
+            await run_out(deltas)
+            if completion.include_usage:
+                await send_event(send, {**completion.usage_chunk(stats), "metrics": speculation})
+        except Exception as exc:
+            # Mid-stream the status is sent: the error is the last event.
+            await send_event(send, status_and_error(exc)[1])
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+async def send_event(send: Send, body: dict[str, Any]) -> None:
+    await send({"type": "http.response.body", "body": event(body), "more_body": True})

@@ -1,0 +1,206 @@
+"""The request bodies of OpenAI's chat completions and completions APIs, as
+pydantic models: the types are checked strictly (a string is not a number),
+and a field OpenAI's API does not have is refused, as OpenAI refuses it.
+
+Fields of OpenAI's API that Outrider does not implement are accepted only
+at the value that leaves the output unchanged (``frequency_penalty: 0``,
+``logprobs: false``, ``n: 1``, ...), else refused with a message naming the
+field. Outrider's own parameters (``num_speculative_tokens``, ``adaptive``,
+``verification``, ``pipeline``, ``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids``) are extra fields of the body, as vLLM accepts its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from outrider.errors import InvalidArgument
+
+
+def one_of(description: str) -> WrapValidator:
+    """Replaces the per-alternative errors of a union by one message."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", f"must be {description}") from None
+
+    return WrapValidator(validate)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: str
+    content: Annotated[
+        str | list[TextPart], one_of("a string or a list of text parts ({type: text, text})")
+    ]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")]
+
+UNCHANGED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+"""OpenAI's parameters that Outrider does not implement, and the values at
+which they change nothing. (``logprobs``: the round loop does not carry the
+target's probabilities of the tokens it commits.)"""
+
+
+class GenerationBody(Body):
+    """What both endpoints take."""
+
+    model: str | None = None
+    """None: the served model."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    """OpenAI's default: sampling at temperature 1."""
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Stop = None
+    n: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    # OpenAI's parameters that Outrider implements only where they change nothing.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    # Outrider's (and vLLM's) extra parameters.
+    top_k: int = 0
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    num_speculative_tokens: int | None = None
+    adaptive: bool = False
+    verification: Literal["greedy", "rejection", "gumbel"] | None = None
+    pipeline: bool | None = None
+
+    def check_supported(self) -> None:
+        """Refuses what Outrider does not implement (see :data:`UNCHANGED`)."""
+        for name in type(self).model_fields.keys() & UNCHANGED.keys():
+            value = getattr(self, name)
+            # By type too: completions' logprobs = 0 asks for logprobs, False does not.
+            if not any(type(value) is type(v) and value == v for v in UNCHANGED[name]):
+                raise InvalidArgument(
+                    f"{name} = {value!r} is not supported by Outrider: leave it out", param=name
+                )
+        if self.n not in (None, 1):
+            raise InvalidArgument(
+                f"n = {self.n}: Outrider returns one choice per request; send {self.n} requests "
+                "(with different seeds) instead",
+                param="n",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(GenerationBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def token_limit(self) -> tuple[str, int | None]:
+        """The token limit and the field that set it: ``max_completion_tokens``
+        (OpenAI's current name) or ``max_tokens`` (its former one)."""
+        if self.max_completion_tokens is None:
+            return "max_tokens", self.max_tokens
+        if self.max_tokens not in (None, self.max_completion_tokens):
+            raise InvalidArgument(
+                f"max_tokens = {self.max_tokens} and max_completion_tokens = "
+                f"{self.max_completion_tokens} differ: give one of them",
+                param="max_completion_tokens",
+            )
+        return "max_completion_tokens", self.max_completion_tokens
+
+
+Prompt = Annotated[
+    str | list[int] | list[str] | list[list[int]],
+    one_of("a string, a list of token ids, or a list of either"),
+]
+
+
+class CompletionRequest(GenerationBody):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    logprobs: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per choice: a string or a list of token ids each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)  # type: ignore[arg-type]

@@ -1,0 +1,255 @@
+"""Requests as the coordinator's APIs receive them, validated once into the
+round loop's :class:`GenerationRequest`.
+
+The gRPC servicer (``coordinator.service``) and the OpenAI-compatible HTTP
+API (``coordinator.openai``) each translate what they received into
+:class:`RequestParams` — no protobuf, no JSON — and :class:`RequestBuilder`
+checks it against the served model and the server's speculation policy: the
+prompt (text, chat messages through the target's chat template, or token
+ids), the room left in the context, stop strings and token ids, K, adaptive
+K, pipelining and the sampling parameters. A bad field raises InvalidArgument
+naming it as the receiving API does (:class:`FieldNames`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.loop import GenerationRequest, Models
+from outrider.errors import InvalidArgument
+from outrider.logging import bind_contextvars, get_contextvars
+from outrider.sampling_params import SamplingParams, Verification
+from outrider.validation import check_request_id
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
+"""The fields whose checks SamplingParams makes (its messages start with the name)."""
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    default_k: int
+    max_k: int
+    default_max_new_tokens: int
+    default_adaptive: bool = False
+    """Requests that leave K unset choose it per round (up to max_k)."""
+    default_pipeline: bool = False
+    """Requests that leave pipeline unset run pipelined."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """A request as an API received it, not yet validated. The prompt is the
+    one of ``text``, ``messages`` and ``token_ids`` that is set."""
+
+    text: str | None = None
+    """Raw text, tokenized exactly as ``tokenizer(text)`` does."""
+    messages: Sequence[ChatMessage] | None = None
+    """Chat messages, rendered with the target's chat template."""
+    token_ids: Sequence[int] | None = None
+    max_new_tokens: int | None = None
+    """None: the server's default, within the room the context leaves."""
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    """None: a fresh seed, reported in the statistics for replay."""
+    verification: Verification | None = None
+    """None: rejection when sampling (:meth:`Verification.of_request`)."""
+    num_speculative_tokens: int | None = None
+    """None: adaptive if asked (or the server's default), else the server's K."""
+    adaptive: bool = False
+    pipeline: bool | None = None
+    """None: the server's default."""
+    request_id: str | None = None
+    """Bound into every log line of the request; None: the one already bound, or a new one."""
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """What the receiving API calls the fields whose names differ between
+    the APIs (the gRPC API's by default)."""
+
+    text: str = "text"
+    messages: str = "chat.messages"
+    token_ids: str = "token_ids.ids"
+    max_new_tokens: str = "max_new_tokens"
+
+
+class RequestBuilder:
+    """Validates :class:`RequestParams` against the served model and the
+    speculation policy of this coordinator (``drafts``: it has a draft worker)."""
+
+    def __init__(self, models: Models, policy: SpeculationPolicy, *, drafts: bool) -> None:
+        self.models = models
+        self.policy = policy
+        self.drafts = drafts
+
+    def build(self, params: RequestParams, names: FieldNames = FieldNames()) -> GenerationRequest:
+        # One id per request, in every log line of all three services: the
+        # client's if it sent one, else the one already bound, else a new one.
+        if params.request_id:
+            check_request_id(params.request_id)
+            bind_contextvars(request_id=params.request_id)
+        request_id = get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
+        prompt_ids = self.prompt_ids(params, names)
+        target = self.models.target
+        if len(prompt_ids) >= target.max_context:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
+                f"{target.max_context}, which leaves no room to generate; shorten the prompt"
+            )
+
+        room = target.max_context - len(prompt_ids)
+        max_new_tokens = params.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = min(self.policy.default_max_new_tokens, room)
+        elif max_new_tokens < 1:
+            raise InvalidArgument(
+                f"{names.max_new_tokens} = {max_new_tokens}: generate at least 1 token",
+                param=names.max_new_tokens,
+            )
+        elif max_new_tokens > room:
+            raise InvalidArgument(
+                f"{names.max_new_tokens} = {max_new_tokens} does not fit: the prompt has "
+                f"{len(prompt_ids)} tokens and the context holds {target.max_context}, "
+                f"so at most {room} can be generated",
+                param=names.max_new_tokens,
+            )
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(
+                f"{len(params.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed",
+                param="stop",
+            )
+        for i, stop in enumerate(params.stop):
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidArgument(
+                    f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters, "
+                    f"it has {len(stop)}",
+                    param="stop",
+                )
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"{len(params.stop_token_ids)} stop token ids given; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed",
+                param="stop_token_ids",
+            )
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+
+        # A K the request sets wins; else adaptive (asked, or the server's
+        # default) drafts up to max_k; else the server's default K.
+        adaptive = False
+        if params.num_speculative_tokens is not None:
+            k = params.num_speculative_tokens
+            if not 0 <= k <= self.policy.max_k:
+                raise InvalidArgument(
+                    f"num_speculative_tokens = {k} is outside [0, {self.policy.max_k}], "
+                    "this server's range",
+                    param="num_speculative_tokens",
+                )
+        elif params.adaptive or self.policy.default_adaptive:
+            k, adaptive = self.policy.max_k, True
+        else:
+            k = self.policy.default_k
+        if not self.drafts:
+            k = 0
+        # Pipelining overlaps drafting with verifying: without drafts
+        # (K = 0, no draft worker) there is nothing to overlap.
+        pipeline = params.pipeline if params.pipeline is not None else self.policy.default_pipeline
+        pipeline = pipeline and k > 0
+
+        try:
+            sampling = SamplingParams(
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p,
+                # Unseeded requests get a fresh seed, reported in the stats for replay.
+                seed=params.seed if params.seed is not None else secrets.randbits(63),
+                verification=Verification.of_request(params.verification, params.temperature),
+            )
+        except ValueError as exc:
+            message = str(exc)
+            param = next((f for f in SAMPLING_FIELDS if message.startswith(f)), None)
+            raise InvalidArgument(message, param=param) from None
+
+        return GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            num_speculative_tokens=k,
+            stop=tuple(params.stop),
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            adaptive=adaptive,
+            sampling=sampling,
+            request_id=request_id,
+            pipeline=pipeline,
+        )
+
+    def prompt_ids(self, params: RequestParams, names: FieldNames) -> list[int]:
+        tokenizer = self.models.tokenizer
+        if params.text is not None:
+            if not params.text:
+                raise InvalidArgument(f"{names.text} is empty: send some text", param=names.text)
+            ids = tokenizer(params.text)["input_ids"]  # type: ignore[operator]
+        elif params.messages is not None:
+            messages = params.messages
+            if not messages:
+                raise InvalidArgument(f"{names.messages} is empty", param=names.messages)
+            for i, m in enumerate(messages):
+                if m.role not in CHAT_ROLES:
+                    raise InvalidArgument(
+                        f"{names.messages}[{i}].role = {m.role!r}; use one of "
+                        f"{', '.join(sorted(CHAT_ROLES))}",
+                        param=f"{names.messages}[{i}].role",
+                    )
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise InvalidArgument(
+                    "the target's tokenizer has no chat template: send a text prompt instead",
+                    param=names.messages,
+                )
+            ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        elif params.token_ids is not None:
+            ids = list(params.token_ids)
+            if not ids:
+                raise InvalidArgument(
+                    f"{names.token_ids} is empty: send at least one token id", param=names.token_ids
+                )
+            self.check_token_ids(ids, names.token_ids)
+        else:
+            raise InvalidArgument(
+                "the request has no prompt: set "
+                f"{names.text}, {names.messages} or {names.token_ids}"
+            )
+        if not ids:
+            raise InvalidArgument("the prompt is empty after tokenization")
+        return list(ids)
+
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        vocab = self.models.target.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidArgument(
+                    f"{what}[{i}] = {token} is outside the vocabulary [0, {vocab})", param=what
+                )

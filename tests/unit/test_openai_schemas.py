@@ -1,0 +1,123 @@
+"""The HTTP API's translation, without a server: pydantic's findings become
+one error naming the field, OpenAI's unimplemented parameters are refused
+unless they change nothing, a response's speculation adds up its
+generations, and the request builder names fields as the HTTP API does."""
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.loop import Models
+from coordinator.openai.errors import body_error, status_and_error
+from coordinator.openai.generation import speculative_decoding
+from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
+from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationPolicy
+from coordinator.stats import Stats
+from coordinator.workers import WorkerInfo
+from outrider import errors
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def problem(model, body: dict) -> errors.InvalidArgument:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return body_error([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+
+
+@pytest.mark.parametrize(
+    "model, body, param, message",
+    [
+        (ChatCompletionRequest, {"messages": CHAT, "temperature": "1"}, "temperature",
+         "temperature: input should be a valid number, not str"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": 3}]},
+         "messages[0].content", "must be a string or a list of text parts"),
+        (ChatCompletionRequest, {}, "messages", "messages: this field is required"),
+        (ChatCompletionRequest, {"messages": CHAT, "stop": [1]}, "stop",
+         "must be a string or a list"),
+        (CompletionRequest, {"prompt": [[1], "a"]}, "prompt", "must be a string, a list of token"),
+        (CompletionRequest, {"prompt": "a", "best_of": 1, "bogus": 2}, "bogus",
+         "Unrecognized request argument supplied: bogus"),
+    ],
+)  # fmt: skip
+def test_a_bad_body_is_one_error_naming_its_field(model, body, param, message):
+    error = problem(model, body)
+    assert error.param == param and message in str(error)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": [], "tool_choice": "none"},
+        {"response_format": {"type": "text"}, "top_logprobs": 0, "user": "u", "metadata": {}},
+    ],
+)
+def test_unimplemented_parameters_at_their_neutral_value_pass(body):
+    ChatCompletionRequest.model_validate({"messages": CHAT, **body}).check_supported()
+
+
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (ChatCompletionRequest, {"messages": CHAT, "presence_penalty": 0.1}, "presence_penalty"),
+        (ChatCompletionRequest, {"messages": CHAT, "response_format": {"type": "json_object"}},
+         "response_format"),
+        (CompletionRequest, {"prompt": "a", "logprobs": 0}, "logprobs"),  # 0 asks for them
+        (CompletionRequest, {"prompt": "a", "echo": True}, "echo"),
+        (CompletionRequest, {"prompt": "a", "n": 3}, "n"),
+    ],
+)  # fmt: skip
+def test_unimplemented_parameters_that_would_change_the_output_are_refused(model, body, param):
+    with pytest.raises(errors.InvalidArgument) as info:
+        model.model_validate(body).check_supported()
+    assert info.value.param == param
+
+
+def test_each_prompt_of_a_completion_is_a_string_or_token_ids():
+    assert CompletionRequest(prompt="a").prompts == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts == [[1, 2]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+
+
+def test_domain_errors_get_their_status_and_other_errors_a_500_naming_no_detail():
+    assert status_and_error(errors.ResourceExhausted("full"))[0] == 429
+    assert status_and_error(errors.SessionExpired("idle"))[0] == 503
+    status, body = status_and_error(errors.InvalidArgument("bad", param="top_p"))
+    assert (status, body["error"]["param"]) == (400, "top_p")
+    status, body = status_and_error(KeyError("secret detail"))
+    assert status == 500 and "secret" not in body["error"]["message"]
+
+
+def test_a_response_speculation_adds_up_its_generations():
+    one = Stats(rounds=2, num_drafts=2, draft_tokens=8, accepted_tokens=6, generated_tokens=8)
+    one.accepted_per_position = [2, 2, 1, 1]
+    two = Stats(rounds=3, num_drafts=1, draft_tokens=2, accepted_tokens=0, generated_tokens=3)
+    two.accepted_per_position = [0, 0]
+    assert speculative_decoding([one, two]) == {
+        "rounds": 5,
+        "num_drafts": 3,
+        "num_draft_tokens": 10,
+        "num_accepted_tokens": 6,
+        "num_accepted_tokens_per_pos": [2, 2, 1, 1],
+        "acceptance_rate": 0.6,
+        "mean_acceptance_length": 11 / 5,
+    }
+
+
+def test_the_builder_names_fields_as_the_receiving_api_does():
+    target = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64)
+    builder = RequestBuilder(
+        Models(tokenizer=None, eos_token_ids=frozenset(), target=target),
+        SpeculationPolicy(default_k=4, max_k=8, default_max_new_tokens=16),
+        drafts=True,
+    )
+    http = FieldNames(text="prompt[1]", token_ids="prompt[1]", max_new_tokens="max_tokens")
+    with pytest.raises(errors.InvalidArgument) as info:
+        builder.build(RequestParams(token_ids=[1, 100]), http)
+    assert info.value.param == "prompt[1]" and str(info.value).startswith("prompt[1][1] = 100")
+    with pytest.raises(errors.InvalidArgument) as info:
+        builder.build(RequestParams(token_ids=[1], max_new_tokens=64), http)
+    assert info.value.param == "max_tokens" and "at most 63" in str(info.value)
+    with pytest.raises(errors.InvalidArgument) as info:
+        builder.build(RequestParams(token_ids=[1], max_new_tokens=64))
+    assert str(info.value).startswith("max_new_tokens = 64")
