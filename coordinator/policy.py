@@ -62,6 +62,8 @@ from outrider.load import EngineLoad
 
 TIE = 0.01
 """Goodputs this close count as equal; then latency decides."""
+LEARNING_K = 4
+"""K of a round drafted to learn what drafting costs, before any was measured."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -188,6 +190,11 @@ class CostModel:
     def measured(self) -> bool:
         """Whether the target's step cost is known (a round has run)."""
         return bool(self.target.curve)
+
+    @property
+    def draft_measured(self) -> bool:
+        """Whether a draft step's cost is known (a round has drafted)."""
+        return bool(self.draft and self.draft.curve) or self.draft_per_token.value is not None
 
     def prefill_cost(self, tokens: int) -> float | None:
         """What opening a target session on ``tokens`` tokens should cost."""
@@ -398,8 +405,8 @@ class AdaptiveK:
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0
-        if not self.costs.measured:
-            return k_max  # nothing measured yet: draft, and learn the costs
+        if not self.costs.measured or not self.costs.draft_measured:
+            return min(k_max, LEARNING_K)  # draft, and learn what a round costs
         plan = self.costs.plan()
         k = min(plan.ks.get(id(self), 0), k_max)
         if k > 0:

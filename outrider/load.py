@@ -61,13 +61,18 @@ class LoadMeter:
     :class:`EngineLoad` snapshots that any thread may read."""
 
     def __init__(self) -> None:
+        self._begun = 0
+        self._began_at: float | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the costs and load measured so far (a warm-up's); the
+        heartbeat goes on counting."""
         self._buckets: dict[int, list[float]] = {}
         """Power-of-two range → [average tokens, average seconds]."""
         self._tokens = 0.0
         self._rows = 0.0
         self._steps = 0
-        self._begun = 0
-        self._began_at: float | None = None
         self._snapshot = EngineLoad()
 
     @property

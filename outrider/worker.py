@@ -112,7 +112,13 @@ async def open_worker(
     engine = start_engine(
         sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step
     )
-    return sessions, engine, lambda: role.warm_up(sessions, engine)
+
+    async def warm_up() -> None:
+        await role.warm_up(sessions, engine)
+        if isinstance(engine, Engine):
+            engine.meter.reset()  # cold steps say nothing of the steps to come
+
+    return sessions, engine, warm_up
 
 
 def _return_freed_memory() -> None:

@@ -47,3 +47,12 @@ def test_a_step_under_way_says_how_long_it_has_run():
     assert meter.load.running_s > 0.0
     meter.stepped(rows=1, tokens=1, seconds=0.01)
     assert meter.load.running_s == 0.0
+
+
+def test_a_reset_forgets_the_warm_up_but_not_the_heartbeat():
+    meter = LoadMeter()
+    meter.begin()
+    meter.stepped(rows=1, tokens=3, seconds=0.2)  # a cold step
+    meter.reset()
+    assert meter.load.curve == () and meter.load.rows_per_step == 0
+    assert meter.load.steps == 1

@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from coordinator.policy import TIE, AdaptiveK, CostModel, expected_tokens, step_costs
+from coordinator.policy import (
+    LEARNING_K,
+    TIE,
+    AdaptiveK,
+    CostModel,
+    expected_tokens,
+    step_costs,
+)
 from outrider.load import EngineLoad
 
 
@@ -97,7 +104,9 @@ def test_the_room_left_caps_k():
 
 
 def test_without_measurements_it_drafts_to_learn():
-    assert AdaptiveK(6, CostModel()).choose(limit=100) == 6
+    assert AdaptiveK(6, CostModel()).choose(limit=100) == LEARNING_K
+    target_only = model(cpu)  # the target's steps are known, no draft step yet
+    assert session(target_only, alpha=0.5).choose(limit=100) == LEARNING_K
 
 
 def test_acceptance_estimate_follows_the_rounds():
