@@ -22,7 +22,7 @@ from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.startup import check_worker
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import WorkerRole, load_model, serve_worker
+from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -62,6 +62,9 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         engine=config.engine,
         max_context=info.max_context,
         int4_group_size=config.int4_group_size if int4 else None,
+        checkpoint=checkpoint_of(config),
+        num_layers=config.draft_layers,
+        trust_remote_code=config.trust_remote_code,
     )
     name = config.model or models.DEFAULT_MODEL
     if kind == "early-exit":

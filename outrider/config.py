@@ -165,9 +165,18 @@ class EngineConfig:
     max_batch_wait: float = 0.25
     """how long a step may wait for the sessions the previous step answered, so they stay in
     one batch, as a share of a forward pass (0: never wait)"""
+    tensor_parallel_size: int = 1
+    """ranks the model is split over (Megatron-style, torch.distributed): one process per
+    rank, on cuda:0 .. cuda:N-1 with NCCL, or on the CPU with gloo (--threads shared among
+    them); the model's attention heads and KV heads must divide N"""
+    tensor_parallel_timeout_s: float = 60.0
+    """how long a rank waits in a collective for the others before it gives up (a lost
+    rank then stops the worker)"""
 
     def __post_init__(self) -> None:
         check_device(self.device)
+        _at_least(self.tensor_parallel_size, 1, "--tensor-parallel-size")
+        _positive(self.tensor_parallel_timeout_s, "--tensor-parallel-timeout-s")
         check_dtype(self.dtype)
         _at_least(self.threads, 1, "--threads")
         if not 0 <= self.max_batch_wait <= 1:

@@ -100,12 +100,27 @@ def cache_budget(
 
 
 def worker_cache_budget(
-    model: torch.nn.Module, *, max_sessions: int, max_context: int, max_cached_tokens: int | None
+    model: torch.nn.Module,
+    *,
+    max_sessions: int,
+    max_context: int,
+    max_cached_tokens: int | None,
+    tensor_parallel: tuple[int, torch.device] | None = None,
 ) -> int:
     """The worker's budget: ``max_cached_tokens`` when given, else sized from
-    the memory free now on the model's device. Logs the figures either way."""
+    the memory free now on the model's device. Logs the figures either way.
+
+    ``tensor_parallel`` — ``(N, device of rank 0)`` — sizes it for one rank,
+    which holds ``1/N`` of every token's keys and values (on the CPU, the
+    ranks share the machine's memory, so the free memory is shared too)."""
     parameter = next(model.parameters())
     per_token = kv_bytes_per_token(model.config, parameter.dtype)
+    device = parameter.device
+    if tensor_parallel is not None:
+        size, device = tensor_parallel
+        per_token //= size
+        if device.type == "cpu":
+            per_token *= size
     if max_cached_tokens is not None:
         log.info(
             "kv cache budget from --max-cached-tokens",
@@ -116,8 +131,8 @@ def worker_cache_budget(
         return max_cached_tokens
     budget = cache_budget(
         kv_bytes_per_token=per_token,
-        available_bytes=available_bytes(parameter.device),
-        on_gpu=parameter.device.type == "cuda",
+        available_bytes=available_bytes(device),
+        on_gpu=device.type == "cuda",
         max_sessions=max_sessions,
         max_context=max_context,
     )

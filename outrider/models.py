@@ -378,6 +378,18 @@ def load_tokenizer(spec: str | None, *, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def checkpoint_dir(spec: str | None) -> str:
+    """The local directory of a model spec's checkpoint (a hub id's files
+    downloaded, or found in the hub's cache): tensor-parallel ranks read
+    slices of its safetensors files."""
+    path = resolve(spec)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.py"])
+
+
 def generation_config(spec: str | None) -> dict[str, Any]:
     """The model's generation config (``generation_config.json``); empty when it has none."""
     path = resolve(spec)

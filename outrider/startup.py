@@ -49,6 +49,43 @@ def check_worker(config: TargetWorkerConfig | DraftWorkerConfig) -> None:
     check_device(config.engine.device)
     if getattr(config, "drafter_kind", "model") != "prompt-lookup":
         check_model("--model", config.model)
+    if config.engine.tensor_parallel_size > 1:
+        check_tensor_parallel(config)
+
+
+def check_tensor_parallel(config: TargetWorkerConfig | DraftWorkerConfig) -> None:
+    """The model splits into ``--tensor-parallel-size`` ranks (its heads, KV
+    heads and MLP features divide by it; not the int4 drafter), and a CUDA
+    worker has that many devices."""
+    from transformers import AutoConfig
+
+    from outrider import models
+    from outrider.device import resolve_device
+    from outrider.engine.build import tensor_parallel_problem
+
+    size = config.engine.tensor_parallel_size
+    kind = getattr(config, "drafter_kind", "model")
+    if kind == "prompt-lookup":
+        raise StartupError(
+            "--tensor-parallel-size", size, "the prompt-lookup drafter runs no model to split"
+        )
+    model_config = AutoConfig.from_pretrained(
+        models.resolve(config.model), trust_remote_code=config.trust_remote_code
+    )
+    problem = tensor_parallel_problem(model_config, size, 32 if kind == "int4" else None)
+    if problem is not None:
+        raise StartupError("--tensor-parallel-size", size, problem)
+    device = resolve_device(config.engine.device)
+    if device.type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < size:
+            raise StartupError(
+                "--tensor-parallel-size",
+                size,
+                f"needs {size} CUDA devices (cuda:0 .. cuda:{size - 1}), this machine has "
+                f"{torch.cuda.device_count()}",
+            )
 
 
 def check_coordinator(config: CoordinatorConfig) -> None:

@@ -27,10 +27,22 @@ AnyEngine = Engine | InlineEngine
 
 def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str, str]:
     """The worker's model (``config.model``, cut to ``num_layers``) on its
-    engine's device and dtype, and their names as the worker reports them."""
+    engine's device and dtype, and their names as the worker reports them.
+    A tensor-parallel worker's model is its architecture only, on the meta
+    device: each rank reads its own shard of the weights
+    (:mod:`outrider.engine.parallel`)."""
     device = resolve_device(config.engine.device)
     dtype = resolve_dtype(config.engine.dtype, device)
     try:
+        if config.engine.tensor_parallel_size > 1:
+            from outrider.engine.parallel import meta_model
+
+            model = meta_model(
+                models.checkpoint_dir(config.model),
+                num_layers=num_layers,
+                trust_remote_code=config.trust_remote_code,
+            )
+            return model, str(device), str(dtype).removeprefix("torch.")
         model = models.load_causal_lm(
             config.model,
             dtype=dtype,
@@ -47,6 +59,13 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
     return model, str(device), str(dtype).removeprefix("torch.")
 
 
+def checkpoint_of(config: Any) -> str | None:
+    """Where a tensor-parallel worker's ranks read their shards; None for one rank."""
+    if config.engine.tensor_parallel_size == 1:
+        return None
+    return models.checkpoint_dir(config.model)
+
+
 def start_engine(
     sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None
 ) -> Engine | InlineEngine:
@@ -56,14 +75,22 @@ def start_engine(
     runner = sessions.runner
     if runner is None:
         return InlineEngine()
-    return Engine(
+    engine = Engine(
         runner,
         max_tokens_per_step=config.tokens_per_step(runner.device.type),
         max_rows=max_rows,
-        torch_threads=config.threads,
+        torch_threads=rank_threads(config),
         max_batch_wait=config.max_batch_wait,
         on_step=on_step,
     )
+    if (watch := getattr(getattr(runner, "forward", None), "watch", None)) is not None:
+        watch(engine.fail)  # a tensor-parallel rank that exits stops the engine
+    return engine
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads of each rank: ``--threads`` shared among the tensor-parallel ranks."""
+    return max(1, config.threads // config.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -183,3 +210,5 @@ async def serve_worker(role: WorkerRole, config: Any) -> None:
                 raise RuntimeError("the worker's engine loop failed") from failure
         finally:
             engine.shutdown()
+            if (close := getattr(sessions.runner, "close", None)) is not None:
+                close()  # stops a tensor-parallel worker's other ranks

@@ -13,7 +13,7 @@ from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.startup import check_worker
 from outrider.v1 import worker_pb2, worker_pb2_grpc
-from outrider.worker import WorkerRole, load_model, serve_worker
+from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
 from target_worker.service import TargetWorkerService
 from target_worker.sessions import TargetInfo, TargetSessions
 
@@ -37,7 +37,14 @@ def build_sessions(config: TargetWorkerConfig) -> TargetSessions:
         dtype=dtype,
     )
     limits = config.limits
-    runner = build_runner(model, limits=limits, engine=config.engine, max_context=info.max_context)
+    runner = build_runner(
+        model,
+        limits=limits,
+        engine=config.engine,
+        max_context=info.max_context,
+        checkpoint=checkpoint_of(config),
+        trust_remote_code=config.trust_remote_code,
+    )
     store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
     return TargetSessions(runner, store, info)
 

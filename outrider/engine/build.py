@@ -10,9 +10,11 @@ import time
 from torch import nn
 
 from outrider.config import EngineConfig, WorkerLimits
+from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import llama
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import FallbackRunner, PagedRunner
+from outrider.engine.shards import divisibility_problem
 from outrider.logging import get_logger
 from outrider.memory import worker_cache_budget
 
@@ -29,10 +31,17 @@ def build_runner(
     engine: EngineConfig,
     max_context: int,
     int4_group_size: int | None = None,
+    checkpoint: str | None = None,
+    num_layers: int | None = None,
+    trust_remote_code: bool = False,
 ) -> PagedRunner | FallbackRunner:
     """The runner of a worker with these ``limits`` and ``engine`` settings, for
     sessions of at most ``max_context`` tokens; ``int4_group_size``: its
-    weights in 4 bits (the Llama-family forward only)."""
+    weights in 4 bits (the Llama-family forward only). With
+    ``engine.tensor_parallel_size`` N > 1, ``model`` is the architecture of
+    ``checkpoint`` (cut to ``num_layers``) on the meta device, and N ranks
+    load their shards of it (:mod:`outrider.engine.parallel`)."""
+    size = engine.tensor_parallel_size
 
     def budget() -> int:
         return worker_cache_budget(
@@ -40,7 +49,34 @@ def build_runner(
             max_sessions=limits.max_sessions,
             max_context=max_context,
             max_cached_tokens=limits.max_cached_tokens,
+            tensor_parallel=None if size == 1 else (size, device),
         )
+
+    if size > 1:
+        if (problem := tensor_parallel_problem(model.config, size, int4_group_size)) is not None:
+            raise ValueError(problem)
+        if checkpoint is None:
+            raise ValueError("a tensor-parallel runner reads its shards from a checkpoint")
+        from outrider.engine import parallel
+
+        device = resolve_device(engine.device)
+        ranks = parallel.start(
+            checkpoint,
+            model,
+            size=size,
+            device=device,
+            dtype=resolve_dtype(engine.dtype, device),
+            num_layers=num_layers,
+            timeout_s=engine.tensor_parallel_timeout_s,
+            threads=max(1, engine.threads // size),
+            trust_remote_code=trust_remote_code,
+        )
+        try:
+            pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
+            return PagedRunner(ranks, pool)  # eager: no CUDA graphs
+        except BaseException:
+            ranks.close()
+            raise
 
     if (reason := llama.unsupported(model)) is not None:
         if int4_group_size is not None:
@@ -67,3 +103,16 @@ def build_runner(
     return PagedRunner(
         forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda"
     )
+
+
+def tensor_parallel_problem(config, size: int, int4_group_size: int | None = None) -> str | None:
+    """Why a model with this (transformers) config cannot run over ``size``
+    tensor-parallel ranks, or None when it can."""
+    if int4_group_size is not None:
+        return "the int4 drafter does not run tensor-parallel: give it --tensor-parallel-size 1"
+    if config.model_type not in llama.ARCHITECTURES:
+        return (
+            f"tensor parallelism runs the Llama-family forward only "
+            f"({', '.join(sorted(llama.ARCHITECTURES))}), not {config.model_type!r}"
+        )
+    return divisibility_problem(config, size)

@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import torch
 
 from outrider.engine.kv_cache import KVCache
-from outrider.engine.runner import Logits
+from outrider.engine.runner import Logits, RunnerLost
 from outrider.engine.scheduler import Feed, Row, Scheduler
 from outrider.errors import ResourceExhausted, SessionNotFound, Unavailable
 from outrider.load import EngineLoad, LoadMeter
@@ -191,6 +191,13 @@ def _average(average: float | None, sample: float, weight: float = 0.2) -> float
     return sample if average is None else average + weight * (sample - average)
 
 
+@dataclass
+class _Fatal:
+    """Queued by :meth:`Engine.fail`: the loop raises ``exc`` when it takes it."""
+
+    exc: BaseException
+
+
 Reply = Callable[[bool, Any, float], None]
 """How a call's outcome goes back: ``reply(True, result, seconds)`` or
 ``reply(False, exception, 0.0)``."""
@@ -246,7 +253,7 @@ class Engine:
         self.meter = LoadMeter()
         self._activity = _Activity()
         self._returns = _Returns(max_batch_wait)
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[_Call | _Fatal | None] = queue.SimpleQueue()
         self._stopped = False
         self.exited: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
         """Set when the loop ends: to None after :meth:`shutdown`, to the
@@ -290,6 +297,11 @@ class Engine:
         self._calls.put(None)
         self._thread.join()
 
+    def fail(self, exc: BaseException) -> None:
+        """Ends the loop with ``exc`` as if a step had raised it (from any
+        thread): every call is answered ``UNAVAILABLE`` and the worker stops."""
+        self._calls.put(_Fatal(exc))
+
     # --- the engine thread ----------------------------------------------------------
 
     def _serve(self, torch_threads: int | None) -> None:
@@ -329,7 +341,7 @@ class Engine:
                 call = self._calls.get_nowait()
             except queue.Empty:
                 return
-            if call is not None:
+            if isinstance(call, _Call):
                 call.fail(Unavailable("the worker's engine has stopped; retry on another replica"))
 
     def _take_calls(self, *, block: bool, timeout: float | None = None) -> bool:
@@ -343,6 +355,8 @@ class Engine:
         if block:
             self._activity.idle_s += time.perf_counter() - waiting_since
         while call is not None:
+            if isinstance(call, _Fatal):
+                raise call.exc
             self._start(call)
             try:
                 call = self._calls.get_nowait()
@@ -402,6 +416,8 @@ class Engine:
         started = time.perf_counter()
         try:
             outputs = self.runner.execute(rows)
+        except RunnerLost:
+            raise  # no step can run any more: the loop ends, every call is answered
         except BaseException as exc:  # a broken step fails its jobs, not the worker
             log.exception(
                 "forward pass failed", rows=len(rows), tokens=sum(len(r.tokens) for r in rows)

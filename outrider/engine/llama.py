@@ -16,6 +16,12 @@ With ``int4_group_size``, every projection is kept in 4 bits and the LM
 head in 8 (:mod:`outrider.quantize`; the int4 self-draft), the embedding
 and norms in the model's dtype.
 
+Built from a :class:`~outrider.engine.shards.CheckpointShard` instead, it is
+one rank of a tensor-parallel group (Megatron-LM's split, read slice by
+slice from the safetensors): its heads, MLP features and vocabulary rows;
+an all-reduce after the embedding and after each o and down projection
+makes every rank's hidden state whole, and rank 0 gathers the logits.
+
 The numbers of one step (:class:`ForwardBatch`) are tensors only, so the
 same forward runs eagerly on any device and inside a captured CUDA graph.
 """
@@ -29,11 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from outrider.engine import ops
+from outrider.engine.shards import CheckpointShard, Shard
 from outrider.quantize import QuantizedWeight, quantize_weight
 
 Weight = torch.Tensor | QuantizedWeight
@@ -126,16 +134,26 @@ class LlamaForward:
     weights out of ``model`` (fusing q/k/v and gate/up, releasing the
     originals as it goes): the transformers model is not used afterwards.
     ``int4_group_size`` quantizes the projections (4 bits) and the LM head
-    (8), with a progress bar if ``progress``."""
+    (8), with a progress bar if ``progress``.
+
+    With ``checkpoint``, ``model`` is only its architecture (on the meta
+    device) and the weights are the checkpoint's shard: this is one rank of
+    a tensor-parallel group, in torch.distributed's default process group."""
 
     def __init__(
-        self, model: nn.Module, *, int4_group_size: int | None = None, progress: bool = False
+        self,
+        model: nn.Module,
+        *,
+        int4_group_size: int | None = None,
+        progress: bool = False,
+        checkpoint: CheckpointShard | None = None,
     ) -> None:
         if (reason := unsupported(model)) is not None:
             raise ValueError(f"the Llama-family forward cannot run this model: {reason}")
         config: Any = model.config
         decoder: Any = model.model
         attention = decoder.layers[0].self_attn
+        self.shard: Shard | None = None if checkpoint is None else checkpoint.shard
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
         self.head_dim: int = attention.head_dim
@@ -150,6 +168,10 @@ class LlamaForward:
         self.sliding_window: int | None = (
             window if window and use_window and window < self.max_positions else None
         )
+        if checkpoint is not None:
+            self._load_shard(model, checkpoint)
+            return
+        self.vocab_start = 0
         self.embed: torch.Tensor = _own(decoder.embed_tokens.weight)
         self.norm: torch.Tensor = _own(decoder.norm.weight)
         self.dtype = self.embed.dtype
@@ -182,6 +204,68 @@ class LlamaForward:
         self.layers = [self._take(layer, quantize) for layer in layers]
         positions = torch.arange(self.max_positions, device=self.device)[None]
         cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
+        self.cos, self.sin = cos[0], sin[0]
+
+    def _load_shard(self, model: Any, checkpoint: CheckpointShard) -> None:
+        """This rank's weights (:mod:`outrider.engine.shards`), and its head counts."""
+        config: Any = model.config
+        shard = checkpoint.shard
+        q_start, q_stop = (i * self.head_dim for i in shard.part(self.num_heads))
+        kv_start, kv_stop = (i * self.head_dim for i in shard.part(self.num_kv_heads))
+        ffn_start, ffn_stop = shard.part(config.intermediate_size)
+        self.num_heads //= shard.size
+        self.num_kv_heads //= shard.size
+        self.embed, self.vocab_start = checkpoint.vocabulary_rows("model.embed_tokens.weight")
+        self.norm = checkpoint.whole("model.norm.weight")
+        self.dtype, self.device = checkpoint.dtype, checkpoint.device
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in checkpoint
+        self.lm_head = self.embed if tied else checkpoint.vocabulary_rows("lm_head.weight")[0]
+        layers = []
+        for i in range(len(model.model.layers)):
+            name = f"model.layers.{i}."
+            attention, mlp = name + "self_attn.", name + "mlp."
+            q, k, v = (f"{attention}{p}_proj." for p in "qkv")
+            bounds = ((q_start, q_stop), (kv_start, kv_stop), (kv_start, kv_stop))
+            layers.append(
+                _Layer(
+                    qkv=torch.cat(
+                        [
+                            checkpoint.rows(p + "weight", *b)
+                            for p, b in zip((q, k, v), bounds, strict=True)
+                        ]
+                    ),
+                    qkv_bias=torch.cat(
+                        [
+                            checkpoint.rows(p + "bias", *b)
+                            for p, b in zip((q, k, v), bounds, strict=True)
+                        ]
+                    )
+                    if q + "bias" in checkpoint
+                    else None,
+                    o=checkpoint.columns(attention + "o_proj.weight", q_start, q_stop),
+                    gate_up=torch.cat(
+                        [
+                            checkpoint.rows(mlp + "gate_proj.weight", ffn_start, ffn_stop),
+                            checkpoint.rows(mlp + "up_proj.weight", ffn_start, ffn_stop),
+                        ]
+                    ),
+                    down=checkpoint.columns(mlp + "down_proj.weight", ffn_start, ffn_stop),
+                    input_norm=checkpoint.whole(name + "input_layernorm.weight"),
+                    post_norm=checkpoint.whole(name + "post_attention_layernorm.weight"),
+                    qk_norm=(
+                        checkpoint.whole(attention + "q_norm.weight"),
+                        checkpoint.whole(attention + "k_norm.weight"),
+                    )
+                    if attention + "q_norm.weight" in checkpoint
+                    else None,
+                )
+            )
+        self.layers = layers
+        # transformers' own table, from a rotary module of the model's class built here
+        # (the meta model's holds no numbers)
+        rotary = type(model.model.rotary_emb)(config=config).to(self.device)
+        positions = torch.arange(self.max_positions, device=self.device)[None]
+        cos, sin = rotary(self.embed[:1], positions)
         self.cos, self.sin = cos[0], sin[0]
 
     @staticmethod
@@ -239,7 +323,7 @@ class LlamaForward:
         sin = self.sin[batch.positions].unsqueeze(1)
         masks = [self._mask(batch.positions, group, block_size) for group in batch.groups]
 
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self._embed(batch.input_ids)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             # 1. attention: project, rotate, write this step's keys and values, attend
             h = _rms_norm(x, layer.input_norm, self.eps)
@@ -265,16 +349,48 @@ class LlamaForward:
                 self._attend(q, keys, values, group, mask)
                 for group, mask in zip(batch.groups, masks, strict=True)
             ]
-            x = x + linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
+            x = x + self._reduce(
+                linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
+            )
 
             # 2. MLP
             h = _rms_norm(x, layer.post_norm, self.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = x + self._reduce(linear(F.silu(gate) * up, layer.down))
 
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+        return self._gather(linear(_rms_norm(x, self.norm, self.eps), self.lm_head))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; on a rank, each from the rank that holds its row."""
+        if self.shard is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a row-split product's partial sums)."""
+        if self.shard is not None:
+            dist.all_reduce(x)
+        return x
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's vocabulary columns side by side, ``[M, vocab]``;
+        the other ranks: their own (which nobody reads)."""
+        if self.shard is None:
+            return logits
+        if logits.shape[0] == 0:  # (every rank has the same M)
+            return logits.new_empty(0, self.vocab_size)
+        logits = logits.contiguous()
+        if self.shard.rank != 0:
+            dist.gather(logits, None, dst=0)
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.shard.size)]
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
     def _mask(
         self, positions: torch.Tensor, group: AttentionGroup, block_size: int

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,6 +35,11 @@ from outrider.logging import get_logger
 log = get_logger(__name__)
 
 
+class RunnerLost(RuntimeError):
+    """The runner can run no more steps (a tensor-parallel rank is gone):
+    the engine stops, and the worker with it."""
+
+
 @dataclass
 class Logits:
     """A row's wanted next-token logits, ``[num_logits, vocab]`` on the
@@ -44,24 +50,44 @@ class Logits:
     argmax: list[int]
 
 
+class Forward(Protocol):
+    """What a runner needs of a forward: a :class:`LlamaForward`, or rank 0
+    of a tensor-parallel one (:class:`outrider.engine.parallel.TensorParallelForward`)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
+
+    def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor: ...
+
+
 class PagedRunner:
     """Rows of a step as one forward pass of a Llama-family model over a
-    paged KV cache of ``pool``'s blocks, allocated here once."""
+    paged KV cache of ``pool``'s blocks, allocated here once (CUDA graphs:
+    of a single-device forward only)."""
 
-    def __init__(
-        self, forward: LlamaForward, pool: BlockPool, *, cuda_graphs: bool = False
-    ) -> None:
+    def __init__(self, forward: Forward, pool: BlockPool, *, cuda_graphs: bool = False) -> None:
         self.forward = forward
         self.pool = pool
         self.vocab_size = forward.vocab_size
         self.device = forward.device
         self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
-        self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
+        self.graphs = (
+            CudaGraphs(forward, self.cache)
+            if cuda_graphs and isinstance(forward, LlamaForward)
+            else None
+        )
         self.pad_groups = self.device.type == "cuda"
         """Group rows by the power of two at or above their token count (see :meth:`_ragged_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
+
+    def close(self) -> None:
+        """Stops what the forward started (a tensor-parallel worker's other ranks)."""
+        if (close := getattr(self.forward, "close", None)) is not None:
+            close()
 
     def warm_up(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
         """Captures the CUDA graphs of every bucket up to these sizes."""
