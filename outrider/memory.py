@@ -24,6 +24,7 @@ once, after the model is loaded, from the memory that is still free
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,13 @@ def worker_cache_budget(
             max_context=max_context,
         )
     return budget.max_cached_tokens
+
+
+def return_freed_memory() -> None:
+    """Hands back to the system the memory that loading freed (the
+    checkpoint's tensors, replaced by the forward's own copies or 4-bit
+    ones): glibc keeps freed heap pages for reuse otherwise."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator manages this itself

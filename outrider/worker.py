@@ -4,7 +4,6 @@ gRPC server, its metrics, its warm-up, its drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from outrider.config import EngineConfig
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
 from outrider.logging import get_logger
+from outrider.memory import return_freed_memory
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
 from outrider.rpc import serve_until_signalled, start_server
 from outrider.startup import StartupError, first_line
@@ -135,7 +135,7 @@ async def open_worker(
     pickling and hops cost more than the interpreter time they would save
     the gRPC threads (docs/benchmark.md#the-engine-in-its-own-process)."""
     sessions = await asyncio.to_thread(role.build_sessions, config)
-    _return_freed_memory()
+    return_freed_memory()
     engine = start_engine(
         sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step
     )
@@ -146,16 +146,6 @@ async def open_worker(
             engine.meter.reset()  # cold steps say nothing of the steps to come
 
     return sessions, engine, warm_up
-
-
-def _return_freed_memory() -> None:
-    """Hands back to the system the memory that loading freed (the
-    checkpoint's tensors, replaced by the forward's own copies or 4-bit
-    ones): glibc keeps freed heap pages for reuse otherwise."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator manages this itself
 
 
 async def serve_worker(role: WorkerRole, config: Any) -> None:

@@ -49,6 +49,7 @@ from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
 from outrider.engine.runner import RunnerLost
 from outrider.engine.shards import CheckpointShard, Shard
 from outrider.logging import get_logger
+from outrider.memory import return_freed_memory
 
 log = get_logger(__name__)
 
@@ -116,7 +117,10 @@ def load_shard(spec: RankSpec, model: Any = None) -> LlamaForward:
         dtype=getattr(torch, spec.dtype),
         device=spec.torch_device,
     )
-    return LlamaForward(model, checkpoint=shard)
+    try:
+        return LlamaForward(model, checkpoint=shard)
+    finally:
+        shard.close()
 
 
 def _join(spec: RankSpec, store: dist.Store) -> None:
@@ -394,6 +398,7 @@ def serve_rank(spec: RankSpec) -> int:
     _join(spec, store)
     steps = StepSubscriber(spec.steps)
     forward = load_shard(spec)
+    return_freed_memory()
     store.set(f"loaded/{spec.rank}", "1")
     cache: torch.Tensor | None = None
     try:

@@ -82,8 +82,15 @@ class CheckpointShard:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def close(self) -> None:
+        """Unmaps the files (the tensors read are copies: they stay)."""
+        self._files.clear()
+        self._where.clear()
+
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        """A copy in memory of its own: a slice may be a view of the mapped
+        file, which would keep every page of it that loading touched resident."""
+        return tensor.to(device=self.device, dtype=self.dtype, copy=True).contiguous()
 
     def whole(self, name: str) -> torch.Tensor:
         return self._own(self._where[name].get_tensor(name))
