@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="draft the next round while the target verifies this one (requests may override)",
         )
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
+        _add_tp_flags(p)
         p.add_argument("--log-level", default="warning", help="log level of the three services")
     up.add_argument(
         "--port",
@@ -261,12 +262,28 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tp_flags(parser: argparse.ArgumentParser) -> None:
+    for role in ("target", "draft"):
+        parser.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"tensor-parallel size of the {role} worker: its model split over N ranks "
+            "(GPUs, or processes on the CPU) (default: 1)",
+        )
+
+
 def _stack_args(args: argparse.Namespace) -> dict:
     target = ["--log-level", args.log_level, "--device", args.device, "--dtype", args.dtype]
     draft = ["--log-level", args.log_level, "--device", args.device, "--dtype", args.draft_dtype]
     if args.threads:
         target += ["--threads", str(args.threads)]
         draft += ["--threads", str(args.threads)]
+    if args.target_tp != 1:
+        target += ["--tensor-parallel-size", str(args.target_tp)]
+    if args.draft_tp != 1:
+        draft += ["--tensor-parallel-size", str(args.draft_tp)]
     if args.target_model:
         target += ["--model", args.target_model]
     drafter = args.drafter or default_drafter(args.device, draft_model=args.draft_model)
@@ -599,6 +616,7 @@ def _add_bench_parser(commands) -> None:
         type=int,
         help="torch threads of this process and of each worker (default: all cores)",
     )
+    _add_tp_flags(bench)
     bench.add_argument(
         "--json",
         type=Path,

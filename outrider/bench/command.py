@@ -52,6 +52,9 @@ class BenchOptions:
     """Empty: the sequential bench; else the concurrency levels (1 among them)."""
     coordinators: int = 1
     threads: int = os.cpu_count() or 1
+    target_tp: int = 1
+    draft_tp: int = 1
+    """Tensor-parallel size of the model drafters' workers (prompt lookup runs no model)."""
     json_path: Path | None = None
     plot_path: Path | None = None
     progress: bool = True
@@ -67,6 +70,8 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
         workers += ["--max-sessions", str(max(64, 2 * max(options.concurrency)))]
     max_k = str(max(16, *options.ks))
     target = [*workers, "--dtype", options.dtype]
+    if options.target_tp != 1:
+        target += ["--tensor-parallel-size", str(options.target_tp)]
     coordinator = [*common, "--max-num-speculative-tokens", max_k]
     if options.target_model:
         target += ["--model", options.target_model]
@@ -76,6 +81,8 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
     for args in drafts.values():
         if "--dtype" not in args and "prompt-lookup" not in args:
             args += ["--dtype", options.dtype]
+        if options.draft_tp != 1 and "prompt-lookup" not in args:
+            args += ["--tensor-parallel-size", str(options.draft_tp)]
     return dict(
         target_args=target,
         drafts=drafts,
@@ -192,6 +199,8 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
         "target_model": options.target_model or models.DEFAULT_MODEL,
         "dtype": options.dtype,
         "device": options.device,
+        "target_tp": options.target_tp,
+        "draft_tp": options.draft_tp,
         "ignore_eos": options.ignore_eos,
         "max_new_tokens": options.max_new_tokens,
         "k": list(options.ks),
@@ -265,6 +274,8 @@ def options_from_args(args: Any) -> BenchOptions:
         concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
         coordinators=args.coordinators,
         threads=args.threads or os.cpu_count() or 1,
+        target_tp=args.target_tp,
+        draft_tp=args.draft_tp,
         json_path=args.json,
         plot_path=args.plot,
         progress=not args.no_progress,

@@ -501,6 +501,41 @@ def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
     )
 
 
+def test_a_pools_tensor_parallel_size_requests_a_gpu_a_rank_and_reaches_its_worker(
+    render, full_objects
+):
+    """Each pool sets its own: the full values' 70B target runs over its 4
+    GPUs, its draft on one; a size above gpu.count raises the request."""
+    target = pod_spec(component(full_objects, "Deployment", "target"))
+    assert env_of(target["containers"][0])["OUTRIDER_TENSOR_PARALLEL_SIZE"] == "4"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in target["containers"][0]["volumeMounts"]
+    draft = pod_spec(component(full_objects, "Deployment", "draft"))
+    assert "OUTRIDER_TENSOR_PARALLEL_SIZE" not in env_of(draft["containers"][0])
+    assert all(v["name"] != "dshm" for v in draft["volumes"])
+
+    objects = render(
+        sets=(
+            "target.gpu.count=1",
+            "target.tensorParallelSize=8",
+            "draft.gpu.count=1",
+            "draft.tensorParallelSize=2",
+        )
+    )
+    for name, size in (("target", 8), ("draft", 2)):
+        spec = pod_spec(component(objects, "Deployment", name))
+        container = spec["containers"][0]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == size
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == size
+        assert env_of(container)["OUTRIDER_TENSOR_PARALLEL_SIZE"] == str(size)
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+    cpu_pool = pod_spec(
+        component(render(sets=("target.tensorParallelSize=2",)), "Deployment", "target")
+    )["containers"][0]
+    assert env_of(cpu_pool)["OUTRIDER_TENSOR_PARALLEL_SIZE"] == "2"
+    assert not any("gpu" in key for key in cpu_pool["resources"].get("limits", {}))
+
+
 @pytest.mark.parametrize(
     "sets, device",
     [

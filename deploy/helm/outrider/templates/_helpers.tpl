@@ -212,12 +212,20 @@ cpu when it requests none. Call with a pool's values.
 {{- end }}
 
 {{/*
+GPUs per pod of a GPU pool: gpu.count, or tensorParallelSize when it is
+larger (one GPU a rank). Call with a pool's values.
+*/}}
+{{- define "outrider.workerGpus" -}}
+{{- max (int .gpu.count) (int .tensorParallelSize) }}
+{{- end }}
+
+{{/*
 Container resources plus the GPUs of a worker pool. Call with a pool's values.
 */}}
 {{- define "outrider.workerResources" -}}
 {{- $resources := deepCopy (default (dict) .resources) }}
 {{- if gt (int .gpu.count) 0 }}
-{{- $gpus := dict .gpu.resourceName (int .gpu.count) }}
+{{- $gpus := dict .gpu.resourceName (include "outrider.workerGpus" . | int) }}
 {{- $_ := set $resources "limits" (merge (default (dict) $resources.limits) $gpus) }}
 {{- $_ := set $resources "requests" (merge (default (dict) $resources.requests) $gpus) }}
 {{- end }}

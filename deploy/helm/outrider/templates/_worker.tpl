@@ -73,6 +73,10 @@ spec:
               value: {{ $values.dtype | quote }}
             - name: OUTRIDER_THREADS
               value: {{ int $values.threads | quote }}
+            {{- if gt (int $values.tensorParallelSize) 1 }}
+            - name: OUTRIDER_TENSOR_PARALLEL_SIZE
+              value: {{ int $values.tensorParallelSize | quote }}
+            {{- end }}
             {{- if gt (int $values.maxTokensPerStep) 0 }}
             - name: OUTRIDER_MAX_TOKENS_PER_STEP
               value: {{ int $values.maxTokensPerStep | quote }}
@@ -109,6 +113,11 @@ spec:
             {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
           volumeMounts:
             {{- include "outrider.volumeMounts" $root | nindent 12 }}
+            {{- if gt (int $values.tensorParallelSize) 1 }}
+            # the ranks' shared memory (NCCL's buffers between GPUs of the pod)
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
             {{- if $tls.enabled }}
             - name: tls
               mountPath: /etc/outrider/tls
@@ -116,6 +125,12 @@ spec:
             {{- end }}
       volumes:
         {{- include "outrider.volumes" $root | nindent 8 }}
+        {{- if gt (int $values.tensorParallelSize) 1 }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $values.sharedMemorySize }}
+        {{- end }}
         {{- if $tls.enabled }}
         - name: tls
           secret:
