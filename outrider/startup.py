@@ -76,6 +76,13 @@ def check_tensor_parallel(config: TargetWorkerConfig | DraftWorkerConfig) -> Non
     if problem is not None:
         raise StartupError("--tensor-parallel-size", size, problem)
     device = resolve_device(config.engine.device)
+    if device.type == "cuda" and ":" in config.engine.device:
+        raise StartupError(
+            "--device",
+            config.engine.device,
+            "a tensor-parallel worker runs rank r on cuda:r: give --device cuda, and choose "
+            "the GPUs with CUDA_VISIBLE_DEVICES",
+        )
     if device.type == "cuda":
         import torch
 

@@ -134,40 +134,15 @@ def collectives(args: argparse.Namespace) -> None:
 
 
 def steps(args: argparse.Namespace) -> None:
+    """Both runners live at once and their steps alternate, so that what else
+    the machine runs meanwhile slows both alike."""
     checkpoint = models.checkpoint_dir(args.model)
-    torch.set_num_threads(max(1, args.threads // args.size))
-    shapes = [(1, 1), (1, 5), (8, 5)]
-
-    def time_runner(runner: PagedRunner) -> dict[str, float]:
-        out = {}
-        with torch.inference_mode():
-            for rows, tokens in shapes:
-                caches = [runner.new_kv() for _ in range(rows)]
-                for kv in caches:
-                    kv.reserve(args.context + tokens)
-                runner.execute([Row(kv, list(range(args.context)), 0) for kv in caches])
-
-                def step(caches=caches, tokens=tokens) -> None:
-                    for kv in caches:
-                        kv.reserve(args.context + tokens)
-                    runner.execute([Row(kv, [5] * tokens, tokens) for kv in caches])
-                    for kv in caches:
-                        kv.crop(args.context)
-
-                out[f"{rows}x{tokens}"] = round(_median_us(step, args.repeats) / 1000, 2)
-                for kv in caches:
-                    kv.free()
-        return out
-
     blocks = 8 * (args.context + 16) // 16 + 8
-    torch.set_num_threads(args.threads)
+    threads = {1: args.threads, args.size: max(1, args.threads // args.size)}
     one = PagedRunner(
         LlamaForward(models.load_causal_lm(checkpoint, dtype=torch.float32)),
         BlockPool(blocks, 16),
     )
-    results = {"tp1 ms": time_runner(one)}
-    del one
-    torch.set_num_threads(max(1, args.threads // args.size))
     ranks = parallel.start(
         checkpoint,
         parallel.meta_model(checkpoint),
@@ -176,15 +151,42 @@ def steps(args: argparse.Namespace) -> None:
         dtype=torch.float32,
         num_layers=None,
         timeout_s=60,
-        threads=max(1, args.threads // args.size),
+        threads=threads[args.size],
     )
+    results: dict[str, dict[str, float]] = {"tp1 ms": {}, f"tp{args.size} ms": {}}
     try:
-        results[f"tp{args.size} ms"] = time_runner(PagedRunner(ranks, BlockPool(blocks, 16)))
+        many = PagedRunner(ranks, BlockPool(blocks, 16))
+        runners = {1: one, args.size: many}
+        with torch.inference_mode():
+            for rows, tokens in [(1, 1), (1, 5), (8, 5)]:
+                caches = {n: [r.new_kv() for _ in range(rows)] for n, r in runners.items()}
+                for n, runner in runners.items():
+                    torch.set_num_threads(threads[n])
+                    for kv in caches[n]:
+                        kv.reserve(args.context)
+                    runner.execute([Row(kv, list(range(args.context)), 0) for kv in caches[n]])
+                times: dict[int, list[float]] = {n: [] for n in runners}
+                for _ in range(args.repeats + 2):
+                    for n, runner in runners.items():
+                        torch.set_num_threads(threads[n])
+                        for kv in caches[n]:
+                            kv.reserve(args.context + tokens)
+                        started = time.perf_counter()
+                        runner.execute([Row(kv, [5] * tokens, tokens) for kv in caches[n]])
+                        times[n].append(time.perf_counter() - started)
+                        for kv in caches[n]:
+                            kv.crop(args.context)
+                for n in runners:
+                    key = f"tp{n} ms"
+                    results[key][f"{rows}x{tokens}"] = round(
+                        1000 * statistics.median(times[n][2:]), 2
+                    )
+                for n in runners:
+                    for kv in caches[n]:
+                        kv.free()
     finally:
         ranks.close()
-    layers = ranks.num_layers
-    results["collectives per step"] = 2 * layers + 2
-    print(json.dumps(results))
+    print(json.dumps({**results, "collectives per step": 2 * ranks.num_layers + 2}))
 
 
 def main() -> None:

@@ -207,3 +207,50 @@ async def test_int4_drafter_on_cuda_with_graphs_keeps_the_output(tiny_target_dir
     assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(
         r.stats.draft_tokens for r in results
     )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+def test_nccl_ranks_on_every_gpu_give_one_gpus_logits(tmp_path):
+    """TP over as many GPUs as divide the heads (up to 8), NCCL, float32:
+    each step's logits equal one GPU's to float32 rounding, and the argmaxes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outrider.engine import parallel
+
+    size = max(n for n in (2, 4, 8) if n <= torch.cuda.device_count())
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    one = PagedRunner(
+        LlamaForward(models.load_causal_lm(str(tmp_path), device="cuda:0")), BlockPool(64, 16)
+    )
+    ranks = parallel.start(
+        str(tmp_path),
+        parallel.meta_model(str(tmp_path)),
+        size=size,
+        device=torch.device("cuda"),
+        dtype=torch.float32,
+        num_layers=None,
+        timeout_s=60,
+        threads=1,
+    )
+    many = PagedRunner(ranks, BlockPool(64, 16))
+    try:
+        sequences = prompts(4, seed=3, vocab=1000)
+        with torch.inference_mode():
+            caches = {r: [r.new_kv() for _ in sequences] for r in (one, many)}
+            for kv, s in zip([*caches[one], *caches[many]], sequences * 2, strict=True):
+                kv.reserve(len(s) + 5)
+            for step in ([(s, len(s)) for s in sequences], [([7, 8, 9, 10, 11], 5)] * 4):
+                a, b = (
+                    r.execute([Row(kv, *feed) for kv, feed in zip(caches[r], step, strict=True)])
+                    for r in (one, many)
+                )
+                for x, y in zip(a, b, strict=True):
+                    torch.testing.assert_close(y.values, x.values, rtol=1e-4, atol=1e-4)
+                    assert y.argmax == x.argmax
+    finally:
+        ranks.close()
