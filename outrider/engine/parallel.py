@@ -59,6 +59,11 @@ STEP, ALLOCATE, STOP = 0, 1, 2
 POLL_MS = 1000
 """How often a waiting rank checks that its worker is still there."""
 
+START_TIMEOUT_S = 600.0
+"""How long the ranks' processes may take to start (their imports, on a
+loaded machine) and to load their shards; rank 0 checks meanwhile that none
+has exited. The collectives' own timeout is ``--tensor-parallel-timeout-s``."""
+
 
 class RankLost(RunnerLost):
     """A rank of the worker's tensor-parallel group failed or is gone: the
@@ -330,7 +335,7 @@ def start(
         0,
         world_size=size,
         is_master=True,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=START_TIMEOUT_S),
         wait_for_workers=False,
     )
     publisher = StepPublisher()
@@ -357,13 +362,20 @@ def start(
             if (code := process.poll()) is not None:
                 raise RankLost(f"tensor-parallel rank {rank} exited with code {code} at start")
 
+    def wait_for(stage: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check([f"{stage}/{r}" for r in range(1, size)]):
+            alive()
+            if time.monotonic() > deadline:
+                raise RankLost(f"the tensor-parallel ranks were not {stage} in {START_TIMEOUT_S} s")
+            time.sleep(0.05)
+
     try:
+        wait_for("started")  # their imports done: joining the group is quick
         _join(spec, store)
         publisher.wait_for_subscribers(size - 1, alive)
         local = load_shard(spec, model)
-        while not store.check([f"loaded/{r}" for r in range(1, size)]):
-            alive()
-            time.sleep(0.05)
+        wait_for("loaded")
     except BaseException:
         for process in ranks:
             process.kill()
@@ -393,8 +405,9 @@ def serve_rank(spec: RankSpec) -> int:
         spec.store_port,
         world_size=spec.size,
         is_master=False,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=START_TIMEOUT_S),
     )
+    store.set(f"started/{spec.rank}", "1")
     _join(spec, store)
     steps = StepSubscriber(spec.steps)
     forward = load_shard(spec)
