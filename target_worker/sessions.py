@@ -15,9 +15,8 @@ from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling import expand
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import CompactProbs
 from outrider.session import Session, SessionStore
-from outrider.speculation import Verdict
+from outrider.speculation import CompactProbs, Verdict
 from outrider.validation import check_context, check_token_ids
 from outrider.verify import verify, verify_greedy
 
