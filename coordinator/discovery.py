@@ -78,7 +78,10 @@ class ServiceRef:
     def parse(
         cls, address: str, *, default_namespace: Callable[[], str] = pod_namespace
     ) -> ServiceRef:
-        form = f"use {SCHEME}SERVICE[.NAMESPACE]:PORT, PORT a port name or number (e.g. {SCHEME}target.llm:grpc)"
+        form = (
+            f"use {SCHEME}SERVICE[.NAMESPACE]:PORT, PORT a port name or number"
+            f" (e.g. {SCHEME}target.llm:grpc)"
+        )
         host, _, port = address.removeprefix(SCHEME).rpartition(":")
         service, _, namespace = host.partition(".")
         if (
@@ -108,9 +111,9 @@ def api_client() -> k8s.ApiClient:
             k8s_config.load_kube_config(client_configuration=configuration)
         except (k8s_config.ConfigException, OSError) as kubeconfig:
             raise ValueError(
-                f"{SCHEME} worker addresses need the Kubernetes API, but this is not a pod with a service "
-                f"account ({in_cluster}) and no kubeconfig could be loaded ({kubeconfig}): run inside the "
-                "cluster, set KUBECONFIG, or give the workers as HOST:PORT"
+                f"{SCHEME} worker addresses need the Kubernetes API, but this is not a pod with a"
+                f" service account ({in_cluster}) and no kubeconfig could be loaded ({kubeconfig}):"
+                " run inside the cluster, set KUBECONFIG, or give the workers as HOST:PORT"
             ) from kubeconfig
     return k8s.ApiClient(configuration)
 

@@ -282,7 +282,8 @@ class Replicas:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise Unavailable(
-                    f"no {self.role} worker answered within {timeout_s:g} s: {error or self._why_none()}"
+                    f"no {self.role} worker answered within {timeout_s:g} s:"
+                    f" {error or self._why_none()}"
                 )
             # Until the endpoints change, or a short pause before asking again.
             with contextlib.suppress(TimeoutError):
@@ -326,7 +327,8 @@ class Replicas:
         if info.vocab_fingerprint != self._reference.vocab_fingerprint:
             replica.refused = True
             log.error(
-                "worker refused: its vocabulary differs from the other replicas'; serve one model on every replica",
+                "worker refused: its vocabulary differs from the other replicas';"
+                " serve one model on every replica",
                 role=self.role,
                 address=replica.address,
                 model=info.model,
@@ -343,7 +345,8 @@ class Replicas:
             endpoints = self._sources.get(str(ref))
             if endpoints is None:
                 reasons.append(
-                    f"the EndpointSlices of {ref} are not read yet (see the Kubernetes API errors logged)"
+                    f"the EndpointSlices of {ref} are not read yet"
+                    " (see the Kubernetes API errors logged)"
                 )
             elif endpoints:
                 reasons.append(f"{ref} lists {len(endpoints)} endpoint(s), none ready")

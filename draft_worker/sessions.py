@@ -113,7 +113,8 @@ class DraftSessions:
             )
         if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
             raise InvalidArgument(
-                f"num_draft_tokens = {num_draft_tokens}; it must lie in [1, {self.info.max_draft_tokens}]"
+                f"num_draft_tokens = {num_draft_tokens};"
+                f" it must lie in [1, {self.info.max_draft_tokens}]"
             )
         guessing = assumed is not None
         assumed = assumed or []

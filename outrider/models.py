@@ -462,7 +462,8 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's vocabulary, ordered by id: equal only for identical vocabularies."""
+    """sha256 of the tokenizer's vocabulary, ordered by id: equal only for identical
+    vocabularies."""
     pairs = sorted(((index, token) for token, index in tokenizer.get_vocab().items()))
     payload = json.dumps(pairs, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()

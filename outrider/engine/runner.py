@@ -58,7 +58,8 @@ class PagedRunner:
         self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
         self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
         self.pad_groups = self.device.type == "cuda"
-        """Group rows by the power of two at or above their token count (see :meth:`_ragged_batch`)."""
+        """Group rows by the power of two at or above their token count
+        (see :meth:`_ragged_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
