@@ -42,6 +42,7 @@ finishes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -168,7 +169,7 @@ class CoordinatorMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
         self.ttft.observe(chunk_times[0] - received)
-        for before, after in zip(chunk_times, chunk_times[1:]):
+        for before, after in itertools.pairwise(chunk_times):
             self.itl.observe(after - before)
         self.e2e.observe(chunk_times[-1] - received)
         for overhead in stats.overheads_s:
