@@ -33,7 +33,7 @@ from outrider.config import (
 from outrider.device import check_device, check_dtype
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
-ROLE_CONFIGS = {
+ROLE_CONFIGS: dict[str, type[CoordinatorConfig | TargetWorkerConfig | DraftWorkerConfig]] = {
     "coordinator": CoordinatorConfig,
     "target": TargetWorkerConfig,
     "draft": DraftWorkerConfig,
@@ -251,14 +251,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.service.log_level)
-    if args.role == "coordinator":
-        from coordinator.main import main as run
-    elif args.role == "target":
-        from target_worker.main import main as run
-    else:
-        from draft_worker.main import main as run
     try:
-        run(config)
+        if isinstance(config, CoordinatorConfig):
+            from coordinator.main import main as run_coordinator
+
+            run_coordinator(config)
+        elif isinstance(config, TargetWorkerConfig):
+            from target_worker.main import main as run_target
+
+            run_target(config)
+        else:
+            from draft_worker.main import main as run_draft
+
+            run_draft(config)
     except StartupError as exc:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
