@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.loop import Delta
+from coordinator.stats import Stats
 from outrider.metrics import PREFIX
 
 # vLLM's buckets for the same histograms.
@@ -158,14 +159,16 @@ class CoordinatorMetrics:
             async for delta in deltas:
                 chunk_times.append(time.perf_counter())
                 if delta.stats is not None:
-                    self._finished(delta, received, chunk_times)
+                    assert delta.finish_reason is not None  # the last delta carries both
+                    self._finished(delta.stats, delta.finish_reason, received, chunk_times)
                 yield delta
         finally:
             self.running.dec()
 
-    def _finished(self, delta: Delta, received: float, chunk_times: list[float]) -> None:
-        stats = delta.stats
-        self.success_by_reason[delta.finish_reason].inc()
+    def _finished(
+        self, stats: Stats, finish_reason: str, received: float, chunk_times: list[float]
+    ) -> None:
+        self.success_by_reason[finish_reason].inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
         self.ttft.observe(chunk_times[0] - received)
