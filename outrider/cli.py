@@ -538,8 +538,9 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--prompts", action="append", metavar="SET|FILE",
         help="a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 "
-        "HumanEval prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a JSONL file, rows with `turns` (the first is used) or `prompt`, "
-        "and optionally `category` (else the file stem); each is sent as one user chat message "
+        "HumanEval prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a "
+        "JSONL file, rows with `turns` (the first is used) or `prompt`, and optionally `category` "
+        "(else the file stem); each is sent as one user chat message "
         "(repeatable; default: mt-bench)",
     )  # fmt: skip
     bench.add_argument(
