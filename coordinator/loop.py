@@ -28,7 +28,7 @@ from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
 from outrider.config import Recovery
-from outrider.detokenize import TextStream
+from outrider.detokenize import Decoder, TextStream
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
@@ -68,7 +68,7 @@ class Delta:
 class Models:
     """What the loop needs to know about the served models."""
 
-    tokenizer: object
+    tokenizer: Decoder
     eos_token_ids: frozenset[int]
     target: WorkerInfo
 

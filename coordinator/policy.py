@@ -180,9 +180,10 @@ class CostModel:
     @property
     def alpha(self) -> float | None:
         """Per-token acceptance over every session's recent drafting rounds."""
-        if not self.judged.value:
+        accepted, judged = self.accepted.value, self.judged.value
+        if accepted is None or not judged:
             return None
-        return self.accepted.value / self.judged.value
+        return accepted / judged
 
     # --- costs -----------------------------------------------------------------
 
@@ -251,12 +252,12 @@ class CostModel:
         k_max = np.array([s.k_max for s in sessions])
 
         # The others in the target's steps: its load less these sessions' share.
-        seen = [s for s in sessions if s.k_last is not None]
+        seen = [s.k_last for s in sessions if s.k_last is not None]
         rows = max(0.0, self.target.rows_per_step - len(seen))
-        tokens = max(0.0, self.target.tokens_per_step - sum(s.k_last + 1 for s in seen))
+        tokens = max(0.0, self.target.tokens_per_step - sum(k + 1 for k in seen))
         if rows < 0.5:
             rows = tokens = 0.0
-        drafting_now = sum(1 for s in seen if s.k_last)
+        drafting_now = sum(1 for k in seen if k)
         other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
         base = _Base(

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,7 +59,8 @@ class PagedRunner:
         self.cache = forward.allocate_cache(pool.num_blocks, pool.block_size)
         self.graphs = CudaGraphs(forward, self.cache) if cuda_graphs else None
         self.pad_groups = self.device.type == "cuda"
-        """Group rows by the power of two at or above their token count (see :meth:`_ragged_batch`)."""
+        """Group rows by the power of two at or above their token count
+        (see :meth:`_ragged_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
@@ -72,7 +74,7 @@ class PagedRunner:
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         bucket = self.graphs.bucket(rows) if self.graphs is not None else None
-        if bucket is not None:
+        if self.graphs is not None and bucket is not None:
             logits, wanted = self.graphs.run(bucket, rows)
         else:
             batch, wanted = self._ragged_batch(rows)
@@ -114,8 +116,8 @@ class PagedRunner:
         tables: list[
             tuple[int, int, int, list[list[int]]]
         ] = []  # (start, rows, tokens per row, block table)
-        for _, members in groupby(order, key=group_of):
-            members = list(members)
+        for _, group in groupby(order, key=group_of):
+            members = list(group)
             t = len(
                 rows[members[-1]].tokens
             )  # the group's longest row: the others are padded to it
@@ -206,13 +208,14 @@ class FallbackRunner:
     def __init__(self, model: nn.Module, pool: BlockPool) -> None:
         if pool.block_size != 1:
             raise ValueError("the fallback runner accounts its caches in blocks of one token")
-        self.model = model
+        config: Any = model.config  # read by name, as in outrider.engine.llama
+        self.model, self.config = model, config
         self.pool = pool
-        self.vocab_size: int = model.config.vocab_size
+        self.vocab_size: int = config.vocab_size
         self.device = next(model.parameters()).device
 
     def new_kv(self) -> DynamicKVCache:
-        return DynamicKVCache(self.pool, DynamicCache(config=self.model.config))
+        return DynamicKVCache(self.pool, DynamicCache(config=self.config))
 
     def warm_up(self, **_) -> None:
         pass
@@ -220,6 +223,7 @@ class FallbackRunner:
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         outputs: list[Logits | None] = []
         for row in rows:
+            assert isinstance(row.kv, DynamicKVCache)  # made by new_kv
             out = self.model(
                 input_ids=torch.tensor([row.tokens], device=self.device),
                 past_key_values=row.kv.cache,
