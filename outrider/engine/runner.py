@@ -113,9 +113,8 @@ class PagedRunner:
         slots: list[int] = []
         logits_at: list[int] = []
         wanted: list[tuple[int, int] | None] = [None] * len(rows)
-        tables: list[
-            tuple[int, int, int, list[list[int]]]
-        ] = []  # (start, rows, tokens per row, block table)
+        # (start, rows, tokens per row, block table, span)
+        tables: list[tuple[int, int, int, list[list[int]], tuple[int, int] | None]] = []
         for _, group in groupby(order, key=group_of):
             members = list(group)
             t = len(
@@ -145,23 +144,20 @@ class PagedRunner:
                 slots.extend([NULL_BLOCK * block_size] * pad)
                 needed = self.pool.blocks_for(cached + len(row.tokens))
                 table.append(blocks[:needed] + [NULL_BLOCK] * (width - needed))
-            tables.append((start, len(members), t, table))
+            tables.append((start, len(members), t, table, _span([rows[i] for i in members])))
         n = len(ids)
         flat = [*ids, *positions, *slots, *logits_at]
-        for *_, table in tables:
+        for *_, table, _ in tables:
             for blocks in table:
                 flat.extend(blocks)
         packed = torch.tensor(flat, dtype=torch.long).to(
             self.device, non_blocking=True
         )  # one copy to the device
         groups, offset = [], 3 * n + len(logits_at)
-        for start, count, t, table in tables:
+        for start, count, t, table, span in tables:
             width = len(table[0])
-            groups.append(
-                AttentionGroup(
-                    start, count, t, packed[offset : offset + count * width].view(count, width)
-                )
-            )
+            block_table = packed[offset : offset + count * width].view(count, width)
+            groups.append(AttentionGroup(start, count, t, block_table, span))
             offset += count * width
         batch = ForwardBatch(
             input_ids=packed[:n],
@@ -171,6 +167,19 @@ class PagedRunner:
             logits_indices=packed[3 * n : 3 * n + len(logits_at)],
         )
         return batch, wanted
+
+
+def _span(members: Sequence[Row]) -> tuple[int, int] | None:
+    """``AttentionGroup.span`` of a group: its one row's first block and
+    length when the blocks it reads follow each other in the pool, else None."""
+    if len(members) != 1:
+        return None
+    (row,) = members
+    length = len(row.kv) + len(row.tokens)
+    blocks = row.kv.blocks[: row.kv.pool.blocks_for(length)]
+    if blocks[-1] - blocks[0] != len(blocks) - 1 or blocks != sorted(blocks):
+        return None
+    return blocks[0], length
 
 
 SHARED_WIDTH_BLOCKS = 64
