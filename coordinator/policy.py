@@ -100,6 +100,22 @@ class _Ema:
             self.value = self.decay * self.value + (1 - self.decay) * sample
 
 
+class _Floor:
+    """The floor of a noisy sample: follows a lower sample quickly and a
+    higher one slowly, so it settles near the low end of the samples."""
+
+    DOWN, UP = 0.5, 0.02
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += (self.DOWN if sample < self.value else self.UP) * (sample - self.value)
+
+
 @dataclass(frozen=True)
 class Plan:
     """K for each adaptive session, and what the assignment is worth."""
@@ -128,8 +144,12 @@ class CostModel:
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
     prefill_per_token: _Ema = field(init=False)
-    overhead: dict[bool, _Ema] = field(init=False)
-    """Keyed by whether the round waited for a draft RPC (two RPCs or one)."""
+    overhead: dict[bool, _Floor] = field(init=False)
+    """Keyed by whether the round waited for a draft RPC (two RPCs or one).
+    Its floor: under load a round's overhead also holds the time its calls
+    waited behind other sessions' steps, which is those sessions' work —
+    already priced in the step costs — not a cost of this round that more
+    drafts would spread."""
     accepted: _Ema = field(init=False)
     judged: _Ema = field(init=False)
     """Per drafting round: accepted drafts, and those plus the rejected one."""
@@ -147,7 +167,7 @@ class CostModel:
         self.prefill_per_token = _Ema(self.decay)
         self.accepted, self.judged = _Ema(self.decay), _Ema(self.decay)
         self.committed = _Ema(self.decay)
-        self.overhead = {False: _Ema(self.decay), True: _Ema(self.decay)}
+        self.overhead = {False: _Floor(), True: _Floor()}
 
     # --- learning --------------------------------------------------------------
 
