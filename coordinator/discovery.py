@@ -32,12 +32,16 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.watch.watch import iter_resp_lines
 
 from outrider.logging import get_logger
+
+if TYPE_CHECKING:
+    import urllib3
 
 log = get_logger(__name__)
 
@@ -78,7 +82,10 @@ class ServiceRef:
     def parse(
         cls, address: str, *, default_namespace: Callable[[], str] = pod_namespace
     ) -> ServiceRef:
-        form = f"use {SCHEME}SERVICE[.NAMESPACE]:PORT, PORT a port name or number (e.g. {SCHEME}target.llm:grpc)"
+        form = (
+            f"use {SCHEME}SERVICE[.NAMESPACE]:PORT, PORT a port name or number"
+            f" (e.g. {SCHEME}target.llm:grpc)"
+        )
         host, _, port = address.removeprefix(SCHEME).rpartition(":")
         service, _, namespace = host.partition(".")
         if (
@@ -108,9 +115,9 @@ def api_client() -> k8s.ApiClient:
             k8s_config.load_kube_config(client_configuration=configuration)
         except (k8s_config.ConfigException, OSError) as kubeconfig:
             raise ValueError(
-                f"{SCHEME} worker addresses need the Kubernetes API, but this is not a pod with a service "
-                f"account ({in_cluster}) and no kubeconfig could be loaded ({kubeconfig}): run inside the "
-                "cluster, set KUBECONFIG, or give the workers as HOST:PORT"
+                f"{SCHEME} worker addresses need the Kubernetes API, but this is not a pod with a"
+                f" service account ({in_cluster}) and no kubeconfig could be loaded ({kubeconfig}):"
+                " run inside the cluster, set KUBECONFIG, or give the workers as HOST:PORT"
             ) from kubeconfig
     return k8s.ApiClient(configuration)
 
@@ -144,7 +151,7 @@ class EndpointSliceWatch:
         self._reported: dict[str, bool] | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._response = None
+        self._response: urllib3.BaseHTTPResponse | None = None
         self._log = log.bind(service=str(ref))
 
     def run(self) -> None:
@@ -183,13 +190,20 @@ class EndpointSliceWatch:
                 with contextlib.suppress(OSError):  # already closed
                     sock.shutdown(socket.SHUT_RDWR)
 
-    def _list(self) -> str:
-        response = self._api.list_namespaced_endpoint_slice(
+    def _request(self, **params: Any) -> urllib3.BaseHTTPResponse:
+        """The service's EndpointSlices (a list, or with ``watch=True`` a
+        watch), as the raw HTTP response."""
+        # With _preload_content=False the client returns the urllib3 response
+        # unread, though its annotation names the decoded V1EndpointSliceList.
+        return self._api.list_namespaced_endpoint_slice(  # type: ignore[return-value]
             self.ref.namespace,
             label_selector=f"{SERVICE_NAME_LABEL}={self.ref.service}",
             _preload_content=False,
-            _request_timeout=LIST_TIMEOUT,
+            **params,
         )
+
+    def _list(self) -> str:
+        response = self._request(_request_timeout=LIST_TIMEOUT)
         try:
             body = json.loads(response.data)
         finally:
@@ -204,14 +218,11 @@ class EndpointSliceWatch:
         """Applies the watch's events until the server ends it; returns the
         last resourceVersion seen."""
         try:
-            response = self._api.list_namespaced_endpoint_slice(
-                self.ref.namespace,
-                label_selector=f"{SERVICE_NAME_LABEL}={self.ref.service}",
+            response = self._request(
                 resource_version=version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=WATCH_TIMEOUT_S,
                 watch=True,
-                _preload_content=False,
                 _request_timeout=WATCH_READ_TIMEOUT,
             )
         except k8s.ApiException as exc:

@@ -28,7 +28,7 @@ from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
 from outrider.config import Recovery
-from outrider.detokenize import TextStream
+from outrider.detokenize import Decoder, TextStream
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
@@ -68,9 +68,17 @@ class Delta:
 class Models:
     """What the loop needs to know about the served models."""
 
-    tokenizer: object
+    tokenizer: Decoder
     eos_token_ids: frozenset[int]
     target: WorkerInfo
+    draft: WorkerInfo | None = None
+
+    @property
+    def draft_competes(self) -> bool:
+        """Whether a draft model's prefill would slow the target's: both
+        run on CPUs, which on one host share their cores."""
+        draft = self.draft
+        return bool(draft and draft.dtype and draft.device == self.target.device == "cpu")
 
 
 async def generate(
@@ -134,6 +142,7 @@ class Generation:
         )
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
+        self.draft_competes = models.draft_competes
         self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
@@ -162,10 +171,11 @@ class Generation:
         and draws the token after it, as a round with no drafts would; that
         round's delta. The draft session's prefill starts at once, beside
         the target's (unless drafting does not pay now), so drafting can
-        start from the second round."""
+        start from the second round — or, where the two would share CPU
+        cores, as soon as the first token is drawn, so that it comes as
+        fast as without a draft."""
         record = RoundRecord()
-        if self.drafts is not None and self.choose_k(len(self.history) + 1) > 0:
-            self.drafts.open_soon(self.history)
+        self.open_draft(beside=True)
         reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
@@ -174,11 +184,20 @@ class Generation:
         self.costs.observe_prefill(len(self.history), reply.compute_s)
         verdict = Verdict(num_accepted=0, next_token=reply.value)
         delta = self.commit(None, verdict)
+        self.open_draft(beside=False)
         record.ended()
         self.stats.record_round(None, verdict, record, streamed=len(delta.token_ids))
         if self.policy is not None:
             self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
         return delta
+
+    def open_draft(self, *, beside: bool) -> None:
+        """Starts the draft session's prefill beside the target's, or after
+        it where the two compete for compute (``Models.draft_competes``)."""
+        if self.drafts is None or beside == self.draft_competes:
+            return
+        if self.finish_reason is None and self.choose_k(len(self.history) + beside) > 0:
+            self.drafts.open_soon(self.history)
 
     def choose_k(self, history_len: int) -> int:
         """K for a round after ``history_len`` tokens: never past the length

@@ -59,7 +59,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         if draft_info is not None:
             check_pairing(target_info, draft_info, config.draft)
         service = CoordinatorService(
-            Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info),
+            Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info, draft_info),
             target,
             draft,
             policy,

@@ -42,18 +42,29 @@ finishes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.loop import Delta
+from coordinator.stats import Stats
 from outrider.metrics import PREFIX
 
 # vLLM's buckets for the same histograms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 # Round overhead is sub-millisecond on loopback.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -106,9 +117,10 @@ class CoordinatorMetrics:
             E2E_BUCKETS,
         )
         self.round_overhead = histogram(
-            "round_overhead_seconds", "Per round: wall time outside the workers' compute (RPC + coordinator).",
+            "round_overhead_seconds",
+            "Per round: wall time outside the workers' compute (RPC + coordinator).",
             OVERHEAD_BUCKETS,
-        )  # fmt: skip
+        )
         self.num_drafts = counter(
             "spec_decode_num_drafts", "Rounds that verified at least one draft token."
         ).labels(**model)
@@ -124,7 +136,8 @@ class CoordinatorMetrics:
         ).labels(**model)
         self.num_speculation_misses = counter(
             "spec_decode_num_speculation_misses",
-            "Pipelined rounds whose speculation was discarded (the verdict differed from its assumption).",
+            "Pipelined rounds whose speculation was discarded"
+            " (the verdict differed from its assumption).",
         ).labels(**model)
         self._per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos",
@@ -146,18 +159,20 @@ class CoordinatorMetrics:
             async for delta in deltas:
                 chunk_times.append(time.perf_counter())
                 if delta.stats is not None:
-                    self._finished(delta, received, chunk_times)
+                    assert delta.finish_reason is not None  # the last delta carries both
+                    self._finished(delta.stats, delta.finish_reason, received, chunk_times)
                 yield delta
         finally:
             self.running.dec()
 
-    def _finished(self, delta: Delta, received: float, chunk_times: list[float]) -> None:
-        stats = delta.stats
-        self.success_by_reason[delta.finish_reason].inc()
+    def _finished(
+        self, stats: Stats, finish_reason: str, received: float, chunk_times: list[float]
+    ) -> None:
+        self.success_by_reason[finish_reason].inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
         self.ttft.observe(chunk_times[0] - received)
-        for before, after in zip(chunk_times, chunk_times[1:]):
+        for before, after in itertools.pairwise(chunk_times):
             self.itl.observe(after - before)
         self.e2e.observe(chunk_times[-1] - received)
         for overhead in stats.overheads_s:

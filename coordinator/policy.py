@@ -100,6 +100,22 @@ class _Ema:
             self.value = self.decay * self.value + (1 - self.decay) * sample
 
 
+class _Floor:
+    """The floor of a noisy sample: follows a lower sample quickly and a
+    higher one slowly, so it settles near the low end of the samples."""
+
+    DOWN, UP = 0.5, 0.02
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += (self.DOWN if sample < self.value else self.UP) * (sample - self.value)
+
+
 @dataclass(frozen=True)
 class Plan:
     """K for each adaptive session, and what the assignment is worth."""
@@ -128,8 +144,12 @@ class CostModel:
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
     prefill_per_token: _Ema = field(init=False)
-    overhead: dict[bool, _Ema] = field(init=False)
-    """Keyed by whether the round waited for a draft RPC (two RPCs or one)."""
+    overhead: dict[bool, _Floor] = field(init=False)
+    """Keyed by whether the round waited for a draft RPC (two RPCs or one).
+    Its floor: under load a round's overhead also holds the time its calls
+    waited behind other sessions' steps, which is those sessions' work —
+    already priced in the step costs — not a cost of this round that more
+    drafts would spread."""
     accepted: _Ema = field(init=False)
     judged: _Ema = field(init=False)
     """Per drafting round: accepted drafts, and those plus the rejected one."""
@@ -147,7 +167,7 @@ class CostModel:
         self.prefill_per_token = _Ema(self.decay)
         self.accepted, self.judged = _Ema(self.decay), _Ema(self.decay)
         self.committed = _Ema(self.decay)
-        self.overhead = {False: _Ema(self.decay), True: _Ema(self.decay)}
+        self.overhead = {False: _Floor(), True: _Floor()}
 
     # --- learning --------------------------------------------------------------
 
@@ -180,9 +200,10 @@ class CostModel:
     @property
     def alpha(self) -> float | None:
         """Per-token acceptance over every session's recent drafting rounds."""
-        if not self.judged.value:
+        accepted, judged = self.accepted.value, self.judged.value
+        if accepted is None or not judged:
             return None
-        return self.accepted.value / self.judged.value
+        return accepted / judged
 
     # --- costs -----------------------------------------------------------------
 
@@ -251,12 +272,12 @@ class CostModel:
         k_max = np.array([s.k_max for s in sessions])
 
         # The others in the target's steps: its load less these sessions' share.
-        seen = [s for s in sessions if s.k_last is not None]
+        seen = [s.k_last for s in sessions if s.k_last is not None]
         rows = max(0.0, self.target.rows_per_step - len(seen))
-        tokens = max(0.0, self.target.tokens_per_step - sum(s.k_last + 1 for s in seen))
+        tokens = max(0.0, self.target.tokens_per_step - sum(k + 1 for k in seen))
         if rows < 0.5:
             rows = tokens = 0.0
-        drafting_now = sum(1 for s in seen if s.k_last)
+        drafting_now = sum(1 for k in seen if k)
         other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
         base = _Base(

@@ -23,7 +23,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.workers import DraftClient, DraftSession, Judged, Reply, TargetClient, WorkerInfo
+from coordinator.workers import (
+    DraftClient,
+    DraftSession,
+    Judged,
+    Reply,
+    TargetClient,
+    TargetSession,
+    WorkerInfo,
+)
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
@@ -103,30 +111,31 @@ class DraftLink:
         open_s = 0.0
         session = self.session
         if session is None:
-            if self.opening is None:
+            opening = self.opening
+            if opening is None:
                 if time.monotonic() < self.retry_at:
                     return None, 0.0
-                self._begin_open(history)
+                opening = self._begin_open(history)
                 if self.failures:
                     log.debug(
                         "reopening the draft session in the background", attempt=self.failures
                     )
-            if not self.opening.done() and not self.opened and not self.first_open_waited:
+            if not opening.done() and not self.opened and not self.first_open_waited:
                 # The first open: worth a round's wait, from when it began.
                 self.first_open_waited = True
                 started = time.perf_counter()
                 left = self.open_started + self.deadline_s - time.monotonic()
-                await asyncio.wait({self.opening}, timeout=max(0.0, left))
+                await asyncio.wait({opening}, timeout=max(0.0, left))
                 open_s = time.perf_counter() - started
-                if not self.opening.done():
+                if not opening.done():
                     log.warning(
                         "draft session not open within the round deadline: "
                         "rounds go on at K=0 while it opens",
                         deadline_s=self.deadline_s,
                     )
-            if not self.opening.done():
+            if not opening.done():
                 return None, open_s
-            opening, self.opening = self.opening, None
+            self.opening = None
             try:
                 session = opening.result()
             except (Unavailable, ResourceExhausted) as exc:
@@ -162,10 +171,11 @@ class DraftLink:
         if self.session is None and self.opening is None and not self.opened:
             self._begin_open(history)
 
-    def _begin_open(self, history: list[int]) -> None:
+    def _begin_open(self, history: list[int]) -> asyncio.Task[DraftSession]:
         # A copy: the history grows while an open runs in the background.
         self.opening = asyncio.ensure_future(self._open(list(history)))
         self.open_started = time.monotonic()
+        return self.opening
 
     def speculate(self, history: list[int], drafts: list[int], k: int) -> None:
         """Starts a speculation (docs/design.md#pipelined-rounds): while the target verifies
@@ -314,22 +324,27 @@ class TargetLink:
         self.sampling = sampling
         self.attempts = attempts
         self.open_deadline_s = open_deadline_s
-        self.session = None
+        self.session: TargetSession | None = None
 
     async def open(self, history: Sequence[int], *, first_token: bool = False) -> Reply[int | None]:
         """Opens a session on the history, on another replica after a
         failure; with ``first_token``, the target also draws the token after
         the history (the stream's first)."""
+        self.session, opened = await self._open(history, first_token)
+        return opened
+
+    async def _open(
+        self, history: Sequence[int], first_token: bool
+    ) -> tuple[TargetSession, Reply[int | None]]:
         for attempt in range(self.attempts):
             try:
-                self.session, opened = await self.client.open(
+                return await self.client.open(
                     history,
                     request_id=self.request_id,
                     sampling=self.sampling,
                     deadline_s=self.open_deadline_s(len(history)),
                     first_token=first_token,
                 )
-                return opened
             except Unavailable as exc:
                 log.warning("target unavailable", error=str(exc), attempt=attempt)
                 last = exc
@@ -348,11 +363,14 @@ class TargetLink:
         verdict and the compute time of any reopening prefill."""
         reopen_s = 0.0
         for attempt in range(self.attempts):
-            if self.session is None:
-                reopen_s += (await self.open(history)).compute_s
+            session = self.session
+            if session is None:
+                session, opened = await self._open(history, False)
+                self.session = session
+                reopen_s += opened.compute_s
                 log.info("target session reopened", committed_len=len(history))
             try:
-                return await self.session.verify(len(history), proposal, deadline_s), reopen_s
+                return await session.verify(len(history), proposal, deadline_s), reopen_s
             except Unavailable as exc:
                 log.warning(
                     "target lost: reopening on the history", error=str(exc), attempt=attempt
@@ -364,7 +382,7 @@ class TargetLink:
                     deadline_s=deadline_s,
                 )
                 last = Unavailable(f"the target gave no verdict within {deadline_s:.3g} s")
-                self.session.failing()
+                session.failing()
             self.close()
         raise Unavailable(f"no target worker could finish the request: {last}")
 

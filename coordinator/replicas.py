@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,9 +156,7 @@ class Replicas:
             watch = EndpointSliceWatch(
                 ref,
                 self._kube_api,
-                lambda endpoints, source=source: loop.call_soon_threadsafe(
-                    self.update, source, endpoints
-                ),
+                self._update_on(loop, source),
             )
             # Its own thread: the blocking watch would hold a slot of the
             # loop's default executor for the process's whole life.
@@ -170,6 +168,16 @@ class Replicas:
             role=self.role,
             services=[str(ref) for ref in self._services],
         )
+
+    def _update_on(
+        self, loop: asyncio.AbstractEventLoop, source: str
+    ) -> Callable[[dict[str, bool]], None]:
+        """For a watch's thread: :meth:`update` of ``source``, run on ``loop``."""
+
+        def on_change(endpoints: dict[str, bool]) -> None:
+            loop.call_soon_threadsafe(self.update, source, endpoints)
+
+        return on_change
 
     def update(self, source: str, endpoints: dict[str, bool]) -> None:
         """Applies the endpoint set of one source: address → takes new sessions."""
@@ -191,14 +199,14 @@ class Replicas:
             )
             self.close_later(replica.channel.close())  # ends the streams on it at once
         for address, ready in wanted.items():
-            replica = self._members.get(address)
-            if replica is None:
+            member = self._members.get(address)
+            if member is None:
                 self._members[address] = self._replica(
                     address, ready, self._tls_names.get(origin[address])
                 )
                 log.info("worker joined", role=self.role, address=address, ready=ready)
-            elif replica.ready != ready:
-                replica.ready = ready
+            elif member.ready != ready:
+                member.ready = ready
                 if ready:
                     log.info("worker ready: takes new sessions", role=self.role, address=address)
                 else:
@@ -206,7 +214,7 @@ class Replicas:
                         "worker not ready: draining",
                         role=self.role,
                         address=address,
-                        sessions=replica.load,
+                        sessions=member.load,
                     )
         self._changed.set()
 
@@ -282,7 +290,8 @@ class Replicas:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise Unavailable(
-                    f"no {self.role} worker answered within {timeout_s:g} s: {error or self._why_none()}"
+                    f"no {self.role} worker answered within {timeout_s:g} s:"
+                    f" {error or self._why_none()}"
                 )
             # Until the endpoints change, or a short pause before asking again.
             with contextlib.suppress(TimeoutError):
@@ -326,7 +335,8 @@ class Replicas:
         if info.vocab_fingerprint != self._reference.vocab_fingerprint:
             replica.refused = True
             log.error(
-                "worker refused: its vocabulary differs from the other replicas'; serve one model on every replica",
+                "worker refused: its vocabulary differs from the other replicas';"
+                " serve one model on every replica",
                 role=self.role,
                 address=replica.address,
                 model=info.model,
@@ -343,7 +353,8 @@ class Replicas:
             endpoints = self._sources.get(str(ref))
             if endpoints is None:
                 reasons.append(
-                    f"the EndpointSlices of {ref} are not read yet (see the Kubernetes API errors logged)"
+                    f"the EndpointSlices of {ref} are not read yet"
+                    " (see the Kubernetes API errors logged)"
                 )
             elif endpoints:
                 reasons.append(f"{ref} lists {len(endpoints)} endpoint(s), none ready")

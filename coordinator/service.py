@@ -65,6 +65,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         async for delta in self.deltas_from_pb(request):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
+        assert delta.finish_reason is not None and delta.stats is not None  # the last delta's
         return pb.CompleteResponse(
             text="".join(text),
             token_ids=token_ids,
@@ -160,6 +161,7 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
 def delta_to_pb(delta: Delta) -> pb.GenerateResponse:
     response = pb.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
     if delta.finish_reason is not None:
+        assert delta.stats is not None  # the last delta carries both
         response.finish_reason = FINISH_REASONS[delta.finish_reason]
         response.stats.CopyFrom(stats_to_pb(delta.stats))
     return response

@@ -169,8 +169,8 @@ async def answer_of(call: Awaitable[T], replica: Replica, deadline_s: float | No
             if task in done:
                 return task.result()
             probe = asyncio.ensure_future(replica.stepping(probe_s, lately_s=deadline_s))
-            done, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
+            first, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if task in first:
                 probe.cancel()
                 return task.result()
             if not probe.result():

@@ -68,7 +68,7 @@ class DraftSessions:
         target_vocab_size: int,
         target_fingerprint: str,
         sampling: SamplingParams = SamplingParams(),
-    ) -> Job:
+    ) -> Job[int]:
         """Opens a session on the committed history and prefills all but its
         last token. Returns the committed length."""
         self.check_pairing(target_vocab_size, target_fingerprint)
@@ -79,11 +79,10 @@ class DraftSessions:
         )
         check_context(len(tokens), self.info.max_context, what="the history")
         runner = self.drafter.runner
-        session = self.store.create(
-            session_id, tokens, kv=runner.new_kv() if runner else None, sampling=sampling
-        )
-        if runner is not None and len(tokens) > 1:
-            yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
+        kv = runner.new_kv() if runner else None
+        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
+        if kv is not None and len(tokens) > 1:
+            yield Feed(kv, list(tokens[:-1]), num_logits=0)
         return session.committed_len
 
     def propose(
@@ -93,7 +92,7 @@ class DraftSessions:
         new_tokens: Sequence[int],
         num_draft_tokens: int,
         assumed: Sequence[int] | None = None,
-    ) -> Job:
+    ) -> Job[Proposal]:
         """Appends the tokens committed since the last round, then proposes
         up to ``num_draft_tokens`` tokens, with their q in wire form when the
         draft sampled them (else none: a point mass).
@@ -113,7 +112,8 @@ class DraftSessions:
             )
         if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
             raise InvalidArgument(
-                f"num_draft_tokens = {num_draft_tokens}; it must lie in [1, {self.info.max_draft_tokens}]"
+                f"num_draft_tokens = {num_draft_tokens};"
+                f" it must lie in [1, {self.info.max_draft_tokens}]"
             )
         guessing = assumed is not None
         assumed = assumed or []

@@ -33,7 +33,7 @@ from outrider.config import (
 from outrider.device import check_device, check_dtype
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
-ROLE_CONFIGS = {
+ROLE_CONFIGS: dict[str, type[CoordinatorConfig | TargetWorkerConfig | DraftWorkerConfig]] = {
     "coordinator": CoordinatorConfig,
     "target": TargetWorkerConfig,
     "draft": DraftWorkerConfig,
@@ -60,7 +60,9 @@ device, dtype, k_value = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outrider",
-        description="Disaggregated speculative decoding: lossless output of the target model, faster.",
+        description=(
+            "Disaggregated speculative decoding: lossless output of the target model, faster."
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (up, demo):
         p.add_argument(
             "--target-model",
-            help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
+            help="target model: embedded name, directory or hub id "
+            "(default: smollm2-135m-instruct)",
         )
         p.add_argument(
             "--draft-model",
@@ -136,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--metrics-port",
         type=int,
-        help="serve the coordinator's Prometheus metrics at /metrics on this port (0: any free port) "
-        "and each worker's on a free port, all printed at start (default: no metrics)",
+        help="serve the coordinator's Prometheus metrics at /metrics on this port (0: any free "
+        "port) and each worker's on a free port, all printed at start (default: no metrics)",
     )
     demo.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message to send")
     demo.add_argument("--max-new-tokens", type=int, default=96)
@@ -182,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
-        help="draft the next round while the target verifies this one, or not (default: the server's)",
+        help="draft the next round while the target verifies this one, or not "
+        "(default: the server's)",
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
@@ -248,14 +252,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.service.log_level)
-    if args.role == "coordinator":
-        from coordinator.main import main as run
-    elif args.role == "target":
-        from target_worker.main import main as run
-    else:
-        from draft_worker.main import main as run
     try:
-        run(config)
+        if isinstance(config, CoordinatorConfig):
+            from coordinator.main import main as run_coordinator
+
+            run_coordinator(config)
+        elif isinstance(config, TargetWorkerConfig):
+            from target_worker.main import main as run_target
+
+            run_target(config)
+        else:
+            from draft_worker.main import main as run_draft
+
+            run_draft(config)
     except StartupError as exc:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
@@ -421,12 +430,14 @@ def _print_stats(stats) -> None:
         ("time to first token", f"{stats.time_to_first_token_s * 1000:.0f} ms"),
         (
             "draft / verify / overhead",
-            f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s / {stats.overhead_time_s:.3f} s",
+            f"{stats.draft_time_s:.2f} s / {stats.verify_time_s:.2f} s"
+            f" / {stats.overhead_time_s:.3f} s",
         ),
         *(_pipeline_rows(stats) if stats.pipeline else []),
         (
             "throughput",
-            f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s over {stats.total_time_s:.2f} s",
+            f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s"
+            f" over {stats.total_time_s:.2f} s",
         ),
     ]
     width = max(len(name) for name, _ in rows)
@@ -528,24 +539,25 @@ def _add_bench_parser(commands) -> None:
         "bench",
         help="benchmark Outrider against Hugging Face generate and assisted generation, in one run",
         description=(
-            "Runs a prompt set through every configuration in one run, interleaved (for each prompt, "
-            "every configuration in turn): plain Hugging Face generate (hf-generate, the baseline), "
-            "Outrider target-only (outrider-k0), Outrider with each drafter and K and with adaptive K, each "
-            "synchronous and pipelined, "
-            "and Hugging Face assisted generation on the same models. Greedy decoding; outputs are "
-            "checked to be identical. Reports tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance "
-            "rate, mean acceptance length, accepted per position, the per-round time split and the "
-            "analytic bound E·t_target/T (docs/design.md#cost-model), per configuration and per "
-            "prompt category. "
-            "Starts its own services (one target worker, one draft worker and coordinator per drafter). "
-            "With --concurrency it measures throughput and latency with N streams at once instead."
+            "Runs a prompt set through every configuration in one run, interleaved (for each "
+            "prompt, every configuration in turn): plain Hugging Face generate (hf-generate, the "
+            "baseline), Outrider target-only (outrider-k0), Outrider with each drafter and K and "
+            "with adaptive K, each synchronous and pipelined, and Hugging Face assisted generation "
+            "on the same models. Greedy decoding; outputs are checked to be identical. Reports "
+            "tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance rate, mean acceptance "
+            "length, accepted per position, the per-round time split and the analytic bound "
+            "E·t_target/T (docs/design.md#cost-model), per configuration and per prompt category. "
+            "Starts its own services (one target worker, one draft worker and coordinator per "
+            "drafter). With --concurrency it measures throughput and latency with N streams at "
+            "once instead."
         ),
     )
     bench.add_argument(
         "--prompts", action="append", metavar="SET|FILE",
         help="a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 "
-        "HumanEval prompts) or a JSONL file, rows with `turns` (the first is used) or `prompt`, "
-        "and optionally `category` (else the file stem); each is sent as one user chat message "
+        "HumanEval prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a "
+        "JSONL file, rows with `turns` (the first is used) or `prompt`, and optionally `category` "
+        "(else the file stem); each is sent as one user chat message "
         "(repeatable; default: mt-bench)",
     )  # fmt: skip
     bench.add_argument(
@@ -562,8 +574,8 @@ def _add_bench_parser(commands) -> None:
     )
     bench.add_argument(
         "--drafters", default="prompt-lookup,int4", metavar="LIST",
-        help="drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), "
-        "bf16 (the target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer) "
+        help="drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), bf16 "
+        "(the target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer) "
         "(default: prompt-lookup,int4)",
     )  # fmt: skip
     bench.add_argument(
@@ -576,8 +588,9 @@ def _add_bench_parser(commands) -> None:
     )
     bench.add_argument(
         "--no-pipelined", action="store_true",
-        help="skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined, outrider-<drafter>-adaptive-pipelined: "
-        "the draft drafts the next round while the target verifies this one); the others always run synchronous",
+        help="skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined, "
+        "outrider-<drafter>-adaptive-pipelined: the draft drafts the next round while the target "
+        "verifies this one); the others always run synchronous",
     )  # fmt: skip
     bench.add_argument(
         "--target-model",
@@ -589,27 +602,29 @@ def _add_bench_parser(commands) -> None:
     )  # fmt: skip
     bench.add_argument(
         "--device", type=device, default="auto",
-        help="where both workers and the Hugging Face configurations run: auto (the first CUDA device if there "
-        "is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
+        help="where both workers and the Hugging Face configurations run: auto (the first CUDA "
+        "device if there is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
     )  # fmt: skip
     bench.add_argument(
         "--ignore-eos", action="store_true",
-        help="fixed-length runs: every request generates exactly --max-new-tokens, past end-of-sequence tokens "
-        "(Outrider's ignore_eos; Hugging Face with no end-of-sequence token, which does the same without masking "
-        "it, so the outputs stay comparable)",
+        help="fixed-length runs: every request generates exactly --max-new-tokens, past "
+        "end-of-sequence tokens (Outrider's ignore_eos; Hugging Face with no end-of-sequence "
+        "token, which does the same without masking it, so the outputs stay comparable)",
     )  # fmt: skip
     bench.add_argument(
         "--concurrency", metavar="LIST",
-        help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always runs), N streams at "
-        "once, max(N, prompts) requests, stream s sending requests s, s+N, ... in turn. Reports per configuration and N "
-        "total tokens/s, speedup over N=1, TTFT and inter-token latency p50/p99 (per chunk: Outrider streams a chunk "
-        "per round; and per token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
+        help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always "
+        "runs), N streams at once, max(N, prompts) requests, stream s sending requests s, s+N, ... "
+        "in turn. Reports per configuration and N total tokens/s, speedup over N=1, TTFT and "
+        "inter-token latency p50/p99 (per chunk: Outrider streams a chunk per round; and per "
+        "token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
         "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",
     )  # fmt: skip
     bench.add_argument(
         "--coordinators", type=int, default=1, metavar="N",
-        help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, the streams spread "
-        "round-robin over them (to see how many a load needs when one coordinator's CPU is the limit) (default: 1)",
+        help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, "
+        "the streams spread round-robin over them (to see how many a load needs when one "
+        "coordinator's CPU is the limit) (default: 1)",
     )  # fmt: skip
     bench.add_argument(
         "--threads",
@@ -621,12 +636,13 @@ def _add_bench_parser(commands) -> None:
         "--json",
         type=Path,
         metavar="FILE",
-        help="write the report as JSON (one object with a `configs` list; with --concurrency each has a `runs` list, one per N)",
+        help="write the report as JSON (one object with a `configs` list; with --concurrency each "
+        "has a `runs` list, one per N)",
     )
     bench.add_argument(
         "--plot", type=Path, metavar="FILE.png",
-        help="plot speedup and acceptance by configuration and category; with --concurrency, tokens/s, TTFT and "
-        "inter-token latency against N (needs matplotlib: outrider[bench])",
+        help="plot speedup and acceptance by configuration and category; with --concurrency, "
+        "tokens/s, TTFT and inter-token latency against N (needs matplotlib: outrider[bench])",
     )  # fmt: skip
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.add_argument(

@@ -108,17 +108,22 @@ class GenerationStats:
     overhead_s_p50: float = 0.0
     """Median per-round time outside the workers' compute (RPC + coordinator)."""
     num_drafts: int = 0
-    """Rounds that verified at least one draft token (vLLM's drafts; rounds minus the target-only ones)."""
+    """Rounds that verified at least one draft token (vLLM's drafts; rounds minus the
+    target-only ones)."""
     pipeline: bool = False
-    """Whether the request ran pipelined (drafting the next round while the target verified this one)."""
+    """Whether the request ran pipelined (drafting the next round while the target verified
+    this one)."""
     speculation_hits: int = 0
     """Rounds whose drafts were drafted during the previous round's verify."""
     speculation_misses: int = 0
-    """Rounds whose speculation was discarded (the verdict differed from what it assumed); they drafted afresh."""
+    """Rounds whose speculation was discarded (the verdict differed from what it assumed);
+    they drafted afresh."""
     critical_path_overhead_s_p50: float = 0.0
-    """Median per-round wall time beyond the target's verify compute (waiting for drafts, RPC, coordinator)."""
+    """Median per-round wall time beyond the target's verify compute (waiting for drafts,
+    RPC, coordinator)."""
     rounds_by_k: tuple[int, ...] = ()
-    """``rounds_by_k[K]``: rounds that asked the draft for K tokens (0: target-only), as the policy chose."""
+    """``rounds_by_k[K]``: rounds that asked the draft for K tokens (0: target-only), as the
+    policy chose."""
     proposed_tokens: int = 0
     """Draft tokens proposed; ``draft_tokens`` counts those the target verified."""
 

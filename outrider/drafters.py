@@ -24,26 +24,35 @@ model, extends the session's cache.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from outrider.engine import Feed, Job
 from outrider.sampling import Stream, compact, draw
 from outrider.session import Session
-from outrider.speculation import Proposal
+from outrider.speculation import CompactProbs, Proposal
+
+if TYPE_CHECKING:
+    from outrider.engine.runner import FallbackRunner, PagedRunner
 
 
 class Drafter(Protocol):
     kind: str
     """"model", "int4", "early-exit" or "prompt-lookup"."""
     model_name: str
-    runner: object | None
-    """The model runner; None for model-free drafters (sessions keep no KV cache)."""
-    vocab_size: int | None
-    """Size of the id space the drafter proposes from; None: any (model-free)."""
 
-    def propose(self, session: Session, history: list[int], k: int) -> Job:
+    @property
+    def runner(self) -> PagedRunner | FallbackRunner | None:
+        """The model runner; None for model-free drafters (sessions keep no KV cache)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the id space the drafter proposes from; None: any (model-free)."""
+        ...
+
+    def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         """An engine job proposing up to ``k`` tokens to follow ``history``:
         the committed history, or during a speculation (a pipelined round)
         the committed history followed by the drafts being verified and a
@@ -59,16 +68,19 @@ class ModelDrafter:
         self.model_name = model_name
         self.vocab_size = runner.vocab_size
 
-    def propose(self, session: Session, history: list[int], k: int) -> Job:
+    def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         # Sync: feed the tokens of the history the cache lacks (at least the
         # last one: the draft has not seen it yet).
         kv, sampling = session.kv, session.sampling
+        assert kv is not None  # a model drafter's sessions keep a cache
         out = yield Feed(kv, history[len(kv) :])
         position = len(history)
-        tokens, probs = [], []
+        tokens: list[int] = []
+        probs: list[CompactProbs] = []
         # Draft: one token per step, each step batched with the other
         # sessions drafting; the last draft is never fed.
         while True:
+            assert out is not None  # each feed asks for one row of logits
             if sampling.is_greedy:
                 token, q = out.argmax[-1], None
             else:
@@ -107,7 +119,7 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session: Session, history: list[int], k: int) -> Job:
+    def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         return Proposal(self.lookup(history, k), follows_len=len(history))
         yield  # a job that needs no forward pass
 

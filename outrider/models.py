@@ -38,6 +38,7 @@ from tqdm import tqdm
 if TYPE_CHECKING:  # torch loads with the first model: a coordinator needs only tokenizers
     import torch
     from torch import nn
+    from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -253,7 +254,7 @@ def _transformers_progress(enabled: bool) -> Iterator[None]:
             hf_logging.disable_progress_bar()
 
 
-def _load_gguf(gguf_path: Path, *, progress: bool) -> tuple[nn.Module, Any]:
+def _load_gguf(gguf_path: Path, *, progress: bool) -> tuple[PreTrainedModel, Any]:
     """Dequantize a GGUF file into a fresh fp32 model built from its config, plus its tokenizer.
 
     ``from_pretrained(gguf_file=...)`` would need ``accelerate`` and returns a
@@ -302,7 +303,7 @@ def _eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def _save_converted(model: nn.Module, tokenizer: Any, directory: Path) -> None:
+def _save_converted(model: PreTrainedModel, tokenizer: Any, directory: Path) -> None:
     """Save weights (safetensors), config, generation config and tokenizer into ``directory``."""
     from transformers import GenerationConfig
 
@@ -412,7 +413,7 @@ def load_causal_lm(
     num_layers: int | None = None,
     trust_remote_code: bool = False,
     fast_small_batch: bool = True,
-) -> nn.Module:
+) -> PreTrainedModel:
     """Load a causal LM for inference on ``device``: eval mode, no gradients.
 
     ``dtype`` defaults to float32. ``num_layers=L`` keeps only the first L
@@ -433,7 +434,9 @@ def load_causal_lm(
     model.eval().requires_grad_(False)
     if num_layers is not None:
         truncate_layers(model, num_layers)
-    model.to(device)
+    # PreTrainedModel.to is `@wraps(nn.Module.to)`, which types it as the
+    # unbound function (self first): the call is right, its stub is not.
+    model.to(device)  # type: ignore[arg-type]
     if fast_small_batch:
         use_small_batch_linears(model)
     return model
@@ -450,7 +453,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def truncate_layers(model: nn.Module, num_layers: int) -> None:
+def truncate_layers(model: PreTrainedModel, num_layers: int) -> None:
     """Keep only the first ``num_layers`` decoder layers of ``model`` (in place)."""
     layers = _decoder_layers(model)
     total = len(layers)
@@ -474,7 +477,8 @@ def truncate_layers(model: nn.Module, num_layers: int) -> None:
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's vocabulary, ordered by id: equal only for identical vocabularies."""
+    """sha256 of the tokenizer's vocabulary, ordered by id: equal only for identical
+    vocabularies."""
     pairs = sorted(((index, token) for token, index in tokenizer.get_vocab().items()))
     payload = json.dumps(pairs, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()

@@ -15,9 +15,8 @@ from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling import expand
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import CompactProbs
 from outrider.session import Session, SessionStore
-from outrider.speculation import Verdict
+from outrider.speculation import CompactProbs, Verdict
 from outrider.validation import check_context, check_token_ids
 from outrider.verify import verify, verify_greedy
 
@@ -46,7 +45,7 @@ class TargetSessions:
         tokens: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         first_token: bool = False,
-    ) -> Job:
+    ) -> Job[tuple[int, int | None]]:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. With ``first_token``, it then runs the
         stream's first round with no drafts: the token after the history is
@@ -56,9 +55,10 @@ class TargetSessions:
             raise InvalidArgument("the session's history is empty: send at least one token")
         check_token_ids(tokens, self.info.vocab_size, what="token_ids")
         check_context(len(tokens) + first_token, self.info.max_context, what="the history")
-        session = self.store.create(session_id, tokens, kv=self.runner.new_kv(), sampling=sampling)
+        kv = self.runner.new_kv()
+        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
         if len(tokens) > 1:
-            yield Feed(session.kv, list(tokens[:-1]), num_logits=0)
+            yield Feed(kv, list(tokens[:-1]), num_logits=0)
         if not first_token:
             return session.committed_len, None
         verdict, _ = yield from self._round(session, [], None)
@@ -70,7 +70,7 @@ class TargetSessions:
         committed_len: int,
         draft_tokens: Sequence[int],
         draft_probs: Sequence[CompactProbs] = (),
-    ) -> Job:
+    ) -> Job[tuple[Verdict, int]]:
         session = self.store.get(session_id)
         if committed_len != session.committed_len:
             raise FailedPrecondition(
@@ -94,6 +94,7 @@ class TargetSessions:
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
         #    (or over [x_n, d_1 .. d_m]: a prefix is a proposal too).
         kv = session.kv
+        assert kv is not None  # a target session always keeps a cache
         tokens = [*session.tokens[len(kv) :], *draft_tokens]
         out = yield Feed(kv, tokens, num_logits=len(tokens), trimmable=k)
         verified = len(out.argmax) - 1

@@ -1,8 +1,10 @@
 """The prompt set: JSONL rows, each sent as one user chat message.
 
-Two sets ship with the package, each beside its licence and provenance
-(``outrider/bench/data/``): the 80 MT-Bench questions (Apache-2.0) and the
-164 HumanEval prompts (MIT). ``--prompts`` names one of them or a file.
+Three sets ship with the package, each beside its licence and provenance
+(``outrider/bench/data/``): the 80 MT-Bench questions (Apache-2.0), the
+164 HumanEval prompts (MIT), and 8 long-context prompts of about 1k and 3k
+tokens built from those two by ``scripts/build_long_prompts.py``.
+``--prompts`` names one of them or a file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 PROMPT_SETS = {
     "mt-bench": DATA_DIR / "mt_bench" / "question.jsonl",
     "humaneval": DATA_DIR / "humaneval" / "HumanEval_prompts.jsonl",
+    "long-context": DATA_DIR / "long_context" / "long_context.jsonl",
 }
 """The shipped prompt sets, by the name ``--prompts`` takes."""
 DEFAULT_PROMPT_SET = "mt-bench"
@@ -72,7 +75,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
             text = row["prompt"]
         else:
             raise ValueError(f"{path}:{number}: a row needs `turns` (a non-empty list) or `prompt`")
-        ident = row.get("question_id", row.get("task_id", number))
+        ident = row.get("question_id", row.get("task_id", row.get("id", number)))
         prompts.append(
             Prompt(
                 id=f"{path.stem}:{ident}", category=str(row.get("category") or fallback), text=text

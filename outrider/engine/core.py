@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -54,7 +54,9 @@ from outrider.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
-Job = Generator[Feed, Logits | None, Any]
+R = TypeVar("R")
+Job = Generator[Feed, Logits | None, R]
+"""An engine job returning ``R`` (bare ``Job``: any result)."""
 
 
 @dataclass
@@ -263,12 +265,20 @@ class Engine:
         )
         self._thread.start()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    @overload
+    async def run(self, fn: Callable[..., Job[R]], *args: object) -> R: ...
+    @overload
+    async def run(self, fn: Callable[..., T], *args: object) -> T: ...
+    async def run(self, fn: Callable[..., Any], *args: object) -> Any:
         """``fn(*args)`` on the engine (a job runs to its end), with the caller's log context."""
         result, _ = await self.timed(fn, *args)
         return result
 
-    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    @overload
+    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, float]: ...
+    @overload
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]: ...
+    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, float]:
         """Like :meth:`run`, and the seconds from the engine taking the call
         to its end (its steps, shared with other sessions, included)."""
         loop = asyncio.get_running_loop()
@@ -449,10 +459,18 @@ class InlineEngine:
         """An inline engine has no steps to report (a model-free drafter)."""
         return None
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    @overload
+    async def run(self, fn: Callable[..., Job[R]], *args: object) -> R: ...
+    @overload
+    async def run(self, fn: Callable[..., T], *args: object) -> T: ...
+    async def run(self, fn: Callable[..., Any], *args: object) -> Any:
         return self.call(fn, *args)
 
-    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    @overload
+    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, float]: ...
+    @overload
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]: ...
+    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, float]:
         started = time.perf_counter()
         return self.call(fn, *args), time.perf_counter() - started
 

@@ -63,7 +63,7 @@ class BlockPool:
             raise ValueError(f"{n} blocks asked, {len(self._free)} free")
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
-        return taken
+        return taken[::-1]  # in ascending order: a fresh session's blocks follow each other
 
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(reversed(blocks))

@@ -100,6 +100,10 @@ class AttentionGroup:
     rows: int
     tokens_per_row: int
     block_table: torch.Tensor  # [rows, blocks], int64
+    span: tuple[int, int] | None = None
+    """``(first block, tokens)`` when the group is one row whose blocks
+    follow each other in the pool (a session that grew alone): its keys
+    and values are then read in place, a view of the cache, not gathered."""
 
 
 @dataclass
@@ -322,6 +326,13 @@ class LlamaForward:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         masks = [self._mask(batch.positions, group, block_size) for group in batch.groups]
+        # Each group's keys and values are gathered into the same two buffers
+        # in every layer: one allocation per step, not two per layer (on the
+        # CPU a fresh buffer of a long context is a fresh mapping, faulted in
+        # page by page).
+        gathered = [
+            None if group.span else self._gather_buffers(cache, group) for group in batch.groups
+        ]
 
         x = self._embed(batch.input_ids)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
@@ -346,8 +357,8 @@ class LlamaForward:
             keys.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, k)
             values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, v)
             attended = [
-                self._attend(q, keys, values, group, mask)
-                for group, mask in zip(batch.groups, masks, strict=True)
+                self._attend(q, keys, values, group, mask, buffers)
+                for group, mask, buffers in zip(batch.groups, masks, gathered, strict=True)
             ]
             x = x + self._reduce(
                 linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
@@ -394,18 +405,36 @@ class LlamaForward:
 
     def _mask(
         self, positions: torch.Tensor, group: AttentionGroup, block_size: int
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """``[rows, 1, G·T, keys]``: query ``t`` of row ``r`` sees key ``j``
         when ``j <= position`` (and within the sliding window). Keys past a
         row's length are at later positions, so they are never seen; every
-        query sees key 0, so no row of the softmax is empty."""
+        query sees key 0, so no row of the softmax is empty. None where
+        every query sees every key: one token over a span read in place."""
         t = group.tokens_per_row
+        if group.span is not None and t == 1 and self.sliding_window is None:
+            return None
         query = positions[group.start : group.start + group.rows * t].view(group.rows, t, 1)
-        key = torch.arange(group.block_table.shape[1] * block_size, device=positions.device)
-        mask = key <= query
+        width = group.span[1] if group.span else group.block_table.shape[1] * block_size
+        key = torch.arange(width, device=positions.device)
+        seen = key <= query
         if self.sliding_window is not None:
-            mask &= key > query - self.sliding_window
+            seen &= key > query - self.sliding_window
+        # Additive (0 or -inf) in the model's dtype, made once per step:
+        # attention would otherwise convert a boolean mask in every layer.
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=seen.device)
+        mask.masked_fill_(~seen, float("-inf"))
         return mask.unsqueeze(1).repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
+
+    @staticmethod
+    def _gather_buffers(
+        cache: torch.Tensor, group: AttentionGroup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for one layer's keys and for its values of ``group``'s rows,
+        one block per row of the flattened block table."""
+        per_block = math.prod(cache.shape[3:])
+        size = (group.block_table.numel(), per_block)
+        return cache.new_empty(size), cache.new_empty(size)
 
     def _attend(
         self,
@@ -413,7 +442,8 @@ class LlamaForward:
         keys: torch.Tensor,
         values: torch.Tensor,
         group: AttentionGroup,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """Attention of one group's queries over their rows' cached keys and
         values, ``[rows · T, heads · head dim]``. The query heads that share
@@ -426,22 +456,25 @@ class LlamaForward:
             self.head_dim,
         )
         per_kv = self.num_heads // kv_heads
-        width = group.block_table.shape[1] * keys.shape[1]
-        table = group.block_table.flatten()
         q = q[group.start : group.start + rows * t].view(rows, t, kv_heads, per_kv, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, per_kv * t, head_dim)
-        k = (
-            keys.flatten(1)
-            .index_select(0, table)
-            .view(rows, width, kv_heads, head_dim)
-            .transpose(1, 2)
-        )
-        v = (
-            values.flatten(1)
-            .index_select(0, table)
-            .view(rows, width, kv_heads, head_dim)
-            .transpose(1, 2)
-        )
+        if group.span is not None:
+            first, length = group.span
+            blocks = -(-length // keys.shape[1])
+            k, v = (
+                cached[first : first + blocks].flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+                for cached in (keys, values)
+            )
+        else:
+            assert buffers is not None
+            width = group.block_table.shape[1] * keys.shape[1]
+            table = group.block_table.flatten()
+            k, v = (
+                torch.index_select(cached.flatten(1), 0, table, out=buffer)
+                .view(rows, width, kv_heads, head_dim)
+                .transpose(1, 2)
+                for cached, buffer in zip((keys, values), buffers, strict=True)
+            )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return (
             out.view(rows, kv_heads, per_kv, t, head_dim)

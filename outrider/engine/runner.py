@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ class PagedRunner:
             else None
         )
         self.pad_groups = self.device.type == "cuda"
-        """Group rows by the power of two at or above their token count (see :meth:`_ragged_batch`)."""
+        """Group rows by the power of two at or above their token count
+        (see :meth:`_ragged_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
@@ -98,7 +99,7 @@ class PagedRunner:
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         bucket = self.graphs.bucket(rows) if self.graphs is not None else None
-        if bucket is not None:
+        if self.graphs is not None and bucket is not None:
             logits, wanted = self.graphs.run(bucket, rows)
         else:
             batch, wanted = self._ragged_batch(rows)
@@ -137,11 +138,10 @@ class PagedRunner:
         slots: list[int] = []
         logits_at: list[int] = []
         wanted: list[tuple[int, int] | None] = [None] * len(rows)
-        tables: list[
-            tuple[int, int, int, list[list[int]]]
-        ] = []  # (start, rows, tokens per row, block table)
-        for _, members in groupby(order, key=group_of):
-            members = list(members)
+        # (start, rows, tokens per row, block table, span)
+        tables: list[tuple[int, int, int, list[list[int]], tuple[int, int] | None]] = []
+        for _, group in groupby(order, key=group_of):
+            members = list(group)
             t = len(
                 rows[members[-1]].tokens
             )  # the group's longest row: the others are padded to it
@@ -169,23 +169,20 @@ class PagedRunner:
                 slots.extend([NULL_BLOCK * block_size] * pad)
                 needed = self.pool.blocks_for(cached + len(row.tokens))
                 table.append(blocks[:needed] + [NULL_BLOCK] * (width - needed))
-            tables.append((start, len(members), t, table))
+            tables.append((start, len(members), t, table, _span([rows[i] for i in members])))
         n = len(ids)
         flat = [*ids, *positions, *slots, *logits_at]
-        for *_, table in tables:
+        for *_, table, _ in tables:
             for blocks in table:
                 flat.extend(blocks)
         packed = torch.tensor(flat, dtype=torch.long).to(
             self.device, non_blocking=True
         )  # one copy to the device
         groups, offset = [], 3 * n + len(logits_at)
-        for start, count, t, table in tables:
+        for start, count, t, table, span in tables:
             width = len(table[0])
-            groups.append(
-                AttentionGroup(
-                    start, count, t, packed[offset : offset + count * width].view(count, width)
-                )
-            )
+            block_table = packed[offset : offset + count * width].view(count, width)
+            groups.append(AttentionGroup(start, count, t, block_table, span))
             offset += count * width
         batch = ForwardBatch(
             input_ids=packed[:n],
@@ -195,6 +192,19 @@ class PagedRunner:
             logits_indices=packed[3 * n : 3 * n + len(logits_at)],
         )
         return batch, wanted
+
+
+def _span(members: Sequence[Row]) -> tuple[int, int] | None:
+    """``AttentionGroup.span`` of a group: its one row's first block and
+    length when the blocks it reads follow each other in the pool, else None."""
+    if len(members) != 1:
+        return None
+    (row,) = members
+    length = len(row.kv) + len(row.tokens)
+    blocks = row.kv.blocks[: row.kv.pool.blocks_for(length)]
+    if blocks[-1] - blocks[0] != len(blocks) - 1 or blocks != sorted(blocks):
+        return None
+    return blocks[0], length
 
 
 SHARED_WIDTH_BLOCKS = 64
@@ -232,13 +242,14 @@ class FallbackRunner:
     def __init__(self, model: nn.Module, pool: BlockPool) -> None:
         if pool.block_size != 1:
             raise ValueError("the fallback runner accounts its caches in blocks of one token")
-        self.model = model
+        config: Any = model.config  # read by name, as in outrider.engine.llama
+        self.model, self.config = model, config
         self.pool = pool
-        self.vocab_size: int = model.config.vocab_size
+        self.vocab_size: int = config.vocab_size
         self.device = next(model.parameters()).device
 
     def new_kv(self) -> DynamicKVCache:
-        return DynamicKVCache(self.pool, DynamicCache(config=self.model.config))
+        return DynamicKVCache(self.pool, DynamicCache(config=self.config))
 
     def warm_up(self, **_) -> None:
         pass
@@ -246,6 +257,7 @@ class FallbackRunner:
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         outputs: list[Logits | None] = []
         for row in rows:
+            assert isinstance(row.kv, DynamicKVCache)  # made by new_kv
             out = self.model(
                 input_ids=torch.tensor([row.tokens], device=self.device),
                 past_key_values=row.kv.cache,

@@ -233,14 +233,20 @@ def test_bench_defaults_to_the_shipped_mt_bench_questions():
 def test_shipped_prompt_sets_are_named_and_carry_their_licence_and_provenance():
     from outrider.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--prompts", "mt-bench", "--prompts", "humaneval"])
+    names = ["mt-bench", "humaneval", "long-context"]
+    args = build_parser().parse_args(["bench", *(f"--prompts={name}" for name in names)])
     files = options_from_args(args).prompt_files
-    assert files == (PROMPT_SETS["mt-bench"], PROMPT_SETS["humaneval"])
+    assert files == tuple(PROMPT_SETS[name] for name in names)
     humaneval = load_prompts(files[1])
     assert len(humaneval) == 164
     assert {p.category for p in humaneval} == {"humaneval"}
+    long_context = load_prompts(files[2])
+    categories = {"code-qa-1k", "code-qa-3k", "summary-1k", "summary-3k"}
+    assert sorted(p.category for p in long_context) == sorted(list(categories) * 2)
+    for prompt in long_context:  # ~4 characters per token; 1k and 3k tokens
+        assert len(prompt.text) > (9_000 if prompt.category.endswith("3k") else 3_000)
     for path in files:
-        assert (path.parent / "LICENSE").is_file()
+        assert list(path.parent.glob("LICENSE*"))
         assert (path.parent / "PROVENANCE.md").is_file()
 
 

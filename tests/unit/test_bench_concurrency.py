@@ -173,6 +173,22 @@ def test_concurrency_report_has_a_run_per_concurrency_with_the_required_keys():
     json.dumps(report)
 
 
+def test_throughput_and_ttft_are_also_given_against_target_only_at_the_same_concurrency():
+    def timed(n: int, ttft: float, wall: float) -> Batch:
+        return Batch(n, tuple(stream([1, 2], ttft, gaps=[0.01]) for _ in range(2)), wall)
+
+    report = concurrency_report(
+        **{
+            "outrider-k0": {1: timed(1, 0.2, 1.0), 2: timed(2, 0.4, 1.0)},
+            "outrider-int4-adaptive": {1: timed(1, 0.22, 0.5), 2: timed(2, 0.3, 2.0)},
+        }
+    )
+    k0, adaptive = (c["runs"] for c in report["configs"])
+    assert [(r["vs_target_only"], r["ttft_vs_target_only"]) for r in k0] == [(1.0, 1.0)] * 2
+    assert [r["vs_target_only"] for r in adaptive] == [2.0, 0.5]
+    assert [r["ttft_vs_target_only"] for r in adaptive] == [approx4(1.1), approx4(0.75)]
+
+
 def test_concurrency_mismatches_name_the_reference_and_the_concurrency():
     report = concurrency_report(
         **{

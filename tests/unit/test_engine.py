@@ -106,6 +106,42 @@ def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_trans
         torch.testing.assert_close(out.values[0], logits, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral (sliding window 7)"])
+def test_a_row_reads_its_cache_in_place_when_its_blocks_follow_each_other(name):
+    """Two sessions decoding in turn take blocks in turn (theirs are gathered);
+    one growing alone holds consecutive blocks (read in place): every step's
+    logits equal transformers' either way."""
+    model = tiny(name)
+    torch.manual_seed(3)
+    sequences = [torch.randint(0, 97, (n,)).tolist() for n in (30, 30, 30)]
+    runner = paged(model, blocks=64, block_size=4)
+    spans = []
+    forward = runner.forward.forward
+    runner.forward.forward = lambda batch, cache: (
+        spans.append([g.span is not None for g in batch.groups]) or forward(batch, cache)
+    )
+    with torch.inference_mode():
+        expected = [model(torch.tensor([s])).logits[0] for s in sequences]
+        caches = [runner.new_kv() for _ in sequences]
+        got: list[list[torch.Tensor]] = [[], [], []]
+        for step in range(1, 30):  # sessions 0 and 1 in turn, one token at a time
+            for i in (0, 1):
+                caches[i].reserve(step)
+                (out,) = runner.execute([Row(caches[i], sequences[i][step - 1 : step], 1)])
+                got[i].append(out.values[0])
+        caches[2].reserve(30)
+        (out,) = runner.execute([Row(caches[2], sequences[2][:20], 20)])
+        got[2].extend(out.values)
+        for step in range(21, 30):
+            (out,) = runner.execute([Row(caches[2], sequences[2][step - 1 : step], 1)])
+            got[2].append(out.values[0])
+    first = caches[1].blocks[0]
+    assert caches[1].blocks != list(range(first, first + len(caches[1].blocks)))
+    assert spans[-1] == [True] and [False] in spans  # in place alone; gathered interleaved
+    for logits, rows in zip(expected, got, strict=True):
+        torch.testing.assert_close(torch.stack(rows), logits[:29], rtol=0, atol=1e-12)
+
+
 def test_other_architectures_are_named_for_the_fallback():
     from transformers import GPT2Config, GPT2LMHeadModel
 

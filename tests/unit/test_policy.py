@@ -205,3 +205,20 @@ def test_pipelined_costs_hide_the_drafts_behind_the_verify():
     k_pipelined = pipelined.choose(limit=100)
     assert pipelined_rate(k_pipelined) >= max(map(pipelined_rate, range(9))) * (1 - TIE)
     assert pipelined_rate(k_pipelined) >= pipelined_rate(k_sync) * (1 - TIE)
+
+
+def test_time_a_round_waited_behind_other_sessions_does_not_make_drafting_look_cheap():
+    """Under load a round's overhead also holds the time its calls waited for
+    other sessions' steps. Priced as a fixed cost of the round it would make
+    long rounds look cheap (more drafts spread it); the model keeps the
+    overhead's floor, so K stays what it is without the waits."""
+    calm, loaded = model(cpu, draft=lambda n: 0.05), model(cpu, draft=lambda n: 0.05)
+    for waited in [0.0, 2.0, 0.0, 3.0, 1.5, 0.0, 2.5] * 5:
+        for drafted in (False, True):
+            loaded.overhead[drafted].update(0.01 + waited)
+            calm.overhead[drafted].update(0.01)
+    assert loaded.rpc_cost(True) < 0.2  # the waits average 1.3
+    ks = [session(costs, 0.8).choose(16) for costs in (calm, loaded)]
+    assert ks[0] == ks[1]
+    slow = model(cpu, draft=lambda n: 0.05, overhead=2.0)  # a real fixed cost is one
+    assert session(slow, 0.8).choose(16) > ks[0]

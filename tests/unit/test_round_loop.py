@@ -1,6 +1,8 @@
 """The round loop in one process: engines behind the in-process clients, no
 gRPC. Same loop code as across three processes."""
 
+import dataclasses
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -57,3 +59,41 @@ async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
     await target.engine.run(lambda: None)
     await draft.engine.run(lambda: None)
     assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
+
+
+@pytest.mark.parametrize("competes", [False, True], ids=["apart", "sharing CPU cores"])
+async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
+    clients, tiny_target_dir, competes
+):
+    """The draft's prefill starts with the target's, so drafting can start at
+    the second round; where the two run on CPUs (one host's cores), it starts
+    once the first token is drawn, which then comes as fast as without a draft."""
+    target, draft = clients
+    events: list[str] = []
+    target_open, draft_open = target.open, draft.open
+
+    async def opening_target(*args, **kwargs):
+        events.append("target open begins")
+        try:
+            return await target_open(*args, **kwargs)
+        finally:
+            events.append("target open ends")
+
+    async def opening_draft(*args, **kwargs):
+        events.append("draft open begins")
+        return await draft_open(*args, **kwargs)
+
+    target.open, draft.open = opening_target, opening_draft
+    info = await target.info()
+    draft_info = await draft.info()
+    assert draft_info.dtype and info.device == draft_info.device == "cpu"
+    if not competes:
+        draft_info = dataclasses.replace(draft_info, device="cuda:0")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    models = Models(tokenizer, frozenset(), info, draft_info)
+    assert models.draft_competes == competes
+    request = GenerationRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=8, num_speculative_tokens=3)
+    deltas = await run(request, models, target, draft)
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    draft_at = events.index("draft open begins")
+    assert (draft_at > events.index("target open ends")) == competes

@@ -27,6 +27,8 @@ DEFINITIONS = {
     "k_distribution": "Outrider: the share of rounds that asked the draft for each K "
     "(K = 0: target-only), as the speculation policy chose",
     "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed",
+    "vs_target_only": "tokens_per_s / tokens_per_s of outrider-k0 at the same concurrency",
+    "ttft_vs_target_only": "ttft_ms_p50 / ttft_ms_p50 of outrider-k0 at the same concurrency",
 }
 REQUIRED_RUN_KEYS = (
     "concurrency",
@@ -108,6 +110,25 @@ def with_speedups(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def with_target_only_ratios(
+    rows: Sequence[dict[str, Any]],
+) -> None:
+    """Adds to every run ``vs_target_only`` and ``ttft_vs_target_only``: its
+    throughput and TTFT p50 ÷ outrider-k0's at the same concurrency (None
+    without such a run)."""
+    target_only = next((row for row in rows if row["name"] == TARGET_ONLY), None)
+    by_n = {r["concurrency"]: r for r in target_only["runs"]} if target_only else {}
+    for row in rows:
+        for run in row["runs"]:
+            k0 = by_n.get(run["concurrency"], {})
+            run["vs_target_only"] = round_or_none(
+                ratio(run["tokens_per_s"], k0.get("tokens_per_s"))
+            )
+            run["ttft_vs_target_only"] = round_or_none(
+                ratio(run["ttft_ms_p50"], k0.get("ttft_ms_p50"))
+            )
+
+
 def find_mismatches(
     batches: Mapping[str, Mapping[int, Batch]], prompts: Sequence[Prompt], reference: str
 ) -> list[dict[str, Any]]:
@@ -170,6 +191,7 @@ def build_report(
             {"name": config.name, "family": config.family, "drafter": config.drafter, "k": config.k,
              "adaptive": config.adaptive, "pipeline": config.pipeline, "runs": runs}
         )  # fmt: skip
+    with_target_only_ratios(rows)
     levels = sorted({n for by_concurrency in batches.values() for n in by_concurrency})
     return {
         **(meta or {}),
