@@ -339,12 +339,15 @@ async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(
     assert len(draft.store) == 0
 
 
-@pytest.mark.parametrize(("concurrency", "budget"), [(1, 3), (8, 16)])
+@pytest.mark.parametrize("concurrency", [1, 8])
 async def test_rounds_trimmed_to_a_full_step_still_give_the_target_only_output(
-    tiny_target_dir, tiny_draft_same_dir, concurrency, budget
+    tiny_target_dir, tiny_draft_same_dir, concurrency
 ):
-    # A target whose steps hold `budget` tokens verifies a prefix of the
-    # drafts of a round that does not fit (alone: x_n and 2 of 4 drafts).
+    # A target whose steps hold 3 tokens verifies a prefix of every round's
+    # drafts (x_n and 2 of 4), alone or with seven other streams queued for
+    # its steps. (A budget that fits some rounds whole trims only when rounds
+    # happen to meet in a step, which depends on timing.)
+    budget = 3
     cases = prompts(concurrency, seed=3, lengths=(4, 20))
     references = [reference_greedy(tiny_target_dir, p, 24, eos=None) for p in cases]
     engine = EngineConfig(dtype="float64", threads=1, max_tokens_per_step=budget)
