@@ -14,6 +14,7 @@ accepted) and one built with another seed is unrelated (most are rejected).
   kind whose first generated token decodes differently alone than after the prompt.
 * `build_tiny_llama` — a random Llama whose logits are far from ties.
 * `build_tiny_model_dir` — a self-contained model directory (weights + tokenizer).
+* `LLAMA_FAMILY` — one tiny model of each architecture the Llama-family forward runs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,32 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
+
+FAMILY_SHAPE = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+"""4 heads over 2 KV heads; a vocabulary of 97, which two ranks split unevenly."""
+LLAMA_FAMILY = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**FAMILY_SHAPE)),
+    "qwen2 (q/k/v biases)": lambda: Qwen2ForCausalLM(Qwen2Config(**FAMILY_SHAPE)),
+    "qwen3 (q/k norms, head_dim 24)": lambda: Qwen3ForCausalLM(
+        Qwen3Config(**FAMILY_SHAPE, head_dim=24)
+    ),
+    "mistral (sliding window 7)": lambda: MistralForCausalLM(
+        MistralConfig(**FAMILY_SHAPE, sliding_window=7)
+    ),
+}
+"""The architectures of the Llama-family forward, each in ``FAMILY_SHAPE``
+(random weights from torch's current seed)."""
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"

@@ -17,16 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider.client import AsyncClient
 from outrider.engine import parallel
@@ -37,20 +28,8 @@ from outrider.engine.scheduler import Row
 from outrider.models import load_causal_lm
 from tests.integration.harness import reference_greedy
 from tests.stress.cluster import Cluster, sessions_left, start_stack
+from tests.tiny import LLAMA_FAMILY
 
-SHAPE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
-"""A vocabulary of 97: the second rank's rows are padded."""
-ARCHITECTURES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
-    "qwen2 (q/k/v biases)": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),
-    "qwen3 (q/k norms)": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=24)),
-    "mistral (sliding window 7)": lambda: MistralForCausalLM(
-        MistralConfig(**SHAPE, sliding_window=7)
-    ),
-}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 MAX_NEW = 40
 
@@ -69,10 +48,10 @@ def start_ranks(checkpoint: Path, size: int = 2) -> parallel.TensorParallelForwa
     )
 
 
-@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
 def test_each_step_of_two_ranks_gives_one_ranks_logits_and_transformers(tmp_path, name):
     torch.manual_seed(0)
-    model = ARCHITECTURES[name]().to(torch.float64).eval()
+    model = LLAMA_FAMILY[name]().to(torch.float64).eval()
     model.save_pretrained(tmp_path)
     one = PagedRunner(
         LlamaForward(load_causal_lm(str(tmp_path), dtype=torch.float64)), BlockPool(64, 4)

@@ -10,16 +10,7 @@ import time
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider.engine import Engine, Feed, InlineEngine
 from outrider.engine.kv_cache import BlockPool, KVCache
@@ -27,24 +18,12 @@ from outrider.engine.llama import LlamaForward, unsupported
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound, Unavailable
-
-SHAPE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
-ARCHITECTURES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
-    "qwen2 (q/k/v biases)": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),
-    "qwen3 (q/k norms, head_dim 24)": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=24)),
-    "mistral (sliding window 7)": lambda: MistralForCausalLM(
-        MistralConfig(**SHAPE, sliding_window=7)
-    ),
-}
+from tests.tiny import FAMILY_SHAPE, LLAMA_FAMILY
 
 
 def tiny(name: str = "llama", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return ARCHITECTURES[name]().to(torch.float64).eval()
+    return LLAMA_FAMILY[name]().to(torch.float64).eval()
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +38,7 @@ def paged(model, *, blocks: int = 64, block_size: int = 4) -> PagedRunner:
 @pytest.mark.parametrize(
     "pad_groups", [False, True], ids=["exact groups (CPU)", "padded groups (CUDA)"]
 )
-@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
 def test_paged_forward_equals_transformers_on_chunked_ragged_batches(name, pad_groups):
     model = tiny(name)
     torch.manual_seed(1)
@@ -150,7 +129,7 @@ def test_other_architectures_are_named_for_the_fallback():
 
 
 def test_a_llama_with_output_and_mlp_biases_is_named_for_the_fallback_and_left_whole():
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True))
+    model = LlamaForCausalLM(LlamaConfig(**FAMILY_SHAPE, attention_bias=True, mlp_bias=True))
     assert unsupported(model) == "its output or MLP projections have biases"
     with pytest.raises(ValueError, match="output or MLP projections have biases"):
         LlamaForward(model)
