@@ -29,16 +29,12 @@ from outrider.bench.concurrency.streams import (
     stream_from_arrivals,
 )
 from outrider.bench.prompts import Prompt
+from tests.bench_numbers import approx4
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
-
-
-def approx4(value: float):
-    """The report rounds to 4 decimals."""
-    return pytest.approx(value, abs=1e-4)
 
 
 # --- concurrency: requests, streams, aggregation -----------------------------------------
