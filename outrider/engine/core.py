@@ -128,6 +128,10 @@ class _Activity:
             self._reset(now)
 
 
+FIRST_BACK_KEPT = 64
+"""Steps whose first return :class:`_Returns` remembers."""
+
+
 class _Returns:
     """The sessions a step answered, on their way back with their next round.
 
@@ -140,11 +144,15 @@ class _Returns:
     (docs/benchmark.md#holding-a-step-for-the-sessions-just-answered).
     So while work waits, the engine holds the step for the sessions it
     answered last, until they are all back or ``max_wait`` of a forward pass
-    has gone by — only while their round trip (its moving average) is that
-    short: where it is longer (a draft model's K steps between two verifies)
-    the groups taking turns is the right schedule, and nobody waits. A
-    session that misses a wait is not waited for again until its next
-    answer; a closed one is forgotten."""
+    has gone by — while their round trip (its moving average) is that short.
+    Where it is longer (a draft model's K steps between two verifies), the
+    engine holds only for the rest of a step's sessions once the first of
+    them is back, and only while they come back together (the spread of
+    their returns, its moving average, within the wait): rounds in lockstep
+    (coordinator/lockstep.py) send their verifies at once, and an engine
+    that stepped on the first would split them; sessions that drift apart
+    take turns, and nobody waits. A session that misses a wait is not
+    waited for again until its next answer; a closed one is forgotten."""
 
     def __init__(self, max_wait: float) -> None:
         self.max_wait = max_wait
@@ -154,6 +162,10 @@ class _Returns:
         """Session cache → when its last round was answered."""
         self._late: dict[KVCache, float] = {}
         """The same, for sessions that missed a wait (still measured on return)."""
+        self.spread_s: float | None = None
+        """How long after the first of a step's sessions the others come back."""
+        self._first_back: dict[float, float] = {}
+        """When a step answered → when the first of its sessions came back."""
 
     def stepped(self, seconds: float) -> None:
         self.forward_s = _average(self.forward_s, seconds)
@@ -168,6 +180,10 @@ class _Returns:
             answered = self._late.pop(kv, None)
         if answered is not None:
             self.round_trip_s = _average(self.round_trip_s, at - answered)
+            first = self._first_back.setdefault(answered, at)
+            self.spread_s = _average(self.spread_s, at - first)
+            while len(self._first_back) > FIRST_BACK_KEPT:
+                del self._first_back[next(iter(self._first_back))]
 
     def deadline(self, now: float) -> float | None:
         """Until when to hold the step; None: start it now."""
@@ -176,7 +192,13 @@ class _Returns:
         if not self.expected() or self.round_trip_s is None or self.forward_s is None:
             return None
         longest = self.max_wait * self.forward_s
-        return now + longest if self.round_trip_s <= longest else None
+        if self.round_trip_s <= longest:
+            return now + longest
+        if self.spread_s is None or self.spread_s > longest:
+            return None
+        firsts = [self._first_back.get(at) for at in self._answered.values()]
+        back = [first for first in firsts if first is not None]
+        return min(back) + longest if back else None
 
     def expected(self) -> bool:
         """Whether a session answered last is still on its way back (not closed)."""
@@ -255,6 +277,8 @@ class Engine:
         self.meter = LoadMeter()
         self._activity = _Activity()
         self._returns = _Returns(max_batch_wait)
+        self._stepped_at: float | None = None
+        """While a step answers its sessions: when it ended."""
         self._calls: queue.SimpleQueue[_Call | _Fatal | None] = queue.SimpleQueue()
         self._stopped = False
         self.exited: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
@@ -411,7 +435,7 @@ class Engine:
             return
         if isinstance(outcome, _Done):
             if call.kv is not None:
-                self._returns.answered(call.kv, time.perf_counter())
+                self._returns.answered(call.kv, self._stepped_at or time.perf_counter())
             call.finish(outcome.value)
             return
         if call.kv is None:  # the job's first feed: its session is back
@@ -442,8 +466,10 @@ class Engine:
         self.meter.stepped(rows=stats.rows, tokens=stats.tokens, seconds=stats.seconds)
         if self.on_step is not None:
             self.on_step(stats)
+        self._stepped_at = time.perf_counter()  # the step's sessions form one group
         for call, output in self.scheduler.update(step, outputs):
             self._advance(call, output)
+        self._stepped_at = None
         self._activity.record(stats, waiting=len(self.scheduler))
 
 

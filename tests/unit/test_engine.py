@@ -353,6 +353,37 @@ def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
     assert returns.deadline(now=3.0) is None
 
 
+def test_a_step_is_held_for_the_rest_of_a_group_that_comes_back_together():
+    # Rounds in lockstep: a draft phase between two verifies (a long round
+    # trip), but a step's sessions send their next verifies at once.
+    from outrider.engine.core import _Returns
+
+    pool = BlockPool(8, 4)
+    a, b = KVCache(pool), KVCache(pool)
+    returns = _Returns(max_wait=0.25)
+    returns.stepped(0.100)
+    returns.answered(a, at=1.0)
+    returns.answered(b, at=1.0)
+    returns.arrived(a, at=1.300)
+    returns.arrived(b, at=1.302)
+    returns.answered(a, at=2.0)
+    returns.answered(b, at=2.0)
+    assert returns.deadline(now=2.2) is None  # none of the group is back: nothing to hold for
+    returns.arrived(a, at=2.3)
+    assert returns.deadline(now=2.3) == pytest.approx(2.325)  # the rest, a quarter pass at most
+    returns.arrived(b, at=2.301)
+    # Sessions that drift apart take turns: their step is not held.
+    for start in (3.0, 4.0, 5.0, 6.0, 7.0, 8.0):
+        returns.answered(a, at=start)
+        returns.answered(b, at=start)
+        returns.arrived(a, at=start + 0.3)
+        returns.arrived(b, at=start + 0.5)
+    returns.answered(a, at=9.0)
+    returns.answered(b, at=9.0)
+    returns.arrived(a, at=9.3)
+    assert returns.spread_s > 0.025 and returns.deadline(now=9.3) is None
+
+
 async def test_an_engine_whose_loop_fails_answers_every_call_and_says_it_stopped(llama):
     def broken_metrics(stats):
         raise RuntimeError("a bug outside any job")
