@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.lockstep import Lockstep
 from coordinator.policy import AdaptiveK, CostModel
 from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
@@ -88,9 +89,14 @@ async def generate(
     draft: DraftClient | None,
     costs: CostModel | None = None,
     recovery: Recovery = Recovery(),
+    lockstep: Lockstep | None = None,
 ) -> AsyncIterator[Delta]:
-    """Runs ``request`` round by round, yielding what each round streams."""
-    generation = Generation(request, models, target, draft, costs or CostModel(), recovery)
+    """Runs ``request`` round by round, yielding what each round streams;
+    ``lockstep``: the coordinator's, for rounds where draft and target
+    share CPU cores (:mod:`coordinator.lockstep`)."""
+    generation = Generation(
+        request, models, target, draft, costs or CostModel(), recovery, lockstep
+    )
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
         #    streamed at once; the draft session opens beside it.
@@ -119,6 +125,7 @@ class Generation:
         draft: DraftClient | None,
         costs: CostModel,
         recovery: Recovery,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.request = request
         self.costs = costs
@@ -143,6 +150,11 @@ class Generation:
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
         self.draft_competes = models.draft_competes
+        # Synchronous rounds that draft on a model sharing the target's cores
+        # run in lockstep with the coordinator's others; pipelined ones
+        # overlap draft and verify by design.
+        in_step = self.draft_competes and k_max > 0 and not self.stats.pipeline
+        self.lockstep = lockstep if in_step else None
         self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
@@ -211,6 +223,8 @@ class Generation:
         None when the round does not draft: K = 0, or the draft is lost."""
         if self.drafts is None:
             return None
+        if self.lockstep is not None:
+            await self.lockstep.draft(self)
         reply, record.hit = await self.drafts.speculated(self.history)
         if record.hit is not None:
             self.stats.speculation_hits += record.hit
@@ -244,9 +258,15 @@ class Generation:
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        reply, record.reopen_s = await self.target.verify(
-            self.history, drafts, self.recovery.verify_deadline_s(expected_s)
-        )
+        if self.lockstep is not None:
+            await self.lockstep.verify(self)
+        try:
+            reply, record.reopen_s = await self.target.verify(
+                self.history, drafts, self.recovery.verify_deadline_s(expected_s)
+            )
+        finally:
+            if self.lockstep is not None:
+                self.lockstep.leave(self)
         record.verify_s = reply.compute_s
         if reply.load is not None:
             self.costs.target = reply.load
@@ -323,6 +343,8 @@ class Generation:
         went away). The workers free their caches either way."""
         if self.policy is not None:
             self.policy.close()
+        if self.lockstep is not None:
+            self.lockstep.leave(self)
         finished = self.finish_reason is not None
         self.target.close(finished=finished)
         if self.drafts is not None:

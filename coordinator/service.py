@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from coordinator.lockstep import Lockstep
 from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.policy import CostModel
@@ -41,12 +42,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = metrics
         # Round costs are the deployment's: every session teaches adaptive K.
         self.costs = CostModel()
+        self.lockstep = Lockstep(max_wait_s=recovery.draft_deadline_s)
         self.requests = RequestBuilder(models, policy, drafts=draft is not None)
 
     def deltas(self, request: GenerationRequest, received: float) -> AsyncIterator[Delta]:
         """Runs the round loop on a request (recorded in the metrics, if any).
         ``received``: ``time.perf_counter()`` when the request arrived."""
-        deltas = generate(request, self.models, self.target, self.draft, self.costs, self.recovery)
+        deltas = generate(
+            request,
+            self.models,
+            self.target,
+            self.draft,
+            self.costs,
+            self.recovery,
+            self.lockstep,
+        )
         return self.metrics.track(deltas, received) if self.metrics else deltas
 
     def request_from_pb(self, request: pb.GenerateRequest) -> GenerationRequest:

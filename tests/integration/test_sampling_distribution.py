@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,9 +60,11 @@ from transformers import AutoModelForCausalLM
 
 import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
+from coordinator.lockstep import Lockstep
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.config import Recovery
 from outrider.drafters import ModelDrafter, PromptLookupDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
@@ -381,8 +383,10 @@ def request(
     )
 
 
-async def run_once(models, target, draft, req) -> tuple[list[int], object]:
-    deltas = [delta async for delta in generate(req, models, target, draft)]
+async def run_once(models, target, draft, req, lockstep=None) -> tuple[list[int], object]:
+    deltas = [
+        delta async for delta in generate(req, models, target, draft, None, Recovery(), lockstep)
+    ]
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == req.max_new_tokens and deltas[-1].finish_reason == "length"
     return tokens, deltas[-1].stats
@@ -569,13 +573,18 @@ async def trimmed_samples(
     target = InProcessTargetClient(TargetSessions(target_runner, store, info), engine)
     out = np.empty((n, NEW_TOKENS), dtype=np.int64)
     proposed = verified = 0
+    # As served where the draft model shares the target's CPU cores: rounds in lockstep.
+    on_cpu = replace(world.models.target, device="cpu", dtype="float64")
+    models = replace(world.models, target=on_cpu, draft=replace(on_cpu, model="good"))
+    assert models.draft_competes
+    lockstep = Lockstep(max_wait_s=5.0)
     try:
         for start in range(0, n, concurrency):
             seeds = range(start, min(n, start + concurrency))
             results = await asyncio.gather(
                 *(
                     run_once(
-                        world.models, target, world.drafts["good"], request(setting, mode, s, K)
+                        models, target, world.drafts["good"], request(setting, mode, s, K), lockstep
                     )
                     for s in seeds
                 )
