@@ -92,3 +92,11 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
 
 def component(objects: list[dict], kind: str, name: str) -> dict:
     return by_kind(objects, kind)[f"{RELEASE}-outrider-{name}"]
+
+
+def pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
