@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import random
 
 import pytest
 import torch
 
 from outrider import models
-from outrider.bench.prompts import PROMPT_SETS
 from outrider.client import AsyncClient
 from outrider.config import EngineConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
+from tests.prompts import mt_bench_chat_ids
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,7 +31,6 @@ from tests.integration.harness import running_stack  # noqa: E402
 
 NO_EOS = -1
 CUDA_FP32 = EngineConfig(device="cuda", dtype="float32")
-MT_BENCH = PROMPT_SETS["mt-bench"]
 
 
 def prompts(count: int, *, seed: int, vocab: int = 512, lengths=(3, 60)) -> list[list[int]]:
@@ -136,16 +134,7 @@ async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batch
 
     model_dir = models.model_path(models.DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": rows[i * 10]["turns"][0]}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for i in range(6)
-    ]
+    chats = mt_bench_chat_ids(tokenizer, 6)
     references = [hf_greedy(model_dir, c, 48) for c in chats]
     async with running_stack(
         model_dir, drafter="prompt-lookup", eos_token_ids={NO_EOS}, engine=CUDA_FP32

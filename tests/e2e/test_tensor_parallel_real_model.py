@@ -5,17 +5,15 @@ logits are a near tie (the gap is printed)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from outrider import models
-from outrider.bench.prompts import PROMPT_SETS
 from outrider.engine import parallel
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
+from tests.prompts import mt_bench_chat_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -35,16 +33,7 @@ def test_three_ranks_give_transformers_greedy_tokens(default_model_dir):
     from transformers import AutoModelForCausalLM
 
     tokenizer = models.load_tokenizer(default_model_dir)
-    rows = [json.loads(line) for line in PROMPT_SETS["mt-bench"].read_text().splitlines() if line]
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": rows[i * 10]["turns"][0]}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for i in range(8)
-    ]
+    chats = mt_bench_chat_ids(tokenizer, 8)
     ranks = parallel.start(
         default_model_dir,
         parallel.meta_model(default_model_dir),
