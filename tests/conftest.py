@@ -7,6 +7,7 @@ tokenizer files), so `AutoTokenizer.from_pretrained(dir)` and
 * `tiny_target_dir` — the target model (seed 0).
 * `tiny_draft_same_dir` — an exact copy of the target (same seed): every draft is accepted.
 * `tiny_draft_other_dir` — an unrelated model (seed 1): most drafts are rejected.
+* `cluster` — real service processes (`tests/stress/cluster.py`), stopped after the test.
 """
 
 from __future__ import annotations
@@ -49,3 +50,14 @@ def tiny_draft_other_dir(
     return build_tiny_model_dir(
         tmp_path_factory.mktemp("tiny-draft-other"), tiny_tokenizer_dir, seed=OTHER_DRAFT_SEED
     )
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path):
+    from tests.stress.cluster import Cluster
+
+    cluster = Cluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        await cluster.close()

@@ -27,7 +27,7 @@ from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from outrider.models import load_causal_lm
 from tests.integration.harness import reference_greedy
-from tests.stress.cluster import Cluster, sessions_left, start_stack
+from tests.stress.cluster import sessions_left, start_stack
 from tests.tiny import LLAMA_FAMILY
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -181,15 +181,6 @@ def prompt_ids(tiny_target_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_target_dir, prompt_ids):
     return reference_greedy(tiny_target_dir, prompt_ids, MAX_NEW, eos=None)
-
-
-@pytest.fixture
-async def cluster(tmp_path):
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        await cluster.close()
 
 
 TP2 = ["--tensor-parallel-size", "2"]

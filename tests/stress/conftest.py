@@ -1,5 +1,6 @@
-"""Fixtures of the stress tests: a cluster of real service processes per test,
-the prompt they all send and its reference output."""
+"""Fixtures of the stress tests: the prompt they all send and its reference
+output (each test's cluster of real service processes: ``cluster`` in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.integration.harness import reference_greedy
-from tests.stress.cluster import Cluster
 
 PROMPT = "Once upon a time there was a fox"
 MAX_NEW = 400
 """Long enough for a stream to outlive a kill and a restart (the tiny model's context is 512)."""
-
-
-@pytest.fixture
-async def cluster(tmp_path):
-    cluster = Cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        await cluster.close()
 
 
 @pytest.fixture(scope="session")
