@@ -93,6 +93,8 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W, bias)`` with this weight, in ``x``'s dtype."""
+        if x.numel() == 0:
+            return _no_rows(x, self.out_features, bias)
         rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         padded_in = self.scales_and_zeros.shape[0] * self.group_size
         if padded_in != self.in_features:
@@ -142,6 +144,8 @@ class Int8Weight:
         return self.weight.nbytes + self.scales.nbytes
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() == 0:
+            return _no_rows(x, self.weight.shape[0], bias)
         rows = x.reshape(-1, self.weight.shape[1]).to(KERNEL_DTYPE)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
@@ -149,6 +153,16 @@ class Int8Weight:
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
+
+
+def _no_rows(x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of no rows (a step none of whose tokens needs logits),
+    without calling a kernel: on CUDA, torch's int8 kernel launches an empty
+    grid for zero rows without checking the launch, and the error it leaves
+    surfaces at the next operation, in whatever step comes next; tinygemm's
+    refuses the launch."""
+    out = x.new_empty(*x.shape[:-1], out_features)
+    return out if bias is None else out + bias
 
 
 def _stored(x: torch.Tensor) -> torch.Tensor:

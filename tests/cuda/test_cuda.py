@@ -11,6 +11,7 @@ import copy
 import random
 
 import pytest
+import structlog
 import torch
 
 from outrider import models
@@ -178,21 +179,40 @@ def test_tinygemm_int4_and_int8_products_equal_their_levels_on_cuda(shape):
     )
 
 
+def test_a_product_of_no_rows_leaves_no_cuda_error_behind():
+    """A draft's prefill asks for no logits; its LM head gets no rows, and
+    the next operation must not fail (torch's int8 kernel does not check an
+    empty grid's launch)."""
+    from outrider.quantize import Int4Weight, Int8Weight
+
+    for quantized in (
+        Int4Weight.quantize(torch.randn(1536, 576, device="cuda")),
+        Int8Weight.quantize(torch.randn(49152, 576, device="cuda")),
+    ):
+        assert quantized.linear(torch.randn(0, 576, device="cuda")).shape == (0, quantized.shape[0])
+        torch.arange(4, device="cuda").index_select(0, torch.tensor([1], device="cuda"))
+        torch.cuda.synchronize()
+
+
 async def test_int4_drafter_on_cuda_with_graphs_keeps_the_output(tiny_target_dir):
     cases = [(p, 12 + 4 * i, (1, 4, 8)[i % 3]) for i, p in enumerate(prompts(6, seed=13))]
     references = [hf_greedy(tiny_target_dir, p, n) for p, n, _ in cases]
-    async with running_stack(
-        tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}, engine=CUDA_FP32
-    ) as stack:
-        async with AsyncClient(stack.address, timeout=120) as client:
-            results = await asyncio.gather(
-                *(
-                    client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k)
-                    for p, n, k in cases
+    with structlog.testing.capture_logs() as logs:
+        async with running_stack(
+            tiny_target_dir, drafter="int4", eos_token_ids={NO_EOS}, engine=CUDA_FP32
+        ) as stack:
+            async with AsyncClient(stack.address, timeout=120) as client:
+                results = await asyncio.gather(
+                    *(
+                        client.generate(token_ids=p, max_new_tokens=n, num_speculative_tokens=k)
+                        for p, n, k in cases
+                    )
                 )
-            )
     for result, reference in zip(results, references, strict=True):
         assert list(result.token_ids) == reference
+    # A failing draft step loses the draft and the rounds go on at K = 0,
+    # the output unchanged: only the logs tell.
+    assert [e for e in logs if e["log_level"] in ("error", "warning")] == []
     assert sum(r.stats.accepted_tokens for r in results) >= 0.6 * sum(
         r.stats.draft_tokens for r in results
     )

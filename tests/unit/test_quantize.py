@@ -81,6 +81,18 @@ def test_int8_rows_are_within_half_a_step_and_multiply_as_their_levels():
     _bf16_close(quantized.linear(x), x @ quantized.dequantize().T)
 
 
+@pytest.mark.parametrize("quantize", [Int4Weight.quantize, Int8Weight.quantize], ids=["4", "8"])
+def test_a_product_of_no_rows_is_empty_and_calls_no_kernel(quantize, monkeypatch):
+    """A step none of whose tokens needs logits (a draft's prefill) puts no
+    rows through the LM head: torch's CUDA int8 kernel launches an empty grid
+    for them and leaves an error for the next operation (tests/cuda)."""
+    quantized = quantize(torch.randn(40, 64))
+    for kernel in ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"):
+        monkeypatch.setattr(torch.ops.aten, kernel, None)  # any call fails
+    out = quantized.linear(torch.randn(0, 64, dtype=torch.float64), torch.zeros(40))
+    assert out.shape == (0, 40) and out.dtype == torch.float64
+
+
 SHAPE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
