@@ -198,6 +198,12 @@ class Generation:
         delta = self.commit(None, verdict)
         self.open_draft(beside=False)
         record.ended()
+        log.debug(
+            "first round",
+            prompt_tokens=len(self.request.prompt_ids),
+            round_ms=round(record.round_s * 1e3, 2),
+            prefill_ms=round(reply.compute_s * 1e3, 2),
+        )
         self.stats.record_round(None, verdict, record, streamed=len(delta.token_ids))
         if self.policy is not None:
             self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
@@ -305,6 +311,17 @@ class Generation:
         drafted = proposal.tokens if proposal else []
         verified, verdict = len(judged.proposal.tokens), judged.verdict
         record.ended()
+        log.debug(
+            "round",
+            k=record.k,
+            verified=verified,
+            accepted=verdict.num_accepted,
+            round_ms=round(record.round_s * 1e3, 2),
+            drafted_ms=round(record.drafted_s * 1e3, 2),
+            draft_ms=round(record.draft_s * 1e3, 2),
+            open_ms=round(record.open_s * 1e3, 2),
+            verify_ms=round(record.verify_s * 1e3, 2),
+        )
         self.stats.record_round(
             proposal, verdict, record, streamed=len(delta.token_ids), verified=verified
         )

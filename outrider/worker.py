@@ -4,6 +4,7 @@ gRPC server, its metrics, its warm-up, its drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +169,7 @@ async def serve_worker(role: WorkerRole, config: Any) -> None:
             device=info.device,
             dtype=info.dtype,
             engine=type(engine).__name__,
+            pid=os.getpid(),
         )
         try:
             if endpoint:

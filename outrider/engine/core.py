@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import os
 import queue
 import threading
 import time
@@ -461,6 +462,14 @@ class Engine:
             return
         stats = StepStats(
             len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started
+        )
+        log.debug(
+            "step",
+            rows=stats.rows,
+            tokens=stats.tokens,
+            ms=round(stats.seconds * 1e3, 2),
+            graphed=getattr(self.runner, "graphed", None),
+            pid=os.getpid(),
         )
         self._returns.stepped(stats.seconds)
         self.meter.stepped(rows=stats.rows, tokens=stats.tokens, seconds=stats.seconds)

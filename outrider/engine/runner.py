@@ -78,6 +78,8 @@ class PagedRunner:
             if cuda_graphs and isinstance(forward, LlamaForward)
             else None
         )
+        self.graphed = False
+        """Whether the last step replayed a CUDA graph (for the engine's step log)."""
         self.pad_groups = self.device.type == "cuda"
         """Group rows by the power of two at or above their token count
         (see :meth:`_ragged_batch`)."""
@@ -99,6 +101,7 @@ class PagedRunner:
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         bucket = self.graphs.bucket(rows) if self.graphs is not None else None
+        self.graphed = bucket is not None
         if self.graphs is not None and bucket is not None:
             logits, wanted = self.graphs.run(bucket, rows)
         else:

@@ -169,6 +169,8 @@ class QuietLog:
     def info(self, *args, **kwargs):
         pass
 
+    debug = info
+
 
 def load_llama(path: Path, seed: int) -> torch.nn.Module:
     build_tiny_llama(path, vocab_size=VOCAB, seed=seed, hidden_size=HIDDEN)
