@@ -255,6 +255,8 @@ def fake_config(
 
 
 def test_the_run_warms_up_then_rotates_the_configurations_from_one_concurrency_to_the_next():
+    """Each concurrency's requests are first run short and untimed by every
+    configuration: the first batch of a shape pays for all."""
     calls: list = []
     prompts = [Prompt("q:1", "c", "a"), Prompt("q:2", "c", "b"), Prompt("q:3", "c", "c")]
     configs = [fake_config("a", calls), fake_config("b", calls)]
@@ -262,8 +264,12 @@ def test_the_run_warms_up_then_rotates_the_configurations_from_one_concurrency_t
     assert calls == [
         ("a", 1, 1, 16),
         ("b", 1, 1, 16),
+        ("a", 1, 3, 4),
+        ("b", 1, 3, 4),
         ("a", 1, 3, 32),
         ("b", 1, 3, 32),
+        ("a", 4, 4, 4),
+        ("b", 4, 4, 4),
         ("b", 4, 4, 32),
         ("a", 4, 4, 32),
     ]

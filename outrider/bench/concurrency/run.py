@@ -1,5 +1,6 @@
 """The concurrency run: every configuration at every concurrency,
-interleaved, after one warm-up each."""
+interleaved, after one warm-up each, and a short untimed batch of each at
+every concurrency before its timed ones."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Sequence
 from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests
 from outrider.bench.prompts import Prompt
 from outrider.bench.runner import failure_detail, interleaved_order, without_ignored_options
+
+WARM_UP_TOKENS = 4
+"""Tokens of each request of a warm-up batch: the prefills and a drafting round."""
 
 
 def run_concurrency(
@@ -19,6 +23,12 @@ def run_concurrency(
     progress: bool = True,
 ) -> tuple[list[LoadConfig], dict[str, dict[int, Batch]], dict[str, str]]:
     """For each concurrency N, every configuration in turn (the order rotated from N to N).
+
+    Before the timed batches of an N, each configuration runs the same
+    requests for a few tokens, untimed: the first batch of a shape pays
+    costs the others would not (on a GPU, its first eager steps:
+    docs/benchmark.md#one-h200), which would favour whichever configuration
+    does not run first.
 
     Returns the configurations that ran, their batches by name and N, and the
     errors of those that may fail and did (left out from then on).
@@ -39,6 +49,10 @@ def run_concurrency(
     with tqdm(total=total, desc="bench", unit="request", disable=not progress) as bar:
         for i, n in enumerate(levels):
             requests = batch_requests(prompts, n)
+            for config in configs:
+                if config.name not in not_run:
+                    bar.set_postfix_str(f"warm-up {config.name} N={n}")
+                    _run_batch(config, requests, n, min(max_new_tokens, WARM_UP_TOKENS), not_run)
             for config in interleaved_order(configs, i):
                 if config.name in not_run:
                     bar.update(len(requests))
