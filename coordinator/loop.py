@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.lockstep import Lockstep
-from coordinator.policy import AdaptiveK, CostModel
+from coordinator.policy import AdaptiveK, CostModel, adaptive_k_max
 from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
@@ -134,6 +134,8 @@ class Generation:
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
         k_max = request.num_speculative_tokens if draft is not None else 0
+        if request.adaptive:
+            k_max = adaptive_k_max(k_max, models.target.graphed_tokens_per_row)
         self.k_max = k_max
         self.stats = Stats(
             prompt_tokens=len(self.history),

@@ -66,6 +66,18 @@ LEARNING_K = 4
 """K of a round drafted to learn what drafting costs, before any was measured."""
 
 
+def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
+    """The largest K adaptive rounds choose: ``k_max``, but within the
+    target's CUDA graphs where it has them (``graphed_tokens_per_row``, 0:
+    none). A verify of more tokens a row runs eagerly, many times slower
+    than a replay (docs/benchmark.md#one-h200), and its step curve — by
+    tokens per step — cannot tell such a step from one of as many tokens
+    spread over graphed rows."""
+    if graphed_tokens_per_row <= 0:
+        return k_max
+    return min(k_max, graphed_tokens_per_row - 1)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """E(K): tokens one round commits, the recovered or bonus token included."""
     if alpha >= 1.0:

@@ -44,6 +44,8 @@ class WorkerInfo:
     max_context: int
     device: str = ""
     dtype: str = ""
+    graphed_tokens_per_row: int = 0
+    """The most tokens a row may feed in a step replayed from a CUDA graph (0: none is)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
         max_context=info.max_context_length,
         device=info.device,
         dtype=info.dtype,
+        graphed_tokens_per_row=info.graphed_tokens_per_row,
     )
 
 

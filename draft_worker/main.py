@@ -30,8 +30,10 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 # Model-free drafters work with any vocabulary and any context length.
 UNBOUNDED_CONTEXT = 1 << 30
 
-GRAPH_TOKENS_PER_ROW = 3
-"""CUDA graphs cover draft steps (1 token) and syncs (2 after a full accept)."""
+GRAPH_TOKENS_PER_ROW = 17
+"""CUDA graphs cover draft steps (1 token), syncs after a full accept (2),
+and syncs after the target-only rounds between two of adaptive K's probes
+(about 10): a sync past the graphs runs eagerly, many times slower."""
 
 
 def build_sessions(config: DraftWorkerConfig) -> DraftSessions:

@@ -54,4 +54,5 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             device=info.device,
             dtype=info.dtype,
             load=load_to_pb(self.engine.load),
+            graphed_tokens_per_row=getattr(self.sessions.runner, "graphed_tokens_per_row", 0),
         )

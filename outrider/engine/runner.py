@@ -92,6 +92,11 @@ class PagedRunner:
         if (close := getattr(self.forward, "close", None)) is not None:
             close()
 
+    @property
+    def graphed_tokens_per_row(self) -> int:
+        """The most tokens a row may feed in a step replayed from a CUDA graph (0: none is)."""
+        return self.graphs.tokens[-1] if self.graphs is not None and self.graphs.tokens else 0
+
     def warm_up(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
         """Captures the CUDA graphs of every bucket up to these sizes."""
         if self.graphs is not None:

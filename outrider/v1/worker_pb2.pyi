@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype", "load")
+    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype", "load", "graphed_tokens_per_row")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class WorkerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    GRAPHED_TOKENS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     vocab_size: int
@@ -33,7 +34,8 @@ class WorkerInfo(_message.Message):
     device: str
     dtype: str
     load: EngineLoad
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    graphed_tokens_per_row: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., graphed_tokens_per_row: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("curve_tokens", "curve_seconds", "tokens_per_step", "rows_per_step", "steps", "running_s")

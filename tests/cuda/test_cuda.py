@@ -64,6 +64,7 @@ async def test_tiny_model_batched_on_cuda_with_graphs_equals_transformers(
         tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={NO_EOS}, engine=CUDA_FP32
     ) as stack:
         assert stack.target.runner.graphs is not None and stack.target.runner.graphs.graphs
+        assert stack.target.runner.graphed_tokens_per_row == 9  # verifies of K <= 8
         async with AsyncClient(stack.address, timeout=120) as client:
             results = await asyncio.gather(
                 *(

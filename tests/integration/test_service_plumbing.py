@@ -30,3 +30,20 @@ async def test_model_info_describes_target_and_drafter(tiny_target_dir):
     assert info.max_context_length == 512
     assert info.default_num_speculative_tokens == 3
     assert (info.drafter, info.draft_model) == ("prompt-lookup", "prompt-lookup")
+
+
+async def test_the_coordinator_learns_how_many_tokens_a_row_the_targets_graphs_hold(
+    tiny_target_dir, monkeypatch
+):
+    """(Adaptive K stays within them: coordinator.policy.adaptive_k_max.) On
+    the CPU no step is graphed; a CUDA target's runner reports its largest
+    bucket (tests/cuda), stood in for here."""
+    from outrider.engine.runner import PagedRunner
+
+    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+        assert stack.coordinator is not None
+        assert stack.coordinator.models.target.graphed_tokens_per_row == 0
+    monkeypatch.setattr(PagedRunner, "graphed_tokens_per_row", property(lambda self: 9))
+    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+        assert stack.coordinator is not None
+        assert stack.coordinator.models.target.graphed_tokens_per_row == 9

@@ -8,6 +8,7 @@ from coordinator.policy import (
     TIE,
     AdaptiveK,
     CostModel,
+    adaptive_k_max,
     expected_tokens,
     step_costs,
 )
@@ -95,6 +96,12 @@ def test_a_draft_slower_than_the_target_is_never_consulted_again():
     # loses and probing could not change the answer.
     policy = session(model(cpu, draft_per_token=1.3), alpha=0.99)
     assert [policy.choose(limit=100) for _ in range(64)] == [0] * 64
+
+
+def test_adaptive_k_stays_within_the_targets_cuda_graphs():
+    assert adaptive_k_max(16, graphed_tokens_per_row=9) == 8
+    assert adaptive_k_max(4, graphed_tokens_per_row=9) == 4
+    assert adaptive_k_max(16, graphed_tokens_per_row=0) == 16  # no graphs: any K runs alike
 
 
 def test_the_room_left_caps_k():

@@ -97,3 +97,18 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     assert sum(len(d.token_ids) for d in deltas) == 8
     draft_at = events.index("draft open begins")
     assert (draft_at > events.index("target open ends")) == competes
+
+
+async def test_adaptive_rounds_stay_within_the_targets_cuda_graphs(clients, tiny_target_dir):
+    """A verify of more tokens a row than the target's CUDA graphs hold runs
+    eagerly, which its step curve cannot price: adaptive K stays below them."""
+    target, draft = clients
+    info = dataclasses.replace(await target.info(), graphed_tokens_per_row=3)
+    models = Models(AutoTokenizer.from_pretrained(tiny_target_dir), frozenset(), info)
+    request = GenerationRequest(
+        prompt_ids=(1, 2, 3, 4), max_new_tokens=40, num_speculative_tokens=8, adaptive=True
+    )
+    deltas = await run(request, models, target, draft)
+    stats = deltas[-1].stats
+    assert stats.draft_tokens > 0  # it drafted, and never past K = 2
+    assert len(stats.rounds_by_k) <= 3 and stats.num_speculative_tokens == 2
