@@ -327,13 +327,19 @@ async def test_sessions_whose_rounds_come_back_quickly_stay_in_one_step(llama, w
         assert rows.count(4) < len(rows) // 2, rows
 
 
-def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
+def returns_of_two_sessions():
+    """The engine's record of returning sessions after a 100 ms forward
+    pass, holding a step for at most a quarter of one; two sessions' caches."""
     from outrider.engine.core import _Returns
 
     pool = BlockPool(8, 4)
-    a, b = KVCache(pool), KVCache(pool)
     returns = _Returns(max_wait=0.25)
     returns.stepped(0.100)
+    return returns, KVCache(pool), KVCache(pool)
+
+
+def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
+    returns, a, b = returns_of_two_sessions()
     returns.answered(a, at=1.0)
     assert returns.deadline(now=1.0) is None  # no round trip measured yet
     returns.arrived(a, at=1.004)
@@ -356,12 +362,7 @@ def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
 def test_a_step_is_held_for_the_rest_of_a_group_that_comes_back_together():
     # Rounds in lockstep: a draft phase between two verifies (a long round
     # trip), but a step's sessions send their next verifies at once.
-    from outrider.engine.core import _Returns
-
-    pool = BlockPool(8, 4)
-    a, b = KVCache(pool), KVCache(pool)
-    returns = _Returns(max_wait=0.25)
-    returns.stepped(0.100)
+    returns, a, b = returns_of_two_sessions()
     returns.answered(a, at=1.0)
     returns.answered(b, at=1.0)
     returns.arrived(a, at=1.300)
