@@ -9,13 +9,14 @@ With per-token acceptance α and K drafts, a round commits
 
 tokens (Leviathan et al. 2023); its j-th draft adds α^j of them. Sessions
 share steps: the target verifies every session's round in one forward pass
-of T = Σ (K_i + 1) tokens, which costs c(T); the draft drafts in steps of
-every session drafting, n_j rows at the j-th draft of a round, each costing
-d(n_j). Both curves are measured by the engines themselves and reported
-with every answer (``outrider.load``); the coordinator adds its overhead o
+of T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R);
+the draft drafts in steps of every session drafting, n_j rows of a token at
+the j-th draft of a round, each costing d(n_j). Both costs are measured by
+the engines themselves, by rows and tokens, and reported with every answer
+(``outrider.load``); the coordinator adds its overhead o
 (RPCs and its own loop, measured per round). So a round costs
 
-    C = o + Σ_j d(n_j) + c(T)
+    C = o + Σ_j d(n_j) + c(T; R)
 
 and the goodput of an assignment of K_i to the sessions is
 
@@ -33,7 +34,7 @@ few hundred tokens, so drafting is almost free at low load and K shrinks
 as T grows; on a CPU c is linear from the first token, so under load
 drafting pays only where α is high and drafts are cheap — K = 0 when it
 does not pay at all. A session alone is priced exactly as
-E(K) / (o + K·d(1) + c(K + 1)), its own best rate. Among assignments of
+E(K) / (o + K·d(1) + c(K + 1; 1)), its own best rate. Among assignments of
 the same goodput (within :data:`TIE`), the shortest round wins: every
 session gets its tokens soonest.
 
@@ -59,6 +60,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from outrider.load import EngineLoad
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
 
 TIE = 0.01
 """Goodputs this close count as equal; then latency decides."""
@@ -83,19 +87,6 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def step_costs(load: EngineLoad, tokens: np.ndarray) -> np.ndarray:
-    """The step cost curve of ``load`` at each of ``tokens`` (vectorised
-    :meth:`EngineLoad.step_cost`; zero before any step was measured)."""
-    tokens = np.asarray(tokens, dtype=float)
-    if not load.curve:
-        return np.zeros_like(tokens)
-    xs, ys = (np.array(values, dtype=float) for values in zip(*load.curve, strict=True))
-    if len(xs) == 1:
-        return np.where(tokens <= xs[0], ys[0], ys[0] * tokens / xs[0])
-    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-    return np.where(tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1]))
 
 
 class _Ema:
@@ -238,7 +229,8 @@ class CostModel:
         """What a verify of K drafts should take now: a step at the current load."""
         if not self.measured:
             return None
-        return self.target.step_cost(max(self.target.tokens_per_step, 1.0) + k)
+        load = self.target
+        return load.step_cost(max(load.tokens_per_step, 1.0) + k, max(load.rows_per_step, 1.0))
 
     def rpc_cost(self, drafted: bool) -> float:
         """o: a round's overhead with two RPCs on its critical path (``drafted``) or one."""
@@ -251,7 +243,8 @@ class CostModel:
         """d(n) of draft steps of ``rows`` rows (0 rows: no step)."""
         rows = np.asarray(rows, dtype=float)
         if self.draft is not None and self.draft.curve:
-            costs = step_costs(self.draft, np.maximum(rows, 1.0))
+            steps = np.maximum(rows, 1.0)  # a row drafts one token
+            costs = self.draft.step_costs(steps, steps)
         else:
             costs = np.full_like(rows, self.draft_per_token.value or 0.0)
         return np.where(rows > 0, costs, 0.0)
@@ -294,6 +287,7 @@ class CostModel:
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
         base = _Base(
             committed=rows * (self.committed.value or 1.0) + n,
+            rows=rows + n,
             tokens=tokens + n,
             sessions=n,
             pipelined=any(s.pipeline for s in sessions),
@@ -334,11 +328,23 @@ class CostModel:
         # for itself: the goodput it would cost (a token in the step, a row in
         # the first draft step).
         drafting_first = other_drafting + int((ks > 0).sum())
-        token = step_costs(
-            self.target, np.array([base.tokens + ks.sum(), base.tokens + ks.sum() + 1])
+        token = self.target.step_costs(
+            np.array([base.tokens + ks.sum(), base.tokens + ks.sum() + 1]), base.rows
         )
         row = self.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
         price = goodput_best * float(np.diff(token)[0] + np.diff(row)[0])
+        log.debug(
+            "plan",
+            ks=ks.tolist(),
+            alphas=[round(float(a), 3) for a in alphas],
+            goodput=round(goodput_best, 1),
+            others=(round(rows, 1), round(tokens, 1)),
+            target=[(r, t, round(s * 1e3, 1)) for r, t, s in self.target.curve],
+            draft=[(r, t, round(s * 1e3, 1)) for r, t, s in self.draft.curve]
+            if self.draft
+            else None,
+            overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
+        )
         return Plan({id(s): int(k) for s, k in zip(sessions, ks, strict=True)}, goodput_best, price)
 
     def _prefixes(
@@ -354,7 +360,7 @@ class CostModel:
         drafts = np.arange(len(gain) + 1, dtype=float)
         committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
         drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
-        verify = step_costs(self.target, base.tokens + drafts)
+        verify = self.target.step_costs(base.tokens + drafts, base.rows)
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:
             # A speculation drafts one step more (the guess) beside the verify;
@@ -376,6 +382,7 @@ class _Base:
     """What every assignment has: the others' and these sessions' K = 0 rounds."""
 
     committed: float
+    rows: float
     tokens: float
     sessions: int
     pipelined: bool

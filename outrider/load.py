@@ -1,14 +1,20 @@
 """What an engine tells the coordinator about itself: what a step costs as a
-function of the tokens in it, how loaded it is, and that it is alive.
+function of the rows and tokens in it, how loaded it is, and that it is alive.
 
 The coordinator chooses each session's K from what its drafts add to the
 step everyone shares (docs/design.md#speculation-under-load), so the engine
 measures its own step cost rather than leaving a session to time its
 verify: in a shared step a session's verify takes the step's time whatever
-its own K. The cost is kept as a curve — the moving average of a forward
-pass's seconds for each power-of-two range of tokens, at the average tokens
-seen in that range — which follows a GPU's flat-then-linear shape and a
-CPU's linear one alike.
+its own K. The cost is kept as a surface of points, one for each
+power-of-two range of rows and of tokens: the median rows, tokens and
+seconds of that range's last :data:`WINDOW` forward passes. Along the
+tokens of one range of rows it follows a GPU's flat-then-linear shape and a
+CPU's linear one alike; the rows keep apart steps of one shape that cost
+differently — a one-row prefill of 60 tokens costs, on a CPU, about half a
+verify of eight rows of 5. A median, not a mean: a rare step far off its
+range's usual cost (a shape's first run, eager past the CUDA graphs) says
+nothing of the steps the coordinator plans, and a mean would carry it for
+dozens of steps — for ever, in a range no step comes back to.
 
 ``steps`` counts the forward passes begun since start, and ``running_s``
 says how long the one under way has run: a worker whose count moves, or
@@ -17,19 +23,29 @@ whose step began lately, is busy, not frozen (``coordinator.workers.answer_of``)
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 DECAY = 0.9
-"""Weight of the past in each moving average (per step)."""
+"""Weight of the past in the moving averages of the load (per step)."""
+WINDOW = 15
+"""Steps of each range of the surface its medians are taken over."""
+
+Point = tuple[float, float, float]
+"""``(rows, tokens, seconds)`` of a forward pass."""
 
 
 @dataclass(frozen=True)
 class EngineLoad:
     """A snapshot of an engine's costs and load."""
 
-    curve: tuple[tuple[float, float], ...] = ()
-    """``(tokens, seconds)`` of a forward pass, by increasing tokens."""
+    curve: tuple[Point, ...] = ()
+    """The step cost surface, by increasing rows, then tokens."""
     tokens_per_step: float = 0.0
     rows_per_step: float = 0.0
     steps: int = 0
@@ -37,23 +53,48 @@ class EngineLoad:
     running_s: float = 0.0
     """How long the step under way has run (0: none is)."""
 
-    def step_cost(self, tokens: float) -> float | None:
-        """Seconds of a step of ``tokens`` tokens, interpolated along the
-        curve (flat below its first point, on its last slope beyond its
-        last); None before any step was measured."""
-        curve = self.curve
-        if not curve:
+    def step_cost(self, tokens: float, rows: float = 1.0) -> float | None:
+        """Seconds of a step of ``tokens`` tokens in ``rows`` rows; None
+        before any step was measured."""
+        if not self.curve:
             return None
-        if tokens <= curve[0][0] or len(curve) == 1:
-            first_tokens, first_s = curve[0]
-            if tokens <= first_tokens:
-                return first_s
-            return first_s * tokens / first_tokens  # one point: proportional beyond it
-        for (t0, s0), (t1, s1) in zip(curve, curve[1:], strict=False):
-            if tokens <= t1:
-                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
-        (t0, s0), (t1, s1) = curve[-2], curve[-1]
-        return s1 + max(0.0, (s1 - s0) / (t1 - t0)) * (tokens - t1)
+        return float(self.step_costs(np.array([tokens], dtype=float), rows)[0])
+
+    def step_costs(self, tokens: np.ndarray, rows: np.ndarray | float) -> np.ndarray:
+        """Seconds of steps of ``tokens`` tokens in ``rows`` rows (zero
+        before any step was measured): along the tokens of the measured
+        range of rows nearest ``rows`` (the larger of two as near),
+        interpolated, flat below its first point, on its last slope
+        beyond its last (proportional beyond a lone point)."""
+        tokens, rows = np.broadcast_arrays(
+            np.asarray(tokens, dtype=float), np.asarray(rows, dtype=float)
+        )
+        costs = np.zeros(tokens.shape)
+        if not self.curve:
+            return costs
+        ranges: dict[int, list[Point]] = {}
+        for point in self.curve:
+            ranges.setdefault(_range_of(point[0]), []).append(point)
+        measured = np.array(sorted(ranges), dtype=float)
+        wanted = np.vectorize(_range_of, otypes=[int])(rows)
+        for key in np.unique(wanted):
+            distance = np.abs(np.log2(measured) - math.log2(key))
+            nearest = int(measured[np.flatnonzero(distance == distance.min())[-1]])
+            points = sorted(ranges[nearest], key=lambda point: point[1])
+            at = wanted == key
+            costs[at] = _along_tokens(points, tokens[at])
+        return costs
+
+
+def _along_tokens(points: list[Point], tokens: np.ndarray) -> np.ndarray:
+    """The seconds of ``points`` (one range of rows, by increasing tokens)
+    at ``tokens``."""
+    xs = np.array([point[1] for point in points])
+    ys = np.array([point[2] for point in points])
+    if len(xs) == 1:
+        return np.where(tokens <= xs[0], ys[0], ys[0] * tokens / xs[0])
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return np.where(tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1]))
 
 
 class LoadMeter:
@@ -68,8 +109,10 @@ class LoadMeter:
     def reset(self) -> None:
         """Forgets the costs and load measured so far (a warm-up's); the
         heartbeat goes on counting."""
-        self._buckets: dict[int, list[float]] = {}
-        """Power-of-two range → [average tokens, average seconds]."""
+        self._buckets: dict[tuple[int, int], deque[Point]] = {}
+        """Power-of-two ranges of rows and tokens → their last steps."""
+        self._points: dict[tuple[int, int], Point] = {}
+        """Power-of-two ranges of rows and tokens → their point of the surface."""
         self._tokens = 0.0
         self._rows = 0.0
         self._steps = 0
@@ -89,20 +132,28 @@ class LoadMeter:
     def stepped(self, *, rows: int, tokens: int, seconds: float) -> None:
         """A step ended: ``rows`` rows of ``tokens`` tokens took ``seconds``."""
         self._began_at = None
-        bucket = self._buckets.get(key := _range_of(tokens))
-        if bucket is None:
-            self._buckets[key] = [float(tokens), seconds]
-        else:
-            bucket[0] = DECAY * bucket[0] + (1 - DECAY) * tokens
-            bucket[1] = DECAY * bucket[1] + (1 - DECAY) * seconds
+        key = (_range_of(rows), _range_of(tokens))
+        bucket = self._buckets.setdefault(key, deque(maxlen=WINDOW))
+        bucket.append((rows, tokens, seconds))
+        self._points[key] = _median(bucket)
         first = self._steps == 0
         self._tokens = tokens if first else DECAY * self._tokens + (1 - DECAY) * tokens
         self._rows = rows if first else DECAY * self._rows + (1 - DECAY) * rows
         self._steps += 1
-        curve = tuple(sorted((t, s) for t, s in self._buckets.values()))
+        curve = tuple(sorted(self._points.values()))
         self._snapshot = EngineLoad(curve, self._tokens, self._rows, self._steps)
 
 
-def _range_of(tokens: int) -> int:
-    """The power of two at or above ``tokens``."""
-    return 1 << max(0, tokens - 1).bit_length()
+def _range_of(count: float) -> int:
+    """The power of two at or above ``count``."""
+    return 1 << max(0, math.ceil(count) - 1).bit_length()
+
+
+def _median(steps: deque[Point]) -> Point:
+    """A range's point of the surface: its steps' median rows, tokens and seconds."""
+    rows, tokens, seconds = zip(*steps, strict=True)
+    return (
+        float(statistics.median(rows)),
+        float(statistics.median(tokens)),
+        statistics.median(seconds),
+    )

@@ -118,8 +118,9 @@ def load_to_pb(load: EngineLoad | None) -> worker_pb2.EngineLoad | None:
     if load is None:
         return None
     return worker_pb2.EngineLoad(
-        curve_tokens=[tokens for tokens, _ in load.curve],
-        curve_seconds=[seconds for _, seconds in load.curve],
+        curve_rows=[rows for rows, _, _ in load.curve],
+        curve_tokens=[tokens for _, tokens, _ in load.curve],
+        curve_seconds=[seconds for _, _, seconds in load.curve],
         tokens_per_step=load.tokens_per_step,
         rows_per_step=load.rows_per_step,
         steps=load.steps,
@@ -129,7 +130,14 @@ def load_to_pb(load: EngineLoad | None) -> worker_pb2.EngineLoad | None:
 
 def load_from_pb(message: worker_pb2.EngineLoad) -> EngineLoad:
     return EngineLoad(
-        curve=tuple(zip(message.curve_tokens, message.curve_seconds, strict=True)),
+        curve=tuple(
+            zip(
+                message.curve_rows or [1.0] * len(message.curve_tokens),
+                message.curve_tokens,
+                message.curve_seconds,
+                strict=True,
+            )
+        ),
         tokens_per_step=message.tokens_per_step,
         rows_per_step=message.rows_per_step,
         steps=message.steps,

@@ -1,20 +1,34 @@
 """What an engine reports of itself (outrider.load)."""
 
+import numpy as np
 import pytest
 
-from outrider.load import EngineLoad, LoadMeter
+from outrider.load import WINDOW, EngineLoad, LoadMeter
+from outrider.wire import load_from_pb, load_to_pb
 
 
-def test_the_curve_keeps_one_point_per_power_of_two_range_at_its_average_tokens():
+def test_the_surface_keeps_one_point_per_range_of_rows_and_tokens_at_its_medians():
     meter = LoadMeter()
-    for tokens, seconds in ((1, 0.01), (3, 0.02), (4, 0.04), (100, 0.5)):
+    steps = ((1, 1, 0.01), (1, 3, 0.02), (1, 4, 0.04), (1, 3, 0.03), (1, 100, 0.5), (8, 40, 0.9))
+    for rows, tokens, seconds in steps:
         meter.begin()
-        meter.stepped(rows=1, tokens=tokens, seconds=seconds)
+        meter.stepped(rows=rows, tokens=tokens, seconds=seconds)
     load = meter.load
-    # 3 and 4 share the range (2, 4]: their average (decay 0.9) is one point.
-    assert [round(t, 3) for t, _ in load.curve] == [1.0, 3.1, 100.0]
-    assert load.curve[1][1] == pytest.approx(0.9 * 0.02 + 0.1 * 0.04)
-    assert load.steps == 4
+    # 3, 4 and 3 tokens in a row share a range: their medians are one point;
+    # 40 tokens in 8 rows are a point of their own.
+    assert load.curve == ((1.0, 1.0, 0.01), (1.0, 3.0, 0.03), (1.0, 100.0, 0.5), (8.0, 40.0, 0.9))
+    assert load.steps == 6
+
+
+def test_a_rare_slow_step_leaves_the_surface_and_an_old_one_leaves_it_for_good():
+    meter = LoadMeter()
+    meter.stepped(rows=1, tokens=1, seconds=0.9)  # a shape's first, eager run
+    for _ in range(2):
+        meter.stepped(rows=1, tokens=1, seconds=0.003)
+    assert meter.load.curve == ((1.0, 1.0, 0.003),)
+    for _ in range(WINDOW):
+        meter.stepped(rows=1, tokens=1, seconds=0.005)  # the cost moved
+    assert meter.load.curve == ((1.0, 1.0, 0.005),)
 
 
 def test_the_heartbeat_counts_a_step_as_soon_as_it_begins():
@@ -32,12 +46,25 @@ def test_load_averages_the_tokens_and_rows_of_recent_steps():
 
 
 def test_step_cost_is_flat_before_the_first_point_and_follows_the_last_slope_after():
-    load = EngineLoad(((4.0, 1.0), (8.0, 2.0)))
-    assert load.step_cost(1) == 1.0
-    assert load.step_cost(6) == 1.5
-    assert load.step_cost(12) == 3.0
-    single = EngineLoad(((4.0, 1.0),))
+    load = EngineLoad(((1.0, 2.0, 1.0), (1.0, 4.0, 1.0), (1.0, 8.0, 2.0)))
+    assert [load.step_cost(t) for t in (1, 6, 16)] == [1.0, 1.5, 4.0]
+    assert list(load.step_costs(np.array([1, 6, 16]), 1)) == [1.0, 1.5, 4.0]
+    single = EngineLoad(((1.0, 4.0, 1.0),))
     assert single.step_cost(8) == 2.0  # one point: proportional beyond it
+    assert EngineLoad().step_cost(4) is None
+
+
+def test_step_cost_follows_the_measured_rows_nearest_those_asked():
+    # A one-row prefill of 64 tokens costs half a verify of 8 rows of 8.
+    load = EngineLoad(((1.0, 1.0, 0.05), (1.0, 64.0, 0.15), (8.0, 8.0, 0.08), (8.0, 64.0, 0.3)))
+    assert load.step_cost(64, rows=1) == 0.15
+    assert load.step_cost(64, rows=8) == 0.3
+    assert load.step_cost(64, rows=6) == 0.3  # rows 5-8 are the range of 8
+    assert load.step_cost(64, rows=2) == 0.15  # nearer 1 than 8
+    assert load.step_cost(64, rows=3) == 0.3  # 3-4: nearer 8 than 1
+    assert load.step_cost(120, rows=64) == pytest.approx(0.3 + (120 - 64) * 0.22 / 56)
+    costs = load.step_costs(np.array([64.0, 64.0]), np.array([1.0, 8.0]))
+    assert list(costs) == [0.15, 0.3]
 
 
 def test_a_step_under_way_says_how_long_it_has_run():
@@ -56,3 +83,11 @@ def test_a_reset_forgets_the_warm_up_but_not_the_heartbeat():
     meter.reset()
     assert meter.load.curve == () and meter.load.rows_per_step == 0
     assert meter.load.steps == 1
+
+
+def test_the_surface_crosses_the_wire_and_a_curve_without_rows_is_one_range():
+    load = EngineLoad(((1.0, 60.0, 0.15), (8.0, 40.0, 0.2)), 12.0, 8.0, 7, 0.01)
+    assert load_from_pb(load_to_pb(load)) == load
+    by_tokens = load_to_pb(load)
+    del by_tokens.curve_rows[:]  # a worker that measures by tokens alone
+    assert load_from_pb(by_tokens).curve == ((1.0, 60.0, 0.15), (1.0, 40.0, 0.2))

@@ -1,6 +1,5 @@
 """Adaptive K on hand-made costs, where the best K is known."""
 
-import numpy as np
 import pytest
 
 from coordinator.policy import (
@@ -10,14 +9,14 @@ from coordinator.policy import (
     CostModel,
     adaptive_k_max,
     expected_tokens,
-    step_costs,
 )
 from outrider.load import EngineLoad
 
 
-def curve(cost, top: int = 1024) -> tuple[tuple[float, float], ...]:
-    """An engine's measured curve: ``cost(tokens)`` at the powers of two."""
-    return tuple((float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
+def curve(cost, top: int = 1024) -> tuple[tuple[float, float, float], ...]:
+    """An engine's measured curve: ``cost(tokens)`` at the powers of two,
+    whatever the rows."""
+    return tuple((1.0, float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
 
 
 def model(
@@ -60,13 +59,6 @@ def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-
-
-def test_the_step_curve_interpolates_is_flat_before_and_extrapolates_its_last_slope_after():
-    load = EngineLoad(((2.0, 1.0), (4.0, 1.0), (8.0, 2.0)), 4, 4, 9)
-    assert load.step_cost(1) == 1.0 and load.step_cost(6) == 1.5 and load.step_cost(16) == 4.0
-    assert list(step_costs(load, np.array([1, 6, 16]))) == [1.0, 1.5, 4.0]
-    assert EngineLoad().step_cost(4) is None
 
 
 def test_free_drafts_and_a_flat_verify_draft_the_maximum():

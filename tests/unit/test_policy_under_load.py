@@ -55,8 +55,8 @@ ALPHAS = {
 }
 
 
-def measured(cost, top: int = 8192) -> tuple[tuple[float, float], ...]:
-    return tuple((float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
+def measured(cost, top: int = 8192) -> tuple[tuple[float, float, float], ...]:
+    return tuple((1.0, float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
 
 
 def round_seconds(ks: list[int], step, draft) -> float:
