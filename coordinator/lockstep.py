@@ -44,6 +44,11 @@ class Lockstep:
         """The sessions in the current phase that have not done their part."""
         self._arrivals: dict[Phase, _Arrivals] = {"draft": _Arrivals(), "verify": _Arrivals()}
 
+    @property
+    def active(self) -> bool:
+        """Whether some session is in a phase, or waiting for one."""
+        return bool(self._running) or any(a.sessions for a in self._arrivals.values())
+
     async def draft(self, session: object) -> None:
         """Before ``session`` drafts (or goes on with no drafts): waits until
         no verify is in flight."""

@@ -153,8 +153,9 @@ class Generation:
         self.stop_ids = request.stop_token_ids | eos
         self.draft_competes = models.draft_competes
         # Synchronous rounds that draft on a model sharing the target's cores
-        # run in lockstep with the coordinator's others; pipelined ones
-        # overlap draft and verify by design.
+        # run in lockstep with the coordinator's others (a round with no
+        # drafts has nothing to wait for); pipelined ones overlap draft and
+        # verify by design.
         in_step = self.draft_competes and k_max > 0 and not self.stats.pipeline
         self.lockstep = lockstep if in_step else None
         self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
@@ -223,7 +224,13 @@ class Generation:
         """K for a round after ``history_len`` tokens: never past the length
         limit (a round commits up to K + 1)."""
         room = max(0, self.max_len - history_len - 1)
-        return self.policy.choose(room) if self.policy else min(self.k_max, room)
+        if self.policy is None:
+            return min(self.k_max, room)
+        k = self.policy.choose(room)
+        if k and self.draft_competes and self.drafts and not self.drafts.begun:
+            if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
+                return 0  # opening the draft would cost everyone more than it saves
+        return k
 
     async def draft(self, record: RoundRecord) -> Proposal | None:
         """This round's proposal: the speculation's when it holds (a hit),
@@ -231,15 +238,22 @@ class Generation:
         None when the round does not draft: K = 0, or the draft is lost."""
         if self.drafts is None:
             return None
-        if self.lockstep is not None:
+        k = None
+        if self.lockstep is not None:  # (never pipelined: no speculation to take)
+            k = self.choose_k(len(self.history))
+            if k == 0 and not self.lockstep.active:
+                return None  # none drafts: nothing to keep apart, no phase to wait for
+            record.lockstep = True  # (at K = 0 too: its verify waits for their drafts)
+            started = time.perf_counter()
             await self.lockstep.draft(self)
+            record.lockstep_s += time.perf_counter() - started
         reply, record.hit = await self.drafts.speculated(self.history)
         if record.hit is not None:
             self.stats.speculation_hits += record.hit
             self.stats.speculation_misses += not record.hit
         if reply is not None:
             record.k = len(reply.value.tokens)
-        elif (k := self.choose_k(len(self.history))) > 0:
+        elif (k := self.choose_k(len(self.history)) if k is None else k) > 0:
             record.k = k
             reply, record.open_s = await self.drafts.propose(self.history, k)
         record.draft_s = reply.compute_s if reply else 0.0
@@ -266,15 +280,18 @@ class Generation:
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        if self.lockstep is not None:
-            await self.lockstep.verify(self)
+        lockstep = self.lockstep if record.lockstep else None
+        if lockstep is not None:
+            started = time.perf_counter()
+            await lockstep.verify(self)
+            record.lockstep_s += time.perf_counter() - started
         try:
             reply, record.reopen_s = await self.target.verify(
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
             )
         finally:
-            if self.lockstep is not None:
-                self.lockstep.leave(self)
+            if lockstep is not None:
+                lockstep.leave(self)
         record.verify_s = reply.compute_s
         if reply.load is not None:
             self.costs.target = reply.load

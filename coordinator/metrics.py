@@ -34,7 +34,8 @@ Coordinator (per request, recorded when it finishes unless said otherwise):
   ``outrider_generation_tokens_total``;
 * ``outrider_num_requests_running`` — requests in the round loop (live);
 * ``outrider_round_overhead_seconds`` — per round, the wall time outside the
-  workers' compute (RPC + coordinator).
+  workers' compute and the lockstep waits for other sessions (RPC +
+  coordinator).
 
 The hot path stays cheap: a request's aggregates are recorded once, when it
 finishes.

@@ -68,6 +68,15 @@ TIE = 0.01
 """Goodputs this close count as equal; then latency decides."""
 LEARNING_K = 4
 """K of a round drafted to learn what drafting costs, before any was measured."""
+PRIOR_TOKENS = 8.0
+"""Weight, in judged draft tokens, of the deployment's acceptance in each
+session's estimate. A session's own last few rounds alone are noisy, and
+the plan drafts deepest where they happened to be lucky: at 8 sessions on
+the CPU the sessions' estimates ran at 0.97-1.00 while their rounds
+accepted 0.92 of their drafts."""
+DEPLOYMENT_DECAY = 0.99
+"""Weight of older rounds in the deployment's acceptance (per round of
+any session): it is every session's prior, so it forgets slowly."""
 
 
 def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
@@ -129,6 +138,8 @@ class Plan:
     """Tokens per second of the whole step (its own sessions and the others)."""
     price: float
     """What one more draft token would have to add (its α^j) to pay for itself."""
+    target_only: float
+    """The goodput with every one of these sessions at K = 0."""
 
 
 @dataclass
@@ -153,9 +164,10 @@ class CostModel:
     waited behind other sessions' steps, which is those sessions' work —
     already priced in the step costs — not a cost of this round that more
     drafts would spread."""
-    accepted: _Ema = field(init=False)
-    judged: _Ema = field(init=False)
-    """Per drafting round: accepted drafts, and those plus the rejected one."""
+    accepted: float = field(init=False, default=0.0)
+    judged: float = field(init=False, default=0.0)
+    """Over every session's drafting rounds (decayed sums): accepted drafts,
+    and those plus the rejected ones."""
     committed: _Ema = field(init=False)
     """Tokens a round commits, over every session's rounds."""
     sessions: dict[int, AdaptiveK] = field(init=False, default_factory=dict)
@@ -168,7 +180,6 @@ class CostModel:
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.prefill_per_token = _Ema(self.decay)
-        self.accepted, self.judged = _Ema(self.decay), _Ema(self.decay)
         self.committed = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
@@ -187,8 +198,9 @@ class CostModel:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
         took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``."""
         if num_drafts and num_accepted is not None:
-            self.accepted.update(num_accepted)
-            self.judged.update(num_accepted + (num_accepted < num_drafts))
+            judged = num_accepted + (num_accepted < num_drafts)
+            self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
+            self.judged = DEPLOYMENT_DECAY * self.judged + judged
         if num_accepted is not None:
             self.committed.update(num_accepted + 1)
         steps = num_drafts if draft_steps is None else draft_steps
@@ -203,10 +215,7 @@ class CostModel:
     @property
     def alpha(self) -> float | None:
         """Per-token acceptance over every session's recent drafting rounds."""
-        accepted, judged = self.accepted.value, self.judged.value
-        if accepted is None or not judged:
-            return None
-        return accepted / judged
+        return self.accepted / self.judged if self.judged else None
 
     # --- costs -----------------------------------------------------------------
 
@@ -224,6 +233,32 @@ class CostModel:
         """What opening a target session on ``tokens`` tokens should cost."""
         per_token = self.prefill_per_token.value
         return None if per_token is None else per_token * tokens
+
+    def draft_prefill_pays(self, tokens: int, tokens_left: int) -> bool:
+        """Whether a draft session opened now on ``tokens`` tokens repays its
+        prefill where the draft shares the target's cores, and so holds up
+        every session for it: the ``tokens_left`` tokens still to come,
+        made at the plan's goodput G rather than at K = 0's G₀, must save
+        the deployment more than the prefill costs,
+
+            tokens_left · (1/G₀ − 1/G) > d(prefill).
+
+        True before the draft's steps are measured (an open teaches them)."""
+        if self.draft is None or not self.draft.curve:
+            return True
+        plan = self.plan()
+        if plan.goodput <= plan.target_only or plan.target_only <= 0:
+            return False
+        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        saved = tokens_left * (1 / plan.target_only - 1 / plan.goodput)
+        log.debug(
+            "draft prefill priced",
+            saved_ms=round(saved * 1e3, 1),
+            prefill_ms=round(prefill * 1e3, 1),
+            goodput=round(plan.goodput, 1),
+            target_only=round(plan.target_only, 1),
+        )
+        return saved > prefill
 
     def verify_cost(self, k: int) -> float | None:
         """What a verify of K drafts should take now: a step at the current load."""
@@ -243,8 +278,7 @@ class CostModel:
         """d(n) of draft steps of ``rows`` rows (0 rows: no step)."""
         rows = np.asarray(rows, dtype=float)
         if self.draft is not None and self.draft.curve:
-            steps = np.maximum(rows, 1.0)  # a row drafts one token
-            costs = self.draft.step_costs(steps, steps)
+            costs = self.draft.decode_costs(np.maximum(rows, 1.0))
         else:
             costs = np.full_like(rows, self.draft_per_token.value or 0.0)
         return np.where(rows > 0, costs, 0.0)
@@ -272,17 +306,19 @@ class CostModel:
     def _best_plan(self, sessions: list[AdaptiveK]) -> Plan:
         n = len(sessions)
         if n == 0:
-            return Plan({}, 0.0, 1.0)
+            return Plan({}, 0.0, 1.0, 0.0)
         alphas = np.array([s.alpha for s in sessions])
         k_max = np.array([s.k_max for s in sessions])
 
-        # The others in the target's steps: its load less these sessions' share.
-        seen = [s.k_last for s in sessions if s.k_last is not None]
-        rows = max(0.0, self.target.rows_per_step - len(seen))
-        tokens = max(0.0, self.target.tokens_per_step - sum(k + 1 for k in seen))
+        # The others in the target's steps: its load less these sessions'
+        # share, a row each (of one token for a session yet to verify: what
+        # its prefill adds to the load is no round's).
+        shares = [s.k_last or 0 for s in sessions]
+        rows = max(0.0, self.target.rows_per_step - n)
+        tokens = max(0.0, self.target.tokens_per_step - sum(k + 1 for k in shares))
         if rows < 0.5:
             rows = tokens = 0.0
-        drafting_now = sum(1 for k in seen if k)
+        drafting_now = sum(1 for k in shares if k)
         other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
         base = _Base(
@@ -303,6 +339,7 @@ class CostModel:
         owner, depth, gain = owner[order], depth[order], gain[order]
         rows_before = np.where(depth <= other_depth, other_drafting, 0.0) + _rank_within(depth)
         draft_add = self.draft_step_costs(rows_before + 1) - self.draft_step_costs(rows_before)
+        draft_add = np.maximum(draft_add, 0.0)  # a row never makes a step cheaper
 
         # A deep draft costs a draft step every session waits for, so the best
         # prefix is sought under every cap on the depth (K = cap for all is one).
@@ -312,6 +349,7 @@ class CostModel:
             goodput, cost = self._prefixes(
                 base, alphas, owner[keep], depth[keep], gain[keep], draft_add[keep]
             )
+            target_only = float(goodput[0])  # every cap's first prefix: no drafts
             near = np.flatnonzero(goodput >= goodput.max() * (1 - TIE))
             p = int(near[np.argmin(cost[near])])  # ties: the shortest round
             if (
@@ -332,7 +370,7 @@ class CostModel:
             np.array([base.tokens + ks.sum(), base.tokens + ks.sum() + 1]), base.rows
         )
         row = self.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
-        price = goodput_best * float(np.diff(token)[0] + np.diff(row)[0])
+        price = goodput_best * float(max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]))
         log.debug(
             "plan",
             ks=ks.tolist(),
@@ -345,7 +383,8 @@ class CostModel:
             else None,
             overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
         )
-        return Plan({id(s): int(k) for s, k in zip(sessions, ks, strict=True)}, goodput_best, price)
+        ks_of = {id(s): int(k) for s, k in zip(sessions, ks, strict=True)}
+        return Plan(ks_of, goodput_best, price, target_only)
 
     def _prefixes(
         self,
@@ -360,7 +399,7 @@ class CostModel:
         drafts = np.arange(len(gain) + 1, dtype=float)
         committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
         drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
-        verify = self.target.step_costs(base.tokens + drafts, base.rows)
+        verify = np.maximum.accumulate(self.target.step_costs(base.tokens + drafts, base.rows))
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:
             # A speculation drafts one step more (the guess) beside the verify;
@@ -417,20 +456,17 @@ class AdaptiveK:
     pipeline: bool = False
     """Rounds are pipelined: their costs follow the pipelined model."""
     probe_every: int = 8
-    decay: float = 0.8
-    """Weight of older rounds in the acceptance estimate."""
-    # A weak prior worth two rounds: the acceptance every session of this
-    # deployment has seen (its drafter's typical α), else α = 0.5, until the
-    # session's own rounds say otherwise.
-    accepted: float = 1.0
-    rejected: float = 1.0
+    decay: float = 0.9
+    """Weight of older rounds in the session's own counts."""
+    accepted: float = 0.0
+    rejected: float = 0.0
+    """The session's drafting rounds (decayed sums): accepted drafts, and
+    rejected ones."""
     rounds_at_zero: int = 0
     k_last: int | None = None
     """The K of this session's last verified round (its share of the load)."""
 
     def __post_init__(self) -> None:
-        if (alpha := self.costs.alpha) is not None:
-            self.accepted, self.rejected = 2.0 * alpha, 2.0 * (1.0 - alpha)
         self.costs.join(self)
 
     def close(self) -> None:
@@ -438,7 +474,13 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        """Its per-token acceptance: its own rounds', drawn toward what every
+        session of the deployment has seen (its drafter's typical α; 0.5
+        before any) by :data:`PRIOR_TOKENS` judged drafts."""
+        prior = self.costs.alpha
+        prior = 0.5 if prior is None else prior
+        judged = self.accepted + self.rejected + PRIOR_TOKENS
+        return (self.accepted + PRIOR_TOKENS * prior) / judged
 
     def choose(self, limit: int) -> int:
         """K for the next round, at most ``limit`` (the room left)."""

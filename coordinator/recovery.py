@@ -98,6 +98,12 @@ class DraftLink:
         self.speculation: Speculation | None = None
         """At most one speculation in flight."""
 
+    @property
+    def begun(self) -> bool:
+        """Whether a draft session was ever asked for: it is open, opening,
+        or was open once."""
+        return self.session is not None or self.opening is not None or self.opened
+
     async def propose(self, history: list[int], k: int) -> tuple[Reply[Proposal] | None, float]:
         """Syncs and proposes: the proposal (None when the draft is lost:
         draft nothing), and the seconds this round spent opening the session.

@@ -29,6 +29,10 @@ class RoundRecord:
     """Prefilling a target session reopened after a loss."""
     verify_s: float = 0.0
     """The target worker's compute for the verdict."""
+    lockstep: bool = False
+    """The round ran in lockstep with the coordinator's other drafting rounds."""
+    lockstep_s: float = 0.0
+    """Waiting for the other sessions of a lockstep phase to do their part."""
     round_s: float = 0.0
     hit: bool | None = None
     """Pipelined: whether the drafts were drafted during the last verify."""
@@ -47,9 +51,11 @@ class RoundRecord:
 
     @property
     def overhead_s(self) -> float:
-        """Wall time outside the workers' compute: RPCs and the coordinator."""
+        """Wall time outside the workers' compute and the other sessions'
+        lockstep phases (their drafts and verifies, priced as such): RPCs
+        and the coordinator."""
         compute = self.open_s + self.waited_for_draft_s + self.verify_s + self.reopen_s
-        return max(0.0, self.round_s - compute)
+        return max(0.0, self.round_s - compute - self.lockstep_s)
 
     @property
     def critical_path_s(self) -> float:

@@ -64,8 +64,9 @@ class EngineLoad:
         """Seconds of steps of ``tokens`` tokens in ``rows`` rows (zero
         before any step was measured): along the tokens of the measured
         range of rows nearest ``rows`` (the larger of two as near),
-        interpolated, flat below its first point, on its last slope
-        beyond its last (proportional beyond a lone point)."""
+        interpolated, flat below its first point, on its last slope (over
+        at least a doubling of the tokens) beyond its last, proportional
+        beyond a lone point."""
         tokens, rows = np.broadcast_arrays(
             np.asarray(tokens, dtype=float), np.asarray(rows, dtype=float)
         )
@@ -85,6 +86,17 @@ class EngineLoad:
             costs[at] = _along_tokens(points, tokens[at])
         return costs
 
+    def decode_costs(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds of decode steps of ``rows`` rows of one token each (zero
+        before any step was measured): along the points of such steps (a
+        draft's proposals), whatever their rows; where there are none,
+        :meth:`step_costs` of as many tokens."""
+        rows = np.asarray(rows, dtype=float)
+        decode = [point for point in self.curve if point[1] < 1.5 * point[0]]
+        if not decode:
+            return self.step_costs(rows, rows)
+        return _along_tokens(sorted(decode, key=lambda point: point[1]), rows)
+
 
 def _along_tokens(points: list[Point], tokens: np.ndarray) -> np.ndarray:
     """The seconds of ``points`` (one range of rows, by increasing tokens)
@@ -93,7 +105,11 @@ def _along_tokens(points: list[Point], tokens: np.ndarray) -> np.ndarray:
     ys = np.array([point[2] for point in points])
     if len(xs) == 1:
         return np.where(tokens <= xs[0], ys[0], ys[0] * tokens / xs[0])
-    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    # The last slope, over at least a doubling of the tokens: two points a
+    # few tokens apart (two ranges' medians) would make noise a slope.
+    base = np.flatnonzero(xs <= xs[-1] / 2)
+    i = int(base[-1]) if len(base) else 0
+    slope = max(0.0, (ys[-1] - ys[i]) / (xs[-1] - xs[i]))
     return np.where(tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1]))
 
 

@@ -91,3 +91,24 @@ def test_the_surface_crosses_the_wire_and_a_curve_without_rows_is_one_range():
     by_tokens = load_to_pb(load)
     del by_tokens.curve_rows[:]  # a worker that measures by tokens alone
     assert load_from_pb(by_tokens).curve == ((1.0, 60.0, 0.15), (1.0, 40.0, 0.2))
+
+
+def test_decode_costs_follow_the_steps_of_a_token_a_row_whatever_their_rows():
+    load = EngineLoad(
+        (
+            (1.0, 1.0, 0.020),
+            (2.0, 2.0, 0.026),
+            (2.0, 12.0, 0.060),  # a sync of committed tokens: not a decode step
+            (6.0, 6.0, 0.037),
+        )
+    )
+    assert list(load.decode_costs(np.array([1.0, 4.0, 8.0]))) == pytest.approx(
+        [0.020, 0.026 + 2 * 0.011 / 4, 0.037 + 2 * 0.011 / 4]
+    )
+    assert list(EngineLoad(((4.0, 12.0, 0.1),)).decode_costs(np.array([2.0]))) == [0.1]
+
+
+def test_beyond_the_last_point_the_slope_spans_at_least_a_doubling():
+    # 63 and 65 tokens are medians of two ranges: their slope is noise.
+    load = EngineLoad(((4.0, 8.0, 0.10), (4.0, 63.0, 0.18), (4.0, 65.0, 0.28)))
+    assert load.step_cost(129) == pytest.approx(0.28 + 64 * (0.28 - 0.10) / 57)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from coordinator.lockstep import Lockstep
+from coordinator.stats import RoundRecord
 
 
 class Trace:
@@ -108,3 +109,21 @@ async def test_many_rounds_of_many_sessions_never_deadlock(sessions):
         timeout=10.0,
     )
     assert sum(event == "back" for _, event in trace.events) == 20 * sessions
+
+
+def test_a_rounds_overhead_leaves_out_its_waits_for_the_other_sessions():
+    # A target-only round waited 300 ms for the others' draft phase: that is
+    # their drafting, priced as such, not what its own round costs.
+    record = RoundRecord(verify_s=0.080, lockstep_s=0.300)
+    record.round_s = 0.385
+    assert record.overhead_s == pytest.approx(0.005)
+
+
+async def test_it_is_active_while_a_session_is_in_a_phase_or_waits_for_one():
+    lockstep = Lockstep(max_wait_s=1.0)
+    assert not lockstep.active
+    await lockstep.draft("a")
+    assert lockstep.active
+    await lockstep.verify("a")
+    lockstep.leave("a")
+    assert not lockstep.active

@@ -13,10 +13,11 @@ from coordinator.policy import (
 from outrider.load import EngineLoad
 
 
-def curve(cost, top: int = 1024) -> tuple[tuple[float, float, float], ...]:
+def curve(cost, top: int = 1024, *, decode: bool = False) -> tuple[tuple[float, float, float], ...]:
     """An engine's measured curve: ``cost(tokens)`` at the powers of two,
-    whatever the rows."""
-    return tuple((1.0, float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
+    whatever the rows (in one row), or of decode steps (a token a row)."""
+    counts = [float(1 << i) for i in range(top.bit_length())]
+    return tuple((t if decode else 1.0, t, cost(t)) for t in counts)
 
 
 def model(
@@ -34,7 +35,7 @@ def model(
     costs = CostModel(decay=0.0)  # no smoothing: the last sample is the value
     costs.target = EngineLoad(curve(verify), tokens if tokens is not None else rows, rows, 1)
     if draft is not None:
-        costs.draft = EngineLoad(curve(draft), 0.0, 0.0, 1)
+        costs.draft = EngineLoad(curve(draft, decode=True), 0.0, 0.0, 1)
     if draft_per_token is not None:
         costs.draft_per_token.update(draft_per_token)
     costs.overhead[False].update(overhead)
@@ -45,7 +46,7 @@ def model(
 def session(costs: CostModel, alpha: float, k_max: int = 8, **kwargs) -> AdaptiveK:
     """A session that has run a round at K = 0 (one of the target's rows)."""
     policy = AdaptiveK(k_max, costs, **kwargs)
-    policy.accepted, policy.rejected = 100 * alpha, 100 * (1 - alpha)
+    policy.accepted, policy.rejected = 1e6 * alpha, 1e6 * (1 - alpha)  # known
     policy.k_last = 0
     return policy
 
@@ -108,14 +109,28 @@ def test_without_measurements_it_drafts_to_learn():
     assert session(target_only, alpha=0.5).choose(limit=100) == LEARNING_K
 
 
-def test_acceptance_estimate_follows_the_rounds():
-    policy = AdaptiveK(4, CostModel())
+def test_acceptance_estimate_follows_the_rounds_drawn_toward_the_deployments():
+    costs = CostModel()
+    policy = AdaptiveK(4, costs)
+
+    def rounds(count: int, accepted: int) -> None:
+        for _ in range(count):
+            policy.observe(num_drafts=4, num_accepted=accepted)
+            costs.observe(
+                num_drafts=4, num_accepted=accepted, draft_s=0.1, overhead_s=0.0, drafted=True
+            )
+
+    assert policy.alpha == 0.5  # nothing seen yet
+    rounds(20, accepted=4)
+    assert policy.alpha == 1.0
+    rounds(20, accepted=0)
+    assert policy.alpha < 0.5  # the deployment forgets its better days slowly
+    # A session whose drafts the target takes where others' it rejects:
+    # its own rounds weigh more, the deployment's a little.
+    lucky = AdaptiveK(4, costs)
     for _ in range(20):
-        policy.observe(num_drafts=4, num_accepted=4)
-    assert policy.alpha > 0.95
-    for _ in range(20):
-        policy.observe(num_drafts=4, num_accepted=0)
-    assert policy.alpha < 0.1
+        lucky.observe(num_drafts=4, num_accepted=4)
+    assert costs.alpha < lucky.alpha < 1.0 and lucky.alpha > 0.8
 
 
 def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
@@ -221,3 +236,39 @@ def test_time_a_round_waited_behind_other_sessions_does_not_make_drafting_look_c
     assert ks[0] == ks[1]
     slow = model(cpu, draft=lambda n: 0.05, overhead=2.0)  # a real fixed cost is one
     assert session(slow, 0.8).choose(16) > ks[0]
+
+
+def test_a_surface_measured_unevenly_never_makes_drafting_free():
+    # Surfaces logged by a CPU run at 8 sessions. The draft's one step of
+    # 3 rows was a 222-token prefill: priced as a decode step of 3-4 rows,
+    # it made a fifth drafting row 0.4 s cheaper than a fourth, and the
+    # plan's best round cost nothing.
+    ms = 1e-3
+    costs = model(cpu, overhead=2.4 * ms)
+    costs.overhead[True].update(79.5 * ms)
+    target = ((1, 1, 50.0), (1, 5, 59.8), (1, 67, 154.0), (4, 63, 182.6), (4, 65, 283.7))
+    target += ((5, 15, 141.4), (6, 256, 427.8), (7, 7, 71.5))
+    draft = ((1, 1, 19.8), (1, 56, 137.8), (2, 2, 26.4), (3, 222.5, 443.1), (6, 6, 37.1))
+    costs.target = EngineLoad(tuple((r, t, c * ms) for r, t, c in target), 87.7, 11.5, 1)
+    costs.draft = EngineLoad(tuple((r, t, c * ms) for r, t, c in draft), 3.5, 3.5, 1)
+    sessions = [session(costs, alpha=0.986, k_max=16) for _ in range(8)]
+    plan = costs.plan()
+    ks = [plan.ks[id(s)] for s in sessions]
+    committed = 3.5 * (costs.committed.value or 1.0) + sum(expected_tokens(0.986, k) for k in ks)
+    verify = costs.target.step_cost(79.7 + sum(k + 1 for k in ks), rows=11.5)
+    assert plan.goodput <= committed / (2.4 * ms + verify)
+
+
+def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
+    # K = 0 commits a token in 1 s; K = 8 at α = 0.9 about 6.1 in 2.6 s: each
+    # token to come saves about 0.58 s, against a prefill of 3 s.
+    costs = model(cpu, overhead=0.0)
+    assert costs.draft_prefill_pays(100, tokens_left=1)  # the draft's steps unknown: learn
+    costs.draft = EngineLoad(((1.0, 1.0, 0.1), (1.0, 100.0, 3.0)))
+    alone = session(costs, alpha=0.9)
+    plan = costs.plan()
+    saved_per_token = 1 / plan.target_only - 1 / plan.goodput
+    assert 0.5 < saved_per_token < 0.6
+    assert costs.draft_prefill_pays(100, tokens_left=6)  # 3.5 s saved
+    assert not costs.draft_prefill_pays(100, tokens_left=5)  # 2.9 s
+    alone.close()

@@ -55,8 +55,11 @@ ALPHAS = {
 }
 
 
-def measured(cost, top: int = 8192) -> tuple[tuple[float, float, float], ...]:
-    return tuple((1.0, float(t), cost(t)) for t in (1 << i for i in range(top.bit_length())))
+def measured(cost, top: int = 8192, *, decode: bool = False) -> tuple[tuple[float, ...], ...]:
+    """The engine's report: ``cost`` at the powers of two, in one row (the
+    target: its cost is by tokens alone), or a token a row (the draft)."""
+    counts = [float(1 << i) for i in range(top.bit_length())]
+    return tuple((t if decode else 1.0, t, cost(t)) for t in counts)
 
 
 def round_seconds(ks: list[int], step, draft) -> float:
@@ -80,7 +83,7 @@ def run_policy(alphas: list[float], step, draft, *, k_max: int = 8, rounds: int 
     sessions = []
     for alpha in alphas:
         policy = AdaptiveK(k_max, costs)
-        policy.accepted, policy.rejected = 100 * alpha, 100 * (1 - alpha)
+        policy.accepted, policy.rejected = 1e6 * alpha, 1e6 * (1 - alpha)  # known
         policy.k_last = 0
         sessions.append(policy)
     ks = [0] * len(alphas)
@@ -90,7 +93,7 @@ def run_policy(alphas: list[float], step, draft, *, k_max: int = 8, rounds: int 
             steps += 1
             drafting = sum(1 for k in ks if k)
             costs.target = EngineLoad(measured(step), sum(k + 1 for k in ks), len(ks), steps)
-            costs.draft = EngineLoad(measured(draft), drafting, drafting, steps)
+            costs.draft = EngineLoad(measured(draft, decode=True), drafting, drafting, steps)
             costs.committed.value = sum(
                 expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)
             ) / len(ks)
