@@ -227,9 +227,9 @@ class Generation:
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
-        if k and self.draft_competes and self.drafts and not self.drafts.begun:
+        if k and self.drafts and not self.drafts.begun:
             if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
-                return 0  # opening the draft would cost everyone more than it saves
+                return 0  # opening the draft would cost more than it saves
         return k
 
     async def draft(self, record: RoundRecord) -> Proposal | None:

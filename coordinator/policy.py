@@ -236,14 +236,16 @@ class CostModel:
 
     def draft_prefill_pays(self, tokens: int, tokens_left: int) -> bool:
         """Whether a draft session opened now on ``tokens`` tokens repays its
-        prefill where the draft shares the target's cores, and so holds up
-        every session for it: the ``tokens_left`` tokens still to come,
-        made at the plan's goodput G rather than at K = 0's G₀, must save
-        the deployment more than the prefill costs,
+        prefill, which the round that first drafts waits for (and, where the
+        draft shares the target's cores, every session): the ``tokens_left``
+        tokens still to come, made at the plan's goodput G rather than at
+        K = 0's G₀, must save more than the prefill costs,
 
             tokens_left · (1/G₀ − 1/G) > d(prefill).
 
-        True before the draft's steps are measured (an open teaches them)."""
+        A session whose draft never opened does not probe it either: its
+        acceptance is the deployment's. True before the draft's steps are
+        measured (an open teaches them)."""
         if self.draft is None or not self.draft.curve:
             return True
         plan = self.plan()
