@@ -229,7 +229,11 @@ class Generation:
         k = self.policy.choose(room)
         if k and self.drafts and not self.drafts.begun:
             if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
-                return 0  # opening the draft would cost more than it saves
+                # Opening the draft costs more than it saves, and will only
+                # save less as the tokens to come run out: target-only from
+                # now on, and planned as such.
+                self.policy.k_max = 0
+                return 0
         return k
 
     async def draft(self, record: RoundRecord) -> Proposal | None:

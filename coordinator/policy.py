@@ -55,6 +55,7 @@ more draft token costs — when looking again cannot change the answer.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,10 @@ session's estimate. A session's own last few rounds alone are noisy, and
 the plan drafts deepest where they happened to be lucky: at 8 sessions on
 the CPU the sessions' estimates ran at 0.97-1.00 while their rounds
 accepted 0.92 of their drafts."""
+PLANNING_SHARE = 0.1
+"""The most of the coordinator's time planning takes: a plan is computed
+again only once this share of the time since the last has passed its
+computing (1-2 ms for 64 sessions; a GPU step of the default model is 3)."""
 DEPLOYMENT_DECAY = 0.99
 """Weight of older rounds in the deployment's acceptance (per round of
 any session): it is every session's prior, so it forgets slowly."""
@@ -150,6 +155,9 @@ class CostModel:
     what rounds commit). It plans the K of its adaptive sessions together."""
 
     decay: float = 0.9
+    planning_share: float = PLANNING_SHARE
+    """The most of the coordinator's time planning may take (inf: plan
+    whenever the load or the sessions changed)."""
     target: EngineLoad = field(default_factory=EngineLoad)
     """The target engine's curve and load, from its latest answer (the
     round loop keeps it current)."""
@@ -176,6 +184,8 @@ class CostModel:
     """Counts the joins and leaves: a plan is for one set of sessions."""
     _plan: Plan | None = field(init=False, default=None)
     _planned_at: tuple[int, int] = field(init=False, default=(-1, -1))
+    _planned_time: float = field(init=False, default=0.0)
+    _planning_s: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
@@ -297,12 +307,16 @@ class CostModel:
 
     def plan(self) -> Plan:
         """The K of every adaptive session that maximises the goodput (see
-        the module docstring), recomputed once per target step (or when
-        the sessions change)."""
+        the module docstring), recomputed after a target step or when the
+        sessions change — but taking at most ``planning_share`` of the time
+        (a session the plan does not know yet drafts nothing)."""
         stamp = (self.target.steps, self._version)
-        if self._plan is None or stamp != self._planned_at:
+        now = time.perf_counter()
+        due = now - self._planned_time >= self._planning_s / self.planning_share
+        if self._plan is None or (stamp != self._planned_at and due):
             self._plan = self._best_plan(list(self.sessions.values()))
-            self._planned_at = stamp
+            self._planned_at, self._planned_time = stamp, now
+            self._planning_s = time.perf_counter() - now
         return self._plan
 
     def _best_plan(self, sessions: list[AdaptiveK]) -> Plan:

@@ -31,10 +31,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-DECAY = 0.9
-"""Weight of the past in the moving averages of the load (per step)."""
 WINDOW = 15
-"""Steps of each range of the surface its medians are taken over."""
+"""Steps each median is taken over: of each range of the surface, and of
+the load (the rows and tokens of the last steps)."""
 
 Point = tuple[float, float, float]
 """``(rows, tokens, seconds)`` of a forward pass."""
@@ -129,8 +128,8 @@ class LoadMeter:
         """Power-of-two ranges of rows and tokens → their last steps."""
         self._points: dict[tuple[int, int], Point] = {}
         """Power-of-two ranges of rows and tokens → their point of the surface."""
-        self._tokens = 0.0
-        self._rows = 0.0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        """The last steps' rows and tokens."""
         self._steps = 0
         self._snapshot = EngineLoad()
 
@@ -152,12 +151,12 @@ class LoadMeter:
         bucket = self._buckets.setdefault(key, deque(maxlen=WINDOW))
         bucket.append((rows, tokens, seconds))
         self._points[key] = _median(bucket)
-        first = self._steps == 0
-        self._tokens = tokens if first else DECAY * self._tokens + (1 - DECAY) * tokens
-        self._rows = rows if first else DECAY * self._rows + (1 - DECAY) * rows
+        self._recent.append((rows, tokens))
         self._steps += 1
         curve = tuple(sorted(self._points.values()))
-        self._snapshot = EngineLoad(curve, self._tokens, self._rows, self._steps)
+        rows_per_step = statistics.median(r for r, _ in self._recent)
+        tokens_per_step = statistics.median(t for _, t in self._recent)
+        self._snapshot = EngineLoad(curve, tokens_per_step, rows_per_step, self._steps)
 
 
 def _range_of(count: float) -> int:

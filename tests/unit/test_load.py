@@ -37,12 +37,15 @@ def test_the_heartbeat_counts_a_step_as_soon_as_it_begins():
     assert meter.load.steps == 1 and meter.load.curve == ()
 
 
-def test_load_averages_the_tokens_and_rows_of_recent_steps():
+def test_load_is_the_median_rows_and_tokens_of_recent_steps():
     meter = LoadMeter()
     meter.stepped(rows=8, tokens=40, seconds=0.1)
     assert (meter.load.tokens_per_step, meter.load.rows_per_step) == (40, 8)
     meter.stepped(rows=4, tokens=20, seconds=0.1)
-    assert meter.load.rows_per_step == pytest.approx(0.9 * 8 + 0.1 * 4)
+    meter.stepped(rows=8, tokens=40, seconds=0.1)
+    meter.stepped(rows=1, tokens=256, seconds=0.4)  # a prefill chunk
+    meter.stepped(rows=8, tokens=40, seconds=0.1)
+    assert (meter.load.tokens_per_step, meter.load.rows_per_step) == (40, 8)
 
 
 def test_step_cost_is_flat_before_the_first_point_and_follows_the_last_slope_after():

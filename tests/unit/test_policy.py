@@ -1,5 +1,8 @@
 """Adaptive K on hand-made costs, where the best K is known."""
 
+import dataclasses
+import math
+
 import pytest
 
 from coordinator.policy import (
@@ -32,7 +35,9 @@ def model(
     """Costs as the engines would report them: a target step of T tokens
     costs ``verify(T)``; a draft step of n rows ``draft(n)`` (or a flat
     ``draft_per_token`` for a drafter without a curve)."""
-    costs = CostModel(decay=0.0)  # no smoothing: the last sample is the value
+    costs = CostModel(
+        decay=0.0, planning_share=math.inf
+    )  # no smoothing: the last sample is the value
     costs.target = EngineLoad(curve(verify), tokens if tokens is not None else rows, rows, 1)
     if draft is not None:
         costs.draft = EngineLoad(curve(draft, decode=True), 0.0, 0.0, 1)
@@ -104,13 +109,13 @@ def test_the_room_left_caps_k():
 
 
 def test_without_measurements_it_drafts_to_learn():
-    assert AdaptiveK(6, CostModel()).choose(limit=100) == LEARNING_K
+    assert AdaptiveK(6, CostModel(planning_share=math.inf)).choose(limit=100) == LEARNING_K
     target_only = model(cpu)  # the target's steps are known, no draft step yet
     assert session(target_only, alpha=0.5).choose(limit=100) == LEARNING_K
 
 
 def test_acceptance_estimate_follows_the_rounds_drawn_toward_the_deployments():
-    costs = CostModel()
+    costs = CostModel(planning_share=math.inf)
     policy = AdaptiveK(4, costs)
 
     def rounds(count: int, accepted: int) -> None:
@@ -271,4 +276,24 @@ def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
     assert 0.5 < saved_per_token < 0.6
     assert costs.draft_prefill_pays(100, tokens_left=6)  # 3.5 s saved
     assert not costs.draft_prefill_pays(100, tokens_left=5)  # 2.9 s
+    alone.close()
+
+
+def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])
+    costs = model(cpu, draft_per_token=0.1)
+    costs.planning_share = 0.1
+    alone = session(costs, alpha=0.9)
+    first = costs.plan()  # took "no time": the next may come at once
+    costs.target = dataclasses.replace(costs.target, steps=2)
+    assert costs.plan() is not first
+
+    costs._planning_s = 0.002  # a plan of 2 ms: the next after 20 ms
+    costs.target = dataclasses.replace(costs.target, steps=3)
+    clock[0] += 0.010
+    stale = costs.plan()
+    assert stale is costs.plan() and costs._planned_at[0] == 2
+    clock[0] += 0.010
+    assert costs.plan() is not stale and costs._planned_at[0] == 3
     alone.close()

@@ -13,6 +13,8 @@ choose one after another, each seeing the others' latest K.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from coordinator.policy import AdaptiveK, CostModel, expected_tokens
@@ -77,7 +79,7 @@ def goodput(alphas: list[float], ks: list[int], step, draft) -> float:
 def run_policy(alphas: list[float], step, draft, *, k_max: int = 8, rounds: int = 6) -> list[int]:
     """Every session chooses its K in turn, ``rounds`` times over, the
     engines reporting the load of the sessions' latest choices."""
-    costs = CostModel(decay=0.0)
+    costs = CostModel(decay=0.0, planning_share=math.inf)
     costs.overhead[False].update(OVERHEAD_S)
     costs.overhead[True].update(2 * OVERHEAD_S)
     sessions = []
