@@ -78,7 +78,7 @@ accepted 0.92 of their drafts."""
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
-computing (1-2 ms for 64 sessions; a GPU step of the default model is 3)."""
+computing (1.2-1.6 ms for 8-64 sessions on 2 CPU cores; a GPU step of the default model is 3)."""
 DEPLOYMENT_DECAY = 0.99
 """Weight of older rounds in the deployment's acceptance (per round of
 any session): it is every session's prior, so it forgets slowly."""

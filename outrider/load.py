@@ -28,6 +28,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -72,17 +73,14 @@ class EngineLoad:
         costs = np.zeros(tokens.shape)
         if not self.curve:
             return costs
-        ranges: dict[int, list[Point]] = {}
-        for point in self.curve:
-            ranges.setdefault(_range_of(point[0]), []).append(point)
-        measured = np.array(sorted(ranges), dtype=float)
-        wanted = np.vectorize(_range_of, otypes=[int])(rows)
-        for key in np.unique(wanted):
-            distance = np.abs(np.log2(measured) - math.log2(key))
-            nearest = int(measured[np.flatnonzero(distance == distance.min())[-1]])
-            points = sorted(ranges[nearest], key=lambda point: point[1])
-            at = wanted == key
-            costs[at] = _along_tokens(points, tokens[at])
+        ranges = self._by_rows
+        keys = list(ranges)  # increasing
+        measured = np.log2(np.array(keys, dtype=float))
+        for count in np.unique(rows):
+            distance = np.abs(measured - math.log2(_range_of(count)))
+            nearest = keys[int(np.flatnonzero(distance == distance.min())[-1])]
+            at = rows == count
+            costs[at] = _along_tokens(*ranges[nearest], tokens[at])
         return costs
 
     def decode_costs(self, rows: np.ndarray) -> np.ndarray:
@@ -91,17 +89,35 @@ class EngineLoad:
         draft's proposals), whatever their rows; where there are none,
         :meth:`step_costs` of as many tokens."""
         rows = np.asarray(rows, dtype=float)
-        decode = [point for point in self.curve if point[1] < 1.5 * point[0]]
-        if not decode:
+        if self._decode is None:
             return self.step_costs(rows, rows)
-        return _along_tokens(sorted(decode, key=lambda point: point[1]), rows)
+        return _along_tokens(*self._decode, rows)
+
+    @cached_property
+    def _by_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The surface's points by range of rows (increasing), each range's
+        tokens and seconds by increasing tokens."""
+        ranges: dict[int, list[Point]] = {}
+        for point in self.curve:
+            ranges.setdefault(_range_of(point[0]), []).append(point)
+        return {key: _tokens_and_seconds(ranges[key]) for key in sorted(ranges)}
+
+    @cached_property
+    def _decode(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tokens and seconds of the decode steps' points (a token a row)."""
+        decode = [point for point in self.curve if point[1] < 1.5 * point[0]]
+        return _tokens_and_seconds(decode) if decode else None
 
 
-def _along_tokens(points: list[Point], tokens: np.ndarray) -> np.ndarray:
-    """The seconds of ``points`` (one range of rows, by increasing tokens)
-    at ``tokens``."""
-    xs = np.array([point[1] for point in points])
-    ys = np.array([point[2] for point in points])
+def _tokens_and_seconds(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens and seconds of ``points``, by increasing tokens."""
+    ordered = sorted(points, key=lambda point: point[1])
+    return np.array([p[1] for p in ordered]), np.array([p[2] for p in ordered])
+
+
+def _along_tokens(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The seconds at ``tokens`` of a range's points, tokens ``xs`` (increasing)
+    and seconds ``ys``."""
     if len(xs) == 1:
         return np.where(tokens <= xs[0], ys[0], ys[0] * tokens / xs[0])
     # The last slope, over at least a doubling of the tokens: two points a
