@@ -33,6 +33,7 @@ DEFAULT_INT4_GROUP_SIZE = 32
 4-bit in groups of 32, so requantizing them in the same groups loses little."""
 CPU_TOKENS_PER_STEP = 256
 CUDA_TOKENS_PER_STEP = 2048
+CPU_PREFILL_TOKENS = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 
@@ -160,6 +161,10 @@ class EngineConfig:
     max_tokens_per_step: int | None = None
     """tokens one batched forward pass may hold: rounds run whole, prompts are prefilled in
     chunks of what is left (default: 256 on the CPU, 2048 on CUDA)"""
+    max_prefill_tokens: int | None = None
+    """a prompt with no other session on the worker is prefilled in one forward pass up to
+    this many tokens, in chunks beyond (default: 4096 on the CPU; on CUDA
+    --max-tokens-per-step)"""
     enforce_eager: bool = False
     """never capture CUDA graphs (every step runs eagerly)"""
     max_batch_wait: float = 0.25
@@ -185,11 +190,18 @@ class EngineConfig:
             )
         if self.max_tokens_per_step is not None:
             _at_least(self.max_tokens_per_step, 1, "--max-tokens-per-step")
+        if self.max_prefill_tokens is not None:
+            _at_least(self.max_prefill_tokens, 1, "--max-prefill-tokens")
 
     def tokens_per_step(self, device_type: str) -> int:
         if self.max_tokens_per_step is not None:
             return self.max_tokens_per_step
         return CUDA_TOKENS_PER_STEP if device_type == "cuda" else CPU_TOKENS_PER_STEP
+
+    def prefill_tokens(self, device_type: str) -> int:
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return self.tokens_per_step(device_type) if device_type == "cuda" else CPU_PREFILL_TOKENS
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ def start_engine(
     engine = Engine(
         runner,
         max_tokens_per_step=config.tokens_per_step(runner.device.type),
+        max_prefill_tokens=config.prefill_tokens(runner.device.type),
         max_rows=max_rows,
         torch_threads=rank_threads(config),
         max_batch_wait=config.max_batch_wait,

@@ -266,14 +266,21 @@ class Engine:
         *,
         max_tokens_per_step: int,
         max_rows: int,
+        max_prefill_tokens: int = 0,
         torch_threads: int | None = None,
         max_batch_wait: float = 0.0,
         on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         """``max_batch_wait``: how long a step may be held for the sessions
-        the last one answered, as a share of a forward pass (0: never held)."""
+        the last one answered, as a share of a forward pass (0: never held);
+        ``max_prefill_tokens``: the longest prompt run whole when no other
+        session is on the engine (:class:`Scheduler`)."""
         self.runner = runner
-        self.scheduler = Scheduler(max_tokens_per_step=max_tokens_per_step, max_rows=max_rows)
+        self.scheduler = Scheduler(
+            max_tokens_per_step=max_tokens_per_step,
+            max_rows=max_rows,
+            max_prefill_tokens=max_prefill_tokens,
+        )
         self.on_step = on_step
         self.meter = LoadMeter()
         self._activity = _Activity()

@@ -410,9 +410,10 @@ class LlamaForward:
         when ``j <= position`` (and within the sliding window). Keys past a
         row's length are at later positions, so they are never seen; every
         query sees key 0, so no row of the softmax is empty. None where
-        every query sees every key: one token over a span read in place."""
+        attention needs none: one token over a span read in place (it sees
+        every key), or a row's first tokens (a causal pass from key 0)."""
         t = group.tokens_per_row
-        if group.span is not None and t == 1 and self.sliding_window is None:
+        if group.span is not None and self.sliding_window is None and (t == 1 or _starts(group)):
             return None
         query = positions[group.start : group.start + group.rows * t].view(group.rows, t, 1)
         width = group.span[1] if group.span else group.block_table.shape[1] * block_size
@@ -456,8 +457,6 @@ class LlamaForward:
             self.head_dim,
         )
         per_kv = self.num_heads // kv_heads
-        q = q[group.start : group.start + rows * t].view(rows, t, kv_heads, per_kv, head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, per_kv * t, head_dim)
         if group.span is not None:
             first, length = group.span
             blocks = -(-length // keys.shape[1])
@@ -475,12 +474,28 @@ class LlamaForward:
                 .transpose(1, 2)
                 for cached, buffer in zip((keys, values), buffers, strict=True)
             )
+        if t > 1 and mask is None:
+            # A row's first tokens: a causal pass from key 0, as transformers
+            # prefills a prompt (no mask to build or read).
+            q = q[group.start : group.start + t].unsqueeze(0).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True
+            )
+            return out.transpose(1, 2).reshape(t, -1)
+        q = q[group.start : group.start + rows * t].view(rows, t, kv_heads, per_kv, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, per_kv * t, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return (
             out.view(rows, kv_heads, per_kv, t, head_dim)
             .permute(0, 3, 1, 2, 4)
             .reshape(rows * t, -1)
         )
+
+
+def _starts(group: AttentionGroup) -> bool:
+    """Whether ``group`` is one row's first tokens, read in place: its keys
+    are its own queries', and each query sees those up to its own."""
+    return group.span is not None and group.span[1] == group.tokens_per_row
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,13 @@ wait here:
 
 The first feed of a step always gets tokens, so every step makes progress;
 a round larger than the whole budget runs first in its steps, in chunks that
-keep the tokens whose logits are wanted in its last one. Pure bookkeeping: no tensors, no threads.
+keep the tokens whose logits are wanted in its last one.
+
+Chunks protect the sessions beside a prompt. A prompt with none beside it —
+the only feed waiting, on an empty cache, while no other session holds a
+block — runs whole, up to ``max_prefill_tokens``: one causal pass, as
+transformers prefills, where chunks would each pay their share of the
+weights' reads and a masked attention. Pure bookkeeping: no tensors, no threads.
 """
 
 from __future__ import annotations
@@ -97,11 +103,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, *, max_tokens_per_step: int, max_rows: int) -> None:
+    def __init__(
+        self, *, max_tokens_per_step: int, max_rows: int, max_prefill_tokens: int = 0
+    ) -> None:
         if max_tokens_per_step < 1 or max_rows < 1:
             raise ValueError("a step needs room for at least one token and one row")
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
+        self.max_prefill_tokens = max_prefill_tokens
         self._pending: list[_Pending] = []
         self._order = itertools.count()
 
@@ -131,6 +140,8 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         """The rows of the next step (rounds whole, then prefill chunks)."""
         budget = self.max_tokens_per_step
+        if self._alone():
+            budget = max(budget, len(self._pending[0].feed.tokens))
         step: list[Scheduled] = []
         rounds = [p for p in self._pending if p.feed.num_logits]
         prefills = [p for p in self._pending if not p.feed.num_logits]
@@ -161,6 +172,20 @@ class Scheduler:
             step.append(self._take(pending, take))
             budget -= take
         return step
+
+    def _alone(self) -> bool:
+        """Whether the one feed waiting is a prompt on an empty cache that
+        fits ``max_prefill_tokens``, and no other session holds a block."""
+        if len(self._pending) != 1:
+            return False
+        pending = self._pending[0]
+        kv = pending.feed.kv
+        return (
+            pending.done == 0
+            and len(kv) == 0
+            and len(pending.feed.tokens) <= self.max_prefill_tokens
+            and kv.pool.used_blocks == len(kv.blocks)
+        )
 
     @staticmethod
     def _trimmed(pending: _Pending, count: int) -> Scheduled:

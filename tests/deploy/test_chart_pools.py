@@ -264,6 +264,7 @@ def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monke
         FULL_VALUES,
         sets=(
             f"{name}.maxTokensPerStep=1024",
+            f"{name}.maxPrefillTokens=8192",
             f"{name}.enforceEager=true",
             f"{name}.dtype=float16",
         ),
@@ -272,12 +273,13 @@ def test_each_worker_parses_the_device_settings_the_chart_gives_it(render, monke
         monkeypatch, pod_spec(component(objects, "Deployment", name))["containers"][0], name
     )
     device = "cuda" if name == "target" else "cuda:0"
-    assert (args.device, args.dtype, args.max_tokens_per_step, args.enforce_eager) == (
-        device,
-        "float16",
-        1024,
-        True,
-    )
+    assert (
+        args.device,
+        args.dtype,
+        args.max_tokens_per_step,
+        args.max_prefill_tokens,
+        args.enforce_eager,
+    ) == (device, "float16", 1024, 8192, True)
 
 
 def test_large_integers_from_a_values_file_render_as_integers(full_objects):

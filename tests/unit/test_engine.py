@@ -121,6 +121,35 @@ def test_a_row_reads_its_cache_in_place_when_its_blocks_follow_each_other(name):
         torch.testing.assert_close(torch.stack(rows), logits[:29], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_a_rows_first_tokens_read_in_place_are_one_causal_pass_equal_to_transformers(
+    name, monkeypatch
+):
+    """A prompt on an empty cache whose blocks follow each other is attended
+    as transformers prefills it: causally from key 0, with no mask (but
+    under a sliding window, which the mask carries)."""
+    model = tiny(name)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 97, (37,)).tolist()
+    runner = paged(model, blocks=64, block_size=4)
+    causal = []
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        causal.append(kwargs.get("is_causal", False))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]
+        kv = runner.new_kv()
+        kv.reserve(len(prompt))
+        (out,) = runner.execute([Row(kv, prompt, len(prompt))])
+    windowed = runner.forward.sliding_window is not None
+    assert set(causal) == {not windowed}
+    torch.testing.assert_close(out.values, expected, rtol=0, atol=1e-12)
+
+
 def test_other_architectures_are_named_for_the_fallback():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -117,3 +117,31 @@ def test_only_drafts_may_be_trimmed():
         Feed(KVCache(pool), [1, 2, 3], num_logits=3, trimmable=3)  # x_n must run
     with pytest.raises(ValueError, match="trimmable"):
         Feed(KVCache(pool), [1, 2, 3], num_logits=1, trimmable=1)  # a prefill chunk
+
+
+def test_a_prompt_with_no_session_beside_it_runs_whole_up_to_the_prefill_limit():
+    pool = BlockPool(num_blocks=1024, block_size=16)
+    scheduler = Scheduler(max_tokens_per_step=64, max_rows=8, max_prefill_tokens=3000)
+    for num_logits in (1, 0):  # a target's open (its first token wanted), a draft's prefill
+        alone = Feed(KVCache(pool), list(range(3000)), num_logits)
+        alone.kv.reserve(3000)
+        scheduler.add(alone, "alone")
+        step = scheduler.schedule()
+        assert shape(step) == [(3000, num_logits)]
+        assert scheduler.update(step, ["logits"]) == [("alone", "logits")]
+        alone.kv.free()
+
+
+@pytest.mark.parametrize("beside", ["a session holding cache", "another feed waiting", "none"])
+def test_a_prompt_beside_other_sessions_or_past_the_limit_is_chunked(beside):
+    pool = BlockPool(num_blocks=1024, block_size=16)
+    scheduler = Scheduler(max_tokens_per_step=64, max_rows=8, max_prefill_tokens=1000)
+    length = 3000 if beside == "none" else 1000  # past the limit alone; within it beside others
+    prompt = Feed(KVCache(pool), list(range(length)), num_logits=0)
+    prompt.kv.reserve(length)
+    if beside == "a session holding cache":
+        KVCache(pool).reserve(10)
+    if beside == "another feed waiting":
+        scheduler.add(Feed(KVCache(pool), [1, 2], num_logits=0), "other")
+    scheduler.add(prompt, "prompt")
+    assert sum(len(s.row.tokens) for s in scheduler.schedule()) == 64

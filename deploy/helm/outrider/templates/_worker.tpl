@@ -81,6 +81,10 @@ spec:
             - name: OUTRIDER_MAX_TOKENS_PER_STEP
               value: {{ int $values.maxTokensPerStep | quote }}
             {{- end }}
+            {{- if gt (int $values.maxPrefillTokens) 0 }}
+            - name: OUTRIDER_MAX_PREFILL_TOKENS
+              value: {{ int $values.maxPrefillTokens | quote }}
+            {{- end }}
             {{- if $values.enforceEager }}
             - name: OUTRIDER_ENFORCE_EAGER
               value: "true"
