@@ -67,6 +67,8 @@ class BlockPool:
 
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(reversed(blocks))
+        if len(self._free) == self.num_blocks:  # empty again: ascending from block 1, as new
+            self._free.sort(reverse=True)
 
 
 class KVCache:

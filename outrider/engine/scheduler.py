@@ -21,8 +21,9 @@ a round larger than the whole budget runs first in its steps, in chunks that
 keep the tokens whose logits are wanted in its last one.
 
 Chunks protect the sessions beside a prompt. A prompt with none beside it —
-the only feed waiting, on an empty cache, while no other session holds a
-block — runs whole, up to ``max_prefill_tokens``: one causal pass, as
+the only feed waiting, on an empty cache whose blocks follow each other,
+while no other session holds a block — runs whole, up to
+``max_prefill_tokens``: one causal pass over its blocks in place, as
 transformers prefills, where chunks would each pay their share of the
 weights' reads and a masked attention. Pure bookkeeping: no tensors, no threads.
 """
@@ -174,8 +175,9 @@ class Scheduler:
         return step
 
     def _alone(self) -> bool:
-        """Whether the one feed waiting is a prompt on an empty cache that
-        fits ``max_prefill_tokens``, and no other session holds a block."""
+        """Whether the one feed waiting is a prompt that fits
+        ``max_prefill_tokens``, on an empty cache whose blocks follow each
+        other, and no other session holds a block."""
         if len(self._pending) != 1:
             return False
         pending = self._pending[0]
@@ -185,6 +187,7 @@ class Scheduler:
             and len(kv) == 0
             and len(pending.feed.tokens) <= self.max_prefill_tokens
             and kv.pool.used_blocks == len(kv.blocks)
+            and kv.blocks == list(range(kv.blocks[0], kv.blocks[0] + len(kv.blocks)))
         )
 
     @staticmethod

@@ -70,6 +70,18 @@ def test_free_hands_back_every_block():
     assert pool.free_blocks == 4 and kv.freed and len(kv) == 0
 
 
+def test_an_emptied_pool_hands_out_ascending_blocks_again():
+    pool = BlockPool(num_blocks=8, block_size=1)
+    first, second = cache_with(pool, [0] * 3), cache_with(pool, [0] * 3)
+    first.free()
+    assert cache_with(pool, [0] * 5).blocks != [1, 2, 3, 4, 5]  # interleaved while one holds
+    pool = BlockPool(num_blocks=8, block_size=1)
+    first, second = cache_with(pool, [0] * 3), cache_with(pool, [0] * 3)
+    first.free()
+    second.free()
+    assert cache_with(pool, [0] * 5).blocks == [1, 2, 3, 4, 5]
+
+
 def test_shared_prefix_starts_where_the_caller_knows_they_agree():
     kv = cache_with(BlockPool(4, 4), [1, 2, 3, 4])
     assert kv.shared_prefix([1, 2, 9]) == 2

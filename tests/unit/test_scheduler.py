@@ -132,13 +132,23 @@ def test_a_prompt_with_no_session_beside_it_runs_whole_up_to_the_prefill_limit()
         alone.kv.free()
 
 
-@pytest.mark.parametrize("beside", ["a session holding cache", "another feed waiting", "none"])
+@pytest.mark.parametrize(
+    "beside", ["a session holding cache", "another feed waiting", "none", "scattered blocks"]
+)
 def test_a_prompt_beside_other_sessions_or_past_the_limit_is_chunked(beside):
     pool = BlockPool(num_blocks=1024, block_size=16)
     scheduler = Scheduler(max_tokens_per_step=64, max_rows=8, max_prefill_tokens=1000)
     length = 3000 if beside == "none" else 1000  # past the limit alone; within it beside others
     prompt = Feed(KVCache(pool), list(range(length)), num_logits=0)
-    prompt.kv.reserve(length)
+    if beside == "scattered blocks":  # attended under a mask, whose size the budget bounds
+        gone, held = KVCache(pool), KVCache(pool)
+        gone.reserve(16)
+        held.reserve(16)
+        gone.free()
+        prompt.kv.reserve(length)  # block 1, then 3 onward
+        held.free()
+    else:
+        prompt.kv.reserve(length)
     if beside == "a session holding cache":
         KVCache(pool).reserve(10)
     if beside == "another feed waiting":
