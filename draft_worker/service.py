@@ -8,7 +8,7 @@ from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import load_to_pb, proposal_to_pb, sampling_from_pb
+from outrider.wire import proposal_to_pb, sampling_from_pb
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
@@ -42,17 +42,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
-        drafter, info = self.sessions.drafter, self.sessions.info
-        return pb.WorkerInfo(
-            model=drafter.model_name,
-            drafter=drafter.kind,
-            vocab_size=drafter.vocab_size or 0,
-            vocab_fingerprint=info.vocab_fingerprint,
-            max_context_length=info.max_context,
-            active_sessions=len(self.sessions.store),
-            cached_tokens=self.sessions.store.cached_tokens,
-            device=info.device,
-            dtype=info.dtype,
-            load=load_to_pb(self.engine.load),
-            graphed_tokens_per_row=getattr(self.sessions.runner, "graphed_tokens_per_row", 0),
+        drafter = self.sessions.drafter
+        return self._worker_info(
+            model=drafter.model_name, drafter=drafter.kind, vocab_size=drafter.vocab_size or 0
         )

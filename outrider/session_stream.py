@@ -26,7 +26,9 @@ import grpc
 from outrider.errors import FailedPrecondition, InvalidArgument, OutriderError, SessionExpired
 from outrider.logging import bind_contextvars, get_logger
 from outrider.rpc import status_of
+from outrider.v1 import worker_pb2
 from outrider.validation import check_request_id
+from outrider.wire import load_to_pb
 
 if TYPE_CHECKING:
     from outrider.engine import Engine, InlineEngine
@@ -152,3 +154,23 @@ class SessionServicer:
             metrics=self.metrics,
         ):
             yield response
+
+    def _worker_info(
+        self, *, model: str, vocab_size: int, drafter: str = ""
+    ) -> worker_pb2.WorkerInfo:
+        """What ``GetWorkerInfo`` answers: the model as the subclass names
+        it, and what every worker reports of its sessions and its engine."""
+        info = self.sessions.info
+        return worker_pb2.WorkerInfo(
+            model=model,
+            drafter=drafter,
+            vocab_size=vocab_size,
+            vocab_fingerprint=info.vocab_fingerprint,
+            max_context_length=info.max_context,
+            active_sessions=len(self.sessions.store),
+            cached_tokens=self.sessions.store.cached_tokens,
+            device=info.device,
+            dtype=info.dtype,
+            load=load_to_pb(self.engine.load),
+            graphed_tokens_per_row=getattr(self.sessions.runner, "graphed_tokens_per_row", 0),
+        )

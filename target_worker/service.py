@@ -48,15 +48,4 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         info = self.sessions.info
-        return pb.WorkerInfo(
-            model=info.model_name,
-            vocab_size=info.vocab_size,
-            vocab_fingerprint=info.vocab_fingerprint,
-            max_context_length=info.max_context,
-            active_sessions=len(self.sessions.store),
-            cached_tokens=self.sessions.store.cached_tokens,
-            device=info.device,
-            dtype=info.dtype,
-            load=load_to_pb(self.engine.load),
-            graphed_tokens_per_row=getattr(self.sessions.runner, "graphed_tokens_per_row", 0),
-        )
+        return self._worker_info(model=info.model_name, vocab_size=info.vocab_size)
