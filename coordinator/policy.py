@@ -55,6 +55,7 @@ more draft token costs — when looking again cannot change the answer.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -387,11 +388,19 @@ class CostModel:
         )
         row = self.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
         price = goodput_best * float(max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]))
+        if log.is_enabled_for(logging.DEBUG):  # (its arguments are built only to be written)
+            self._log_plan(ks, alphas, goodput_best, rows, tokens)
+        ks_of = {id(s): int(k) for s, k in zip(sessions, ks, strict=True)}
+        return Plan(ks_of, goodput_best, price, target_only)
+
+    def _log_plan(
+        self, ks: np.ndarray, alphas: np.ndarray, goodput: float, rows: float, tokens: float
+    ) -> None:
         log.debug(
             "plan",
             ks=ks.tolist(),
             alphas=[round(float(a), 3) for a in alphas],
-            goodput=round(goodput_best, 1),
+            goodput=round(goodput, 1),
             others=(round(rows, 1), round(tokens, 1)),
             target=[(r, t, round(s * 1e3, 1)) for r, t, s in self.target.curve],
             draft=[(r, t, round(s * 1e3, 1)) for r, t, s in self.draft.curve]
@@ -399,8 +408,6 @@ class CostModel:
             else None,
             overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
         )
-        ks_of = {id(s): int(k) for s, k in zip(sessions, ks, strict=True)}
-        return Plan(ks_of, goodput_best, price, target_only)
 
     def _prefixes(
         self,
