@@ -101,7 +101,7 @@ class Replica:
         ``timeout_s``; False when it does not answer in time."""
         try:
             info = await self.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # (UsageError: its channel closed)
             return False
         if not info.HasField("load"):
             return True

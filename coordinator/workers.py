@@ -183,6 +183,13 @@ async def answer_of(call: Awaitable[T], replica: Replica, deadline_s: float | No
             await asyncio.gather(task, return_exceptions=True)
 
 
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (rather than a call it
+    awaits having been cancelled under it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
     return WorkerInfo(
         model=info.model,
@@ -251,8 +258,14 @@ class _GrpcSession:
                     if kind is not None and getattr(response, kind).HasField("load"):
                         self._replica.answered(load_from_pb(getattr(response, kind).load))
                     return response
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass  # the call has ended; its status says why
+            except asyncio.CancelledError:
+                if _cancelling():
+                    raise
+                # Not this task's cancel: the call's, by its channel closing
+                # under it (discovery closed a gone worker's). Its status
+                # (CANCELLED) says so, and the session fails over.
         code, details = await self._call.code(), await self._call.details()
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
         if isinstance(error, Unavailable) and not isinstance(error, SessionExpired):
@@ -363,7 +376,10 @@ class GrpcWorkerClient:
         """Opens a session on a replica; one that does not answer within
         ``deadline_s`` (frozen) counts as failed: Unavailable."""
         replica = await self.replicas.choose(deadline_s)
-        call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
+        try:
+            call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
+        except grpc.aio.UsageError:  # its channel closed since it was chosen: it is gone
+            raise Unavailable(f"{self.role} worker {replica.address} is gone") from None
         session = self.session_class(self.role, call, replica, self.replicas.close_later)
         try:
             response = await session.exchange(request, deadline_s)

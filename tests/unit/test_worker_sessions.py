@@ -1,0 +1,68 @@
+"""A worker session's exchange over gRPC: a call whose channel closes under
+it (discovery closing a gone worker's) fails over as UNAVAILABLE; a
+cancel of the coordinator's own task stays a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.replicas import Replica
+from coordinator.workers import GrpcTargetSession
+from outrider.errors import Unavailable
+from outrider.speculation import Proposal
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+
+
+class SilentWorker(worker_pb2_grpc.TargetWorkerServicer):
+    """Takes every request and answers none (a held engine)."""
+
+    async def Session(self, request_iterator, context):
+        async for _ in request_iterator:
+            await asyncio.sleep(60)
+        yield pb.VerifyResponse()
+
+
+@pytest.fixture
+async def replica():
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_TargetWorkerServicer_to_server(SilentWorker(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Replica(f"127.0.0.1:{port}", channel, worker_pb2_grpc.TargetWorkerStub(channel))
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def verify_in_flight(replica: Replica) -> asyncio.Task:
+    session = GrpcTargetSession("target", replica.stub.Session(), replica, lambda closing: None)
+    task = asyncio.ensure_future(session.verify(1, Proposal([])))
+    await asyncio.sleep(0.2)  # written, and waiting for the verdict
+    assert not task.done()
+    return task
+
+
+async def test_a_verify_whose_channel_closes_under_it_is_unavailable(replica):
+    task = await verify_in_flight(replica)
+    await replica.channel.close()
+    with pytest.raises(Unavailable, match="CANCELLED"):
+        await task
+    assert replica.failures == 1  # new sessions go to the other replicas first
+
+
+async def test_a_cancel_of_the_waiting_task_is_still_a_cancel(replica):
+    task = await verify_in_flight(replica)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_replica_whose_channel_closed_is_not_stepping(replica):
+    await replica.channel.close()
+    assert not await replica.stepping(1.0, lately_s=1.0)
