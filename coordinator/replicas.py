@@ -97,17 +97,21 @@ class Replica:
     async def stepping(self, timeout_s: float, *, lately_s: float) -> bool:
         """Whether its engine is at work (busy, not frozen): it has begun a
         step since it last said, or the step under way began within
-        ``lately_s``; a model-free worker that answers is alive. Asked within
-        ``timeout_s``; False when it does not answer in time."""
+        ``lately_s`` — or within twice the longest step it has measured, as
+        a step longer than the deadline is still a step; a model-free worker
+        that answers is alive. Asked within ``timeout_s``; False when it does
+        not answer in time."""
         try:
             info = await self.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # (UsageError: its channel closed)
             return False
         if not info.HasField("load"):
             return True
-        moved = info.load.steps > self.steps
-        self.steps = max(self.steps, info.load.steps)
-        return moved or 0.0 < info.load.running_s < lately_s
+        load = info.load
+        moved = load.steps > self.steps
+        self.steps = max(self.steps, load.steps)
+        longest = max(load.curve_seconds, default=0.0)
+        return moved or 0.0 < load.running_s < max(lately_s, 2 * longest)
 
 
 class Replicas:
