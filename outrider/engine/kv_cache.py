@@ -100,6 +100,12 @@ class KVCache:
             n += 1
         return n
 
+    def in_order(self, blocks: int) -> bool:
+        """Whether its first ``blocks`` blocks follow each other in the pool
+        (as a session that grew alone holds them): they read as one span."""
+        first = self.blocks[:blocks]
+        return bool(first) and first == list(range(first[0], first[0] + len(first)))
+
     def reserve(self, length: int) -> None:
         """Makes room for ``length`` tokens, or raises ResourceExhausted and
         changes nothing."""

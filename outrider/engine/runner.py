@@ -209,10 +209,9 @@ def _span(members: Sequence[Row]) -> tuple[int, int] | None:
         return None
     (row,) = members
     length = len(row.kv) + len(row.tokens)
-    blocks = row.kv.blocks[: row.kv.pool.blocks_for(length)]
-    if blocks[-1] - blocks[0] != len(blocks) - 1 or blocks != sorted(blocks):
+    if not row.kv.in_order(row.kv.pool.blocks_for(length)):
         return None
-    return blocks[0], length
+    return row.kv.blocks[0], length
 
 
 SHARED_WIDTH_BLOCKS = 64

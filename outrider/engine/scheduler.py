@@ -187,7 +187,7 @@ class Scheduler:
             and len(kv) == 0
             and len(pending.feed.tokens) <= self.max_prefill_tokens
             and kv.pool.used_blocks == len(kv.blocks)
-            and kv.blocks == list(range(kv.blocks[0], kv.blocks[0] + len(kv.blocks)))
+            and kv.in_order(len(kv.blocks))
         )
 
     @staticmethod
