@@ -230,11 +230,24 @@ class Generation:
         if k and self.drafts and not self.drafts.begun:
             if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
                 # Opening the draft costs more than it saves, and will only
-                # save less as the tokens to come run out: target-only from
-                # now on, and planned as such.
-                self.policy.k_max = 0
+                # save less as the tokens to come run out.
+                self.target_only()
                 return 0
         return k
+
+    def target_only(self) -> None:
+        """Drafts no more: the session leaves the plan and the lockstep. Its
+        rows are the others' of the engines' load, and its rounds no longer
+        wait for the drafting sessions' draft phases — one token a phase of
+        K draft steps (docs/design.md#adaptive-k)."""
+        self.k_max = 0
+        if self.policy is not None:
+            self.policy.close()
+            self.policy = None
+        if self.lockstep is not None:
+            self.lockstep.leave(self)
+            self.lockstep = None
+        self.drafts = None
 
     async def draft(self, record: RoundRecord) -> Proposal | None:
         """This round's proposal: the speculation's when it holds (a hit),
@@ -242,24 +255,24 @@ class Generation:
         None when the round does not draft: K = 0, or the draft is lost."""
         if self.drafts is None:
             return None
-        k = None
-        if self.lockstep is not None:  # (never pipelined: no speculation to take)
-            k = self.choose_k(len(self.history))
-            if k == 0 and not self.lockstep.active:
-                return None  # none drafts: nothing to keep apart, no phase to wait for
-            record.lockstep = True  # (at K = 0 too: its verify waits for their drafts)
-            started = time.perf_counter()
-            await self.lockstep.draft(self)
-            record.lockstep_s += time.perf_counter() - started
         reply, record.hit = await self.drafts.speculated(self.history)
         if record.hit is not None:
             self.stats.speculation_hits += record.hit
             self.stats.speculation_misses += not record.hit
         if reply is not None:
             record.k = len(reply.value.tokens)
-        elif (k := self.choose_k(len(self.history)) if k is None else k) > 0:
-            record.k = k
-            reply, record.open_s = await self.drafts.propose(self.history, k)
+        else:
+            k = self.choose_k(len(self.history))  # (which may end drafting for good)
+            if self.lockstep is not None and (k > 0 or self.lockstep.active):
+                # (never pipelined; at K = 0 too, where others draft: its
+                # verify waits for their drafts)
+                record.lockstep = True
+                started = time.perf_counter()
+                await self.lockstep.draft(self)
+                record.lockstep_s += time.perf_counter() - started
+            if k > 0:
+                record.k = k
+                reply, record.open_s = await self.drafts.propose(self.history, k)
         record.draft_s = reply.compute_s if reply else 0.0
         if reply is not None and reply.load is not None:
             self.costs.draft = reply.load

@@ -1,12 +1,15 @@
 """The round loop in one process: engines behind the in-process clients, no
 gRPC. Same loop code as across three processes."""
 
+import asyncio
 import dataclasses
 
 import pytest
 from transformers import AutoTokenizer
 
+from coordinator.lockstep import Lockstep
 from coordinator.loop import GenerationRequest, Models, generate
+from coordinator.policy import CostModel
 from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.worker import start_engine
@@ -112,3 +115,57 @@ async def test_adaptive_rounds_stay_within_the_targets_cuda_graphs(clients, tiny
     stats = deltas[-1].stats
     assert stats.draft_tokens > 0  # it drafted, and never past K = 2
     assert len(stats.rounds_by_k) <= 3 and stats.num_speculative_tokens == 2
+
+
+async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_lockstep(
+    clients, tiny_target_dir, monkeypatch
+):
+    """Two adaptive sessions whose draft shares the target's CPU cores: the
+    prefill of one's draft pays, of the other's not. That one never opens a
+    draft, leaves the plan, and its rounds never wait for the other's draft
+    phases (one token a phase); both give the target's tokens."""
+    target, draft = clients
+    info = await target.info()
+    models = Models(
+        AutoTokenizer.from_pretrained(tiny_target_dir), frozenset(), info, await draft.info()
+    )
+    assert models.draft_competes
+    short, long = (1, 2, 3, 4), (5, 6, 7, 8, 9, 10)
+    monkeypatch.setattr(
+        CostModel, "draft_prefill_pays", lambda self, tokens, tokens_left: tokens < len(long)
+    )
+    costs, lockstep = CostModel(), Lockstep(max_wait_s=5.0)
+    entered: list[int] = []
+    draft_phase = lockstep.draft
+
+    async def tracing(session):
+        entered.append(len(session.request.prompt_ids))
+        await draft_phase(session)
+
+    lockstep.draft = tracing
+    planned: list[int] = []  # the sessions in the plan, once the long prompt's first token is out
+
+    async def one(prompt):
+        request = GenerationRequest(
+            prompt_ids=prompt, max_new_tokens=24, num_speculative_tokens=4, adaptive=True
+        )
+        deltas = []
+        async for delta in generate(request, models, target, draft, costs, lockstep=lockstep):
+            deltas.append(delta)
+            if prompt == long:
+                planned.append(len(costs.sessions))
+        return deltas
+
+    drafting, target_only = await asyncio.gather(one(short), one(long))
+    for prompt, deltas in ((short, drafting), (long, target_only)):
+        ids = [t for d in deltas for t in d.token_ids]
+        assert ids == reference_greedy(tiny_target_dir, list(prompt), 24, eos=None)
+    assert drafting[-1].stats.draft_tokens > 0
+    assert target_only[-1].stats.draft_tokens == 0
+    assert target_only[-1].stats.rounds == 24  # a token a round
+    assert set(entered) == {len(short)}  # only the drafting session's rounds in the lockstep
+    assert max(planned) <= 1  # a session that will not draft is planned no more
+    assert not costs.sessions and not lockstep.active
+    await target.engine.run(lambda: None)
+    await draft.engine.run(lambda: None)
+    assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
