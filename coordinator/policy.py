@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.load import EngineLoad
+from outrider.load import DECODE_TOKENS_PER_ROW, EngineLoad
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -97,8 +97,9 @@ def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
     return min(k_max, graphed_tokens_per_row - 1)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(K): tokens one round commits, the recovered or bonus token included."""
+def expected_tokens(alpha: float, k: float) -> float:
+    """E(K): tokens one round commits, the recovered or bonus token included
+    (K may be a mean over rows: the drafts a row of a step's others)."""
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -152,8 +153,8 @@ class Plan:
 class CostModel:
     """What rounds cost and what they commit, shared by a coordinator's
     sessions: the engines' step curves and load as they last reported them,
-    and what the coordinator measures itself (its overhead, the acceptance,
-    what rounds commit). It plans the K of its adaptive sessions together."""
+    and what the coordinator measures itself (its overhead, the deployment's
+    acceptance). It plans the K of its adaptive sessions together."""
 
     decay: float = 0.9
     planning_share: float = PLANNING_SHARE
@@ -177,8 +178,6 @@ class CostModel:
     judged: float = field(init=False, default=0.0)
     """Over every session's drafting rounds (decayed sums): accepted drafts,
     and those plus the rejected ones."""
-    committed: _Ema = field(init=False)
-    """Tokens a round commits, over every session's rounds."""
     sessions: dict[int, AdaptiveK] = field(init=False, default_factory=dict)
     """The adaptive sessions running now, planned together."""
     _version: int = field(init=False, default=0)
@@ -191,7 +190,6 @@ class CostModel:
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.prefill_per_token = _Ema(self.decay)
-        self.committed = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
     # --- learning --------------------------------------------------------------
@@ -212,8 +210,6 @@ class CostModel:
             judged = num_accepted + (num_accepted < num_drafts)
             self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
             self.judged = DEPLOYMENT_DECAY * self.judged + judged
-        if num_accepted is not None:
-            self.committed.update(num_accepted + 1)
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
@@ -338,8 +334,13 @@ class CostModel:
         drafting_now = sum(1 for k in shares if k)
         other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
+        # What a round of theirs commits, at the deployment's acceptance: one
+        # token where they draft none (a session that went target-only, or
+        # another coordinator's), not what this coordinator's rounds commit.
+        alpha = self.alpha
+        other_commits = expected_tokens(0.5 if alpha is None else alpha, other_depth)
         base = _Base(
-            committed=rows * (self.committed.value or 1.0) + n,
+            committed=rows * other_commits + n,
             rows=rows + n,
             tokens=tokens + n,
             sessions=n,
@@ -422,7 +423,12 @@ class CostModel:
         drafts = np.arange(len(gain) + 1, dtype=float)
         committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
         drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
-        verify = np.maximum.accumulate(self.target.step_costs(base.tokens + drafts, base.rows))
+        steps = self.target.step_costs(base.tokens + drafts, base.rows)
+        if base.tokens < DECODE_TOKENS_PER_ROW * base.rows:
+            # No drafts: a decode step, a token a row.
+            decode = self.target.decode_cost(base.rows)
+            steps[0] = steps[0] if decode is None else decode
+        verify = np.maximum.accumulate(steps)
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:
             # A speculation drafts one step more (the guess) beside the verify;

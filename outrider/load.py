@@ -36,6 +36,10 @@ WINDOW = 15
 """Steps each median is taken over: of each range of the surface, and of
 the load (the rows and tokens of the last steps)."""
 
+DECODE_TOKENS_PER_ROW = 1.5
+"""Fewer tokens a row than this make a decode step, a token a row (a
+point of the surface is a median of its range's steps, which may mix)."""
+
 Point = tuple[float, float, float]
 """``(rows, tokens, seconds)`` of a forward pass."""
 
@@ -93,6 +97,18 @@ class EngineLoad:
             return self.step_costs(rows, rows)
         return _along_tokens(*self._decode, rows)
 
+    def decode_cost(self, rows: float) -> float | None:
+        """Seconds of a decode step of ``rows`` rows, a token a row, along
+        the decode steps' points — where one of them is in the range of
+        ``rows``; else None (the points of a range of rows mix decode steps
+        with verifies, dearer by their drafts)."""
+        if self._decode is None:
+            return None
+        tokens = self._decode[0]
+        if _range_of(rows) not in {_range_of(t) for t in tokens}:
+            return None
+        return float(_along_tokens(*self._decode, np.array([float(rows)]))[0])
+
     @cached_property
     def _by_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """The surface's points by range of rows (increasing), each range's
@@ -105,7 +121,7 @@ class EngineLoad:
     @cached_property
     def _decode(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The tokens and seconds of the decode steps' points (a token a row)."""
-        decode = [point for point in self.curve if point[1] < 1.5 * point[0]]
+        decode = [point for point in self.curve if point[1] < DECODE_TOKENS_PER_ROW * point[0]]
         return _tokens_and_seconds(decode) if decode else None
 
 

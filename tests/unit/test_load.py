@@ -111,6 +111,20 @@ def test_decode_costs_follow_the_steps_of_a_token_a_row_whatever_their_rows():
     assert list(EngineLoad(((4.0, 12.0, 0.1),)).decode_costs(np.array([2.0]))) == [0.1]
 
 
+def test_a_decode_step_is_priced_by_the_decode_steps_where_its_range_of_rows_has_one():
+    # Logged by the CPU target at 4 sessions: the range of 3-4 rows holds
+    # the decode steps (3-4 tokens) and verifies of a draft or two a row.
+    load = EngineLoad(
+        ((1.0, 1.0, 0.0516), (3.0, 3.0, 0.0521), (3.0, 8.0, 0.0725), (4.0, 20.0, 0.1))
+    )
+    assert load.step_cost(4.0, rows=4.0) == pytest.approx(
+        0.0521 + 0.0204 / 5
+    )  # the verifies' slope
+    assert load.decode_cost(4.0) == pytest.approx(0.0521 + 0.0005 / 2)
+    assert load.decode_cost(16.0) is None  # no decode step of 9-16 rows measured
+    assert EngineLoad(((4.0, 20.0, 0.1),)).decode_cost(4.0) is None
+
+
 def test_beyond_the_last_point_the_slope_spans_at_least_a_doubling():
     # 63 and 65 tokens are medians of two ranges: their slope is noise.
     load = EngineLoad(((4.0, 8.0, 0.10), (4.0, 63.0, 0.18), (4.0, 65.0, 0.28)))

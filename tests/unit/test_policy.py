@@ -259,9 +259,25 @@ def test_a_surface_measured_unevenly_never_makes_drafting_free():
     sessions = [session(costs, alpha=0.986, k_max=16) for _ in range(8)]
     plan = costs.plan()
     ks = [plan.ks[id(s)] for s in sessions]
-    committed = 3.5 * (costs.committed.value or 1.0) + sum(expected_tokens(0.986, k) for k in ks)
+    committed = 3.5 + sum(expected_tokens(0.986, k) for k in ks)
     verify = costs.target.step_cost(79.7 + sum(k + 1 for k in ks), rows=11.5)
     assert plan.goodput <= committed / (2.4 * ms + verify)
+
+
+def test_target_only_is_priced_by_the_decode_steps_and_others_at_k0_commit_a_token_a_row():
+    # One adaptive session among four rows of K = 0; the deployment's rounds
+    # accepted every draft. The range of 3-4 rows mixes decode steps and
+    # verifies, whose slope would price a decode step of 4 rows 4 ms dearer.
+    ms = 1e-3
+    costs = model(cpu, overhead=2 * ms)
+    costs.observe(num_drafts=8, draft_s=0.2, overhead_s=2 * ms, drafted=True, num_accepted=8)
+    target = ((1.0, 1.0, 51.6), (3.0, 3.0, 52.1), (3.0, 8.0, 72.5), (4.0, 20.0, 101.5))
+    costs.target = EngineLoad(tuple((r, t, s * ms) for r, t, s in target), 4.0, 4.0, 1)
+    alone = session(costs, alpha=0.9)
+    decode = costs.target.decode_cost(4.0)
+    assert decode is not None and decode < costs.target.step_cost(4.0, rows=4.0) - 3 * ms
+    assert costs.plan().target_only == pytest.approx(4 / (2 * ms + decode))
+    alone.close()
 
 
 def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():

@@ -96,9 +96,6 @@ def run_policy(alphas: list[float], step, draft, *, k_max: int = 8, rounds: int 
             drafting = sum(1 for k in ks if k)
             costs.target = EngineLoad(measured(step), sum(k + 1 for k in ks), len(ks), steps)
             costs.draft = EngineLoad(measured(draft, decode=True), drafting, drafting, steps)
-            costs.committed.value = sum(
-                expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)
-            ) / len(ks)
             ks[i] = policy.choose(limit=100)
             policy.k_last = ks[i]
     return ks
