@@ -80,6 +80,14 @@ PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
 computing (1.2-1.6 ms for 8-64 sessions on 2 CPU cores; a GPU step of the default model is 3)."""
+PLAN_ERROR = 0.1
+"""How far a plan's goodput may be off what its rounds then make: the
+engines' step times drift by up to 10% from minute to minute on a shared
+machine, and the plan prices K = 0 and drafting from different steps. A
+draft opens only where it pays at the end of this error that favours
+K = 0: where drafting gains a few percent, the prefill of a draft that
+gains nothing is a loss, and sessions that draft slow those beside them
+that do not (docs/design.md#adaptive-k)."""
 DEPLOYMENT_DECAY = 0.99
 """Weight of older rounds in the deployment's acceptance (per round of
 any session): it is every session's prior, so it forgets slowly."""
@@ -246,9 +254,11 @@ class CostModel:
         prefill, which the round that first drafts waits for (and, where the
         draft shares the target's cores, every session): the ``tokens_left``
         tokens still to come, made at the plan's goodput G rather than at
-        K = 0's G₀, must save more than the prefill costs,
+        K = 0's G₀, must save more than the prefill costs — each goodput
+        taken at the end of its error (:data:`PLAN_ERROR`) that favours the
+        other, since an open draft is not undone,
 
-            tokens_left · (1/G₀ − 1/G) > d(prefill).
+            tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
 
         A session whose draft never opened does not probe it either: its
         acceptance is the deployment's. True before the draft's steps are
@@ -259,7 +269,9 @@ class CostModel:
         if plan.goodput <= plan.target_only or plan.target_only <= 0:
             return False
         prefill = self.draft.step_cost(tokens, rows=1) or 0.0
-        saved = tokens_left * (1 / plan.target_only - 1 / plan.goodput)
+        worst_target_only = plan.target_only * (1 + PLAN_ERROR)
+        worst_goodput = plan.goodput * (1 - PLAN_ERROR)
+        saved = tokens_left * (1 / worst_target_only - 1 / worst_goodput)
         log.debug(
             "draft prefill priced",
             saved_ms=round(saved * 1e3, 1),
