@@ -1,10 +1,12 @@
 """Tensor operations of the engine's forward passes that torch does not
 offer as such.
 
-* :func:`linear` — ``F.linear``, except that CPU inputs of 2 to 16 rows
-  (a verify round, a batch of draft steps) are computed as ``(W @ x.T).T``:
-  the same results to float rounding, several times faster on common CPU
-  BLAS builds, whose matrix–matrix path is slow for so few rows
+* :func:`linear` — ``F.linear``, except that CPU inputs of 1 to 16 rows
+  (a decode step, a verify round, a batch of draft steps) are computed as
+  ``(W @ x.T).T``, a single row as two: the same results to float
+  rounding, several times faster on common CPU BLAS builds, whose
+  matrix–matrix path is slow for so few rows and whose matrix–vector path
+  reads the weights at a fraction of the memory's rate
   (docs/benchmark.md#small-batch-linears-on-the-cpu).
 """
 
@@ -15,21 +17,24 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 16
-"""Linears whose flattened input has 2 to this many rows take the ``W @ x.T`` path."""
+"""Linears whose flattened input has 1 to this many rows take the ``W @ x.T`` path."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that CPU inputs of 2 to ``SMALL_BATCH_ROWS`` rows
-    are computed as ``(W @ x.T).T`` (made contiguous). A single row (a decode
-    step) is a matrix-vector product either way and stays on ``F.linear``,
-    which is a few microseconds cheaper there; so do more rows, where the
-    BLAS is fast."""
+    """``F.linear``, except that CPU inputs of 1 to ``SMALL_BATCH_ROWS`` rows
+    are computed as ``(W @ x.T).T`` (made contiguous); more rows stay on
+    ``F.linear``, where the BLAS is fast. A single row (a decode step) goes
+    twice, so that the product is a matrix–matrix one: as a matrix–vector
+    product the weights are read at about a third of the rate."""
     in_features = weight.shape[1]
     rows = x.numel() // in_features if in_features else 0
-    if not 2 <= rows <= SMALL_BATCH_ROWS or x.device.type != "cpu":
+    if not 1 <= rows <= SMALL_BATCH_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     x2d = x.reshape(rows, in_features)
+    if rows == 1:
+        x2d = x2d.expand(2, in_features).contiguous()
     out = torch.mm(weight, x2d.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2d.T)
+    out = out[:, :rows]
     # Contiguous, as F.linear's would be: a transposed result carries its
     # layout into q and k, and attention then takes the slow path (copies of
     # every key and value) instead of the fused kernel.
