@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 
 from outrider import models
 from outrider.config import EngineConfig
@@ -136,7 +137,7 @@ async def open_worker(
     a process of its own behind ZeroMQ as vLLM's engine core: the calls'
     pickling and hops cost more than the interpreter time they would save
     the gRPC threads (docs/benchmark.md#the-engine-in-its-own-process)."""
-    sessions = await asyncio.to_thread(role.build_sessions, config)
+    sessions = await asyncio.to_thread(_single_threaded, role.build_sessions, config)
     return_freed_memory()
     engine = start_engine(
         sessions, config.engine, max_rows=config.limits.max_sessions, on_step=on_step
@@ -148,6 +149,16 @@ async def open_worker(
             engine.meter.reset()  # cold steps say nothing of the steps to come
 
     return sessions, engine, warm_up
+
+
+def _single_threaded(build: Callable[[Any], Any], config: Any) -> Any:
+    """``build(config)`` with one torch thread, on a thread that outlives
+    it. A thread that once ran torch's parallel loops keeps its OpenMP
+    team, and an idle team elsewhere slowed every parallel op of the
+    engine's thread: a one-token step of the default model took 48 ms in
+    the worker against 25 ms (docs/benchmark.md#threads)."""
+    torch.set_num_threads(1)
+    return build(config)
 
 
 async def serve_worker(role: WorkerRole, config: Any) -> None:
