@@ -242,10 +242,22 @@ def build_parser() -> argparse.ArgumentParser:
 # --- commands ------------------------------------------------------------------------
 
 
+OPENMP_SPIN_COUNT = "10000"
+"""Spins an idle OpenMP thread of a worker waits before it sleeps (GNU
+OpenMP's default: 300,000). A draft and a target worker on one host's
+cores each keep a team of torch threads, and at the default the idle
+team of one spun on the cores the other was computing on: int4 drafting
+at 8 streams on 2 CPU cores stalled for seconds (drafts not open within
+5 s) and ran at 0.35-0.39x target-only; at 10,000 it ran at 0.77x
+(docs/benchmark.md#threads)."""
+
+
 def _serve(args: argparse.Namespace) -> int:
     from outrider.logging import configure_logging
     from outrider.startup import StartupError
 
+    if args.role != "coordinator":  # (before torch, and so OpenMP, loads)
+        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
     try:
         config = flags.build(ROLE_CONFIGS[args.role], args)
     except ValueError as exc:

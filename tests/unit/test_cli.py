@@ -1,6 +1,7 @@
 """The command line: every command has --help; flags fall back to OUTRIDER_* variables."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -238,3 +239,35 @@ def test_nested_config_fields_are_flags_and_variables_too(monkeypatch):
     assert config.recovery.draft_deadline_s == 1.5
     assert config.recovery.verify_deadline_floor_s == 3.0
     assert config.service.port == 50051
+
+
+@pytest.mark.parametrize(
+    "role, env, expected",
+    [
+        ("target", None, "10000"),
+        ("draft", None, "10000"),
+        ("target", "5", "5"),
+        ("coordinator", None, "None"),
+    ],
+)
+def test_a_worker_sets_a_short_openmp_spin_before_torch_loads(role, env, expected):
+    # The role's main is replaced by one that reports the variable it runs with.
+    package = {"target": "target_worker", "draft": "draft_worker"}.get(role, role)
+    argv = ["serve", role] + (["--target", "127.0.0.1:1"] if role == "coordinator" else [])
+    script = f"""
+import os, sys, types
+fake = types.ModuleType("{package}.main")
+fake.main = lambda config: print(os.environ.get("GOMP_SPINCOUNT"))
+sys.modules["{package}.main"] = fake
+from outrider.cli import main
+assert "torch" not in sys.modules
+main({argv!r})
+"""
+    environ = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if env is not None:
+        environ["GOMP_SPINCOUNT"] = env
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=environ
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
