@@ -236,10 +236,10 @@ class Generation:
         return k
 
     def target_only(self) -> None:
-        """Drafts no more: the session leaves the plan and the lockstep. Its
-        rows are the others' of the engines' load, and its rounds no longer
-        wait for the drafting sessions' draft phases — one token a phase of
-        K draft steps (docs/design.md#adaptive-k)."""
+        """Drafts no more: the session leaves the plan, where its row becomes
+        one of the others' in the target's steps, and the lockstep, whose
+        draft phases it would wait for at a token a phase of K draft steps
+        (docs/design.md#adaptive-k)."""
         self.k_max = 0
         if self.policy is not None:
             self.policy.close()

@@ -81,13 +81,16 @@ PLANNING_SHARE = 0.1
 again only once this share of the time since the last has passed its
 computing (1.2-1.6 ms for 8-64 sessions on 2 CPU cores; a GPU step of the default model is 3)."""
 PLAN_ERROR = 0.1
-"""How far a plan's goodput may be off what its rounds then make: the
-engines' step times drift by up to 10% from minute to minute on a shared
-machine, and the plan prices K = 0 and drafting from different steps. A
-draft opens only where it pays at the end of this error that favours
-K = 0: where drafting gains a few percent, the prefill of a draft that
-gains nothing is a loss, and sessions that draft slow those beside them
-that do not (docs/design.md#adaptive-k)."""
+"""How far a plan's goodput may be off what its rounds then make, with
+many sessions beside the one deciding: the engines' step times drift by
+up to 10% from minute to minute on a shared machine, the plan prices K = 0
+and drafting from different steps, and the others' rounds, waits and
+drafts are theirs. A draft opens only where it pays at the end of this
+error that favours K = 0, in proportion to the share of the others in the
+steps — none for a session alone, whose plan met its rounds: where
+drafting gains a few percent, the prefill of a draft that gains nothing
+is a loss, and sessions that draft slow those beside them that do not
+(docs/design.md#adaptive-k)."""
 DEPLOYMENT_DECAY = 0.99
 """Weight of older rounds in the deployment's acceptance (per round of
 any session): it is every session's prior, so it forgets slowly."""
@@ -255,8 +258,9 @@ class CostModel:
         draft shares the target's cores, every session): the ``tokens_left``
         tokens still to come, made at the plan's goodput G rather than at
         K = 0's G₀, must save more than the prefill costs — each goodput
-        taken at the end of its error (:data:`PLAN_ERROR`) that favours the
-        other, since an open draft is not undone,
+        taken at the end of its error that favours the other, since an open
+        draft is not undone: ε = :data:`PLAN_ERROR` · (1 − 1/R) with R the
+        rows of the target's steps (these sessions' at least),
 
             tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
 
@@ -269,8 +273,9 @@ class CostModel:
         if plan.goodput <= plan.target_only or plan.target_only <= 0:
             return False
         prefill = self.draft.step_cost(tokens, rows=1) or 0.0
-        worst_target_only = plan.target_only * (1 + PLAN_ERROR)
-        worst_goodput = plan.goodput * (1 - PLAN_ERROR)
+        error = PLAN_ERROR * (1 - 1 / max(1.0, self.target.rows_per_step, len(self.sessions)))
+        worst_target_only = plan.target_only * (1 + error)
+        worst_goodput = plan.goodput * (1 - error)
         saved = tokens_left * (1 / worst_target_only - 1 / worst_goodput)
         log.debug(
             "draft prefill priced",

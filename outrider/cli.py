@@ -246,10 +246,8 @@ OPENMP_SPIN_COUNT = "10000"
 """Spins an idle OpenMP thread of a worker waits before it sleeps (GNU
 OpenMP's default: 300,000). A draft and a target worker on one host's
 cores each keep a team of torch threads, and at the default the idle
-team of one spun on the cores the other was computing on: int4 drafting
-at 8 streams on 2 CPU cores stalled for seconds (drafts not open within
-5 s) and ran at 0.35-0.39x target-only; at 10,000 it ran at 0.77x
-(docs/benchmark.md#threads)."""
+team of one spun on the cores the other was computing on: drafting under
+load stalled for seconds (docs/benchmark.md#threads)."""
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -155,8 +155,8 @@ def _single_threaded(build: Callable[[Any], Any], config: Any) -> Any:
     """``build(config)`` with one torch thread, on a thread that outlives
     it. A thread that once ran torch's parallel loops keeps its OpenMP
     team, and an idle team elsewhere slowed every parallel op of the
-    engine's thread: a one-token step of the default model took 48 ms in
-    the worker against 25 ms (docs/benchmark.md#threads)."""
+    engine's thread: a decode step took about twice as long
+    (docs/benchmark.md#threads)."""
     torch.set_num_threads(1)
     return build(config)
 
