@@ -443,8 +443,8 @@ class CostModel:
         steps = self.target.step_costs(base.tokens + drafts, base.rows)
         if base.tokens < DECODE_TOKENS_PER_ROW * base.rows:
             # No drafts: a decode step, a token a row.
-            decode = self.target.decode_cost(base.rows)
-            steps[0] = steps[0] if decode is None else decode
+            if (decode := self.target.decode_cost(base.rows)) is not None:
+                steps[0] = decode
         verify = np.maximum.accumulate(steps)
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:

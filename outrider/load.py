@@ -102,12 +102,9 @@ class EngineLoad:
         the decode steps' points — where one of them is in the range of
         ``rows``; else None (the points of a range of rows mix decode steps
         with verifies, dearer by their drafts)."""
-        if self._decode is None:
+        if self._decode is None or _range_of(rows) not in {_range_of(t) for t in self._decode[0]}:
             return None
-        tokens = self._decode[0]
-        if _range_of(rows) not in {_range_of(t) for t in tokens}:
-            return None
-        return float(_along_tokens(*self._decode, np.array([float(rows)]))[0])
+        return float(self.decode_costs(np.array([float(rows)]))[0])
 
     @cached_property
     def _by_rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
