@@ -71,11 +71,18 @@ TIE = 0.01
 LEARNING_K = 4
 """K of a round drafted to learn what drafting costs, before any was measured."""
 PRIOR_TOKENS = 8.0
-"""Weight, in judged draft tokens, of the deployment's acceptance in each
-session's estimate. A session's own last few rounds alone are noisy, and
-the plan drafts deepest where they happened to be lucky: at 8 sessions on
-the CPU the sessions' estimates ran at 0.97-1.00 while their rounds
-accepted 0.92 of their drafts."""
+"""The least weight, in judged draft tokens, of the deployment's acceptance
+in each session's estimate. A session's own last few rounds alone are
+noisy, and the plan drafts deepest where they happened to be lucky: at 8
+sessions on the CPU the sessions' estimates ran at 0.97-1.00 while their
+rounds accepted 0.92 of their drafts."""
+PRIOR_TOKENS_MAX = 64.0
+"""The most weight of the deployment's acceptance α₀: it weighs as one run
+of its drafts up to a rejection, 1/(1 − α₀) judged drafts, between
+:data:`PRIOR_TOKENS` and this. Where α₀ is high a rejection is rare, and
+one in a session's first rounds is no sign that its drafts are worse; with
+the least prior it took the estimate far below α₀ and the session's K
+down to one or two for many rounds (docs/benchmark.md#adaptive-k-at-one-stream)."""
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
@@ -522,11 +529,13 @@ class AdaptiveK:
     def alpha(self) -> float:
         """Its per-token acceptance: its own rounds', drawn toward what every
         session of the deployment has seen (its drafter's typical α; 0.5
-        before any) by :data:`PRIOR_TOKENS` judged drafts."""
+        before any) by one run of its drafts (:data:`PRIOR_TOKENS_MAX`)."""
         prior = self.costs.alpha
         prior = 0.5 if prior is None else prior
-        judged = self.accepted + self.rejected + PRIOR_TOKENS
-        return (self.accepted + PRIOR_TOKENS * prior) / judged
+        weight = PRIOR_TOKENS_MAX if prior >= 1.0 else 1.0 / (1.0 - prior)
+        weight = min(max(weight, PRIOR_TOKENS), PRIOR_TOKENS_MAX)
+        judged = self.accepted + self.rejected + weight
+        return (self.accepted + weight * prior) / judged
 
     def choose(self, limit: int) -> int:
         """K for the next round, at most ``limit`` (the room left)."""

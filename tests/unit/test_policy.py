@@ -139,6 +139,20 @@ def test_acceptance_estimate_follows_the_rounds_drawn_toward_the_deployments():
     assert costs.alpha < lucky.alpha < 1.0 and lucky.alpha > 0.8
 
 
+def test_where_the_deployment_rarely_sees_a_rejection_one_does_not_sink_a_session():
+    # α₀ = 0.98: the prior weighs one run of its drafts (50 judged), so a
+    # round of 12 drafts that lost its sixth leaves the session near α₀
+    # (eight judged drafts of prior took it to 0.92, and K from 12 to 1).
+    costs = CostModel(planning_share=math.inf)
+    costs.accepted, costs.judged = 98.0, 100.0
+    policy = AdaptiveK(16, costs)
+    policy.observe(num_drafts=12, num_accepted=5)
+    assert 0.95 < policy.alpha < 0.98
+    # Where rejections are common the prior is eight judged drafts still.
+    costs.accepted, costs.judged = 50.0, 100.0
+    assert policy.alpha == (5 + 8 * 0.5) / (6 + 8)
+
+
 def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
     # A drafter whose drafts are all accepted: a new session drafts the most
     # it pays from its first round, instead of starting at α = 0.5.
