@@ -3,10 +3,11 @@ offer as such.
 
 * :func:`linear` — ``F.linear``, except that CPU inputs of 1 to 16 rows
   (a decode step, a verify round, a batch of draft steps) are computed as
-  ``(W @ x.T).T``, a single row as two: the same results to float
-  rounding, several times faster on common CPU BLAS builds, whose
-  matrix–matrix path is slow for so few rows and whose matrix–vector path
-  reads the weights at a fraction of the memory's rate
+  ``(W @ x.T).T``, a single row as two and 9 to 15 rows as 16: the same
+  results to float rounding, several times faster on common CPU BLAS
+  builds, whose matrix–matrix path is slow for so few rows, whose
+  matrix–vector path reads the weights at a fraction of the memory's rate,
+  and whose ``W @ x.T`` is fastest for multiples of 8 columns
   (docs/benchmark.md#small-batch-linears-on-the-cpu).
 """
 
@@ -31,14 +32,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not 1 <= rows <= SMALL_BATCH_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     x2d = x.reshape(rows, in_features)
-    if rows == 1:
-        x2d = x2d.expand(2, in_features).contiguous()
+    if (padded := _padded_rows(rows)) != rows:
+        x2d = torch.cat([x2d, x2d.new_zeros(padded - rows, in_features)])
     out = torch.mm(weight, x2d.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2d.T)
     out = out[:, :rows]
     # Contiguous, as F.linear's would be: a transposed result carries its
     # layout into q and k, and attention then takes the slow path (copies of
     # every key and value) instead of the fused kernel.
     return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _padded_rows(rows: int) -> int:
+    """The rows a small-batch product is computed with: a single row as two
+    (a matrix–matrix product), and 9 to 15 as 16. The BLAS computes ``W @
+    x.T`` fastest for columns in multiples of 8; 9 to 15 took up to twice
+    as long as 16, which read the same weights."""
+    if rows == 1:
+        return 2
+    return SMALL_BATCH_ROWS if rows > 8 else rows
 
 
 class SmallBatchLinear(nn.Linear):

@@ -143,7 +143,7 @@ def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
 # --------------------------------------------------------------------------- small-batch linears
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 11, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_batch_linear_matches_f_linear(rows, bias):
     torch.manual_seed(rows)
@@ -157,7 +157,7 @@ def test_small_batch_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 11, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype):
     stock = tiny_llama(dtype)
