@@ -47,10 +47,13 @@ verifies this one, so a round whose speculation holds (probability
 
 with miss the sessions' mean chance of a miss.
 
-While K = 0 nothing is learnt about α; every ``probe_every`` rounds a
-session drafts one token to look again — unless its first draft would not
-pay even at a far better α (halfway to 1) — its α^1 would not beat what one
-more draft token costs — when looking again cannot change the answer.
+While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
+session drafts one token to look again, and after each look that changed
+nothing it waits twice as long — unless its first draft would not pay even
+at a far better α (halfway to 1) — its α^1 would not beat what one more
+draft token costs — when looking again cannot change the answer. A probe
+is not free under load: its row of two tokens slows the step of every
+session in it.
 """
 
 from __future__ import annotations
@@ -509,6 +512,8 @@ class AdaptiveK:
     pipeline: bool = False
     """Rounds are pipelined: their costs follow the pipelined model."""
     probe_every: int = 8
+    """Rounds at K = 0 before the first probe; each probe doubles the wait
+    for the next, until the plan drafts again."""
     decay: float = 0.9
     """Weight of older rounds in the session's own counts."""
     accepted: float = 0.0
@@ -516,10 +521,13 @@ class AdaptiveK:
     """The session's drafting rounds (decayed sums): accepted drafts, and
     rejected ones."""
     rounds_at_zero: int = 0
+    probe_wait: int = 0
+    """Rounds at K = 0 before the next probe."""
     k_last: int | None = None
     """The K of this session's last verified round (its share of the load)."""
 
     def __post_init__(self) -> None:
+        self.probe_wait = self.probe_every
         self.costs.join(self)
 
     def close(self) -> None:
@@ -547,12 +555,15 @@ class AdaptiveK:
         plan = self.costs.plan()
         k = min(plan.ks.get(id(self), 0), k_max)
         if k > 0:
-            self.rounds_at_zero = 0
+            self.rounds_at_zero, self.probe_wait = 0, self.probe_every
             return k
         if 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
             return 0  # its first draft would not pay even at a far better α
         self.rounds_at_zero += 1
-        return 1 if self.rounds_at_zero % self.probe_every == 0 else 0
+        if self.rounds_at_zero < self.probe_wait:
+            return 0
+        self.rounds_at_zero, self.probe_wait = 0, 2 * self.probe_wait
+        return 1
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""
