@@ -188,6 +188,12 @@ class CostModel:
     """The draft engine's; None for a model-free drafter (or before any)."""
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
+    draft_extra: _Ema = field(init=False)
+    """What a round's drafts took beyond their steps' prices on the draft's
+    curve: its first step feeds the tokens the last round committed that
+    the draft has not seen — two, the last draft and the bonus token, where
+    every draft was accepted — and a round of one draft pays it as one of K
+    does. Priced as a fixed cost of a drafting round."""
     prefill_per_token: _Ema = field(init=False)
     overhead: dict[bool, _Floor] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one).
@@ -210,6 +216,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
+        self.draft_extra = _Ema(self.decay)
         self.prefill_per_token = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
@@ -234,6 +241,10 @@ class CostModel:
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
+            if drafted and self.draft is not None and self.draft.curve:
+                rows = np.array([max(1.0, self.draft.rows_per_step)])
+                priced = steps * float(self.draft.decode_costs(rows)[0])
+                self.draft_extra.update(max(0.0, draft_s - priced))
         self.overhead[drafted].update(overhead_s)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -409,13 +420,15 @@ class CostModel:
 
         # What a first draft of a session now at K = 0 would have to add to pay
         # for itself: the goodput it would cost (a token in the step, a row in
-        # the first draft step).
+        # the first draft step — or that step, where none drafts yet).
         drafting_first = other_drafting + int((ks > 0).sum())
         token = self.target.step_costs(
             np.array([base.tokens + ks.sum(), base.tokens + ks.sum() + 1]), base.rows
         )
         row = self.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
-        price = goodput_best * float(max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]))
+        first_step = (self.draft_extra.value or 0.0) if drafting_first == 0 else 0.0
+        added = max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]) + first_step
+        price = goodput_best * float(added)
         if log.is_enabled_for(logging.DEBUG):  # (its arguments are built only to be written)
             self._log_plan(ks, alphas, goodput_best, rows, tokens)
         ks_of = {id(s): int(k) for s, k in zip(sessions, ks, strict=True)}
@@ -435,6 +448,7 @@ class CostModel:
             if self.draft
             else None,
             overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
+            draft_extra=round((self.draft_extra.value or 0.0) * 1e3, 1),
         )
 
     def _prefixes(
@@ -450,6 +464,7 @@ class CostModel:
         drafts = np.arange(len(gain) + 1, dtype=float)
         committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
         drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
+        drafting[1:] += self.draft_extra.value or 0.0
         steps = self.target.step_costs(base.tokens + drafts, base.rows)
         if base.tokens < DECODE_TOKENS_PER_ROW * base.rows:
             # No drafts: a decode step, a token a row.

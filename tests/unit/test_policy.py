@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from coordinator.policy import (
@@ -81,6 +82,27 @@ def test_alone_the_choice_is_the_sessions_own_best_rate():
         return expected_tokens(0.8, k) / (0.01 + k * 0.21 + cpu(k + 1))
 
     assert policy.choose(limit=100) == max(range(9), key=rate) == 3
+
+
+def test_a_drafting_round_pays_what_its_draft_took_beyond_the_curve():
+    # A verify of two tokens costs what one does, so one draft a round
+    # looks nearly free, until the rounds show that the draft takes more
+    # than its steps' prices (its first step feeds two tokens): then the
+    # fixed cost of a drafting round is spread over more drafts.
+    step = 0.1
+
+    def verify(tokens: float) -> float:
+        return 1.0 if tokens <= 2 else 1.0 + 0.35 * (tokens - 2)
+
+    costs = model(verify, draft=lambda n: step * n)
+    policy = session(costs, alpha=0.8)
+    alone = [expected_tokens(0.8, k) / (k * step + verify(k + 1)) for k in range(9)]
+    assert policy.choose(limit=100) == int(np.argmax(alone)) == 1
+    costs.observe(num_drafts=1, draft_s=step + 0.3, overhead_s=0.0, drafted=True)
+    assert costs.draft_extra.value == pytest.approx(0.3)
+    costs._plan = None  # (planned again at the next target step)
+    paid = [expected_tokens(0.8, k) / (0.3 * (k > 0) + k * step + verify(k + 1)) for k in range(9)]
+    assert policy.choose(limit=100) == int(np.argmax(paid)) > 1
 
 
 def test_hopeless_drafts_fall_back_to_target_only_and_probe():
