@@ -227,7 +227,7 @@ class Generation:
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
-        if k and self.drafts and not self.drafts.begun:
+        if k and self.drafts and not self.drafts.begun and not self.policy.exploring:
             if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
                 # Opening the draft costs more than it saves, and will only
                 # save less as the tokens to come run out.
@@ -274,8 +274,8 @@ class Generation:
                 record.k = k
                 reply, record.open_s = await self.drafts.propose(self.history, k)
         record.draft_s = reply.compute_s if reply else 0.0
-        if reply is not None and reply.load is not None:
-            self.costs.draft = reply.load
+        if reply is not None:
+            self.costs.draft_answered(reply.load)
         record.drafted()
         return reply.value if reply else None
 

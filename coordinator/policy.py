@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.load import DECODE_TOKENS_PER_ROW, EngineLoad
+from outrider.load import DECODE_TOKENS_PER_ROW, WINDOW, EngineLoad
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -86,6 +86,9 @@ of its drafts up to a rejection, 1/(1 − α₀) judged drafts, between
 one in a session's first rounds is no sign that its drafts are worse; with
 the least prior it took the estimate far below α₀ and the session's K
 down to one or two for many rounds (docs/benchmark.md#adaptive-k-at-one-stream)."""
+DRAFT_STALE_S = 10.0
+"""Seconds without a draft answer after which a session alone measures
+the draft's costs again (:meth:`CostModel.explores`)."""
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
@@ -186,6 +189,8 @@ class CostModel:
     round loop keeps it current)."""
     draft: EngineLoad | None = None
     """The draft engine's; None for a model-free drafter (or before any)."""
+    draft_at: float = field(init=False, default_factory=time.perf_counter)
+    """When the draft last answered (:meth:`draft_answered`)."""
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
     draft_extra: _Ema = field(init=False)
@@ -246,6 +251,30 @@ class CostModel:
                 priced = steps * float(self.draft.decode_costs(rows)[0])
                 self.draft_extra.update(max(0.0, draft_s - priced))
         self.overhead[drafted].update(overhead_s)
+
+    def draft_answered(self, load: EngineLoad | None) -> None:
+        """The draft answered a round, with its costs and load if it reports them."""
+        if load is not None:
+            self.draft = load
+        self.draft_at = time.perf_counter()
+
+    @property
+    def explores(self) -> bool:
+        """Whether the session alone is to measure the draft's costs again, as
+        though they were unknown: no draft has answered for
+        :data:`DRAFT_STALE_S` (every session at K = 0 or target-only), so
+        its curve is of steps run then — maybe while something else held the
+        cores — and no answer would ever correct it. Only a session alone
+        in the target's steps does: under load a round of many drafts beside
+        target-only sessions would hold their steps (or, on shared cores,
+        overlap them), and there drafting rarely pays."""
+        return (
+            self.draft is not None
+            and bool(self.draft.curve)
+            and time.perf_counter() - self.draft_at >= DRAFT_STALE_S
+            and len(self.sessions) == 1
+            and self.target.rows_per_step <= 1
+        )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A target session opened on ``tokens`` tokens in ``seconds``."""
@@ -565,6 +594,8 @@ class AdaptiveK:
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0
+        if self.exploring:
+            return min(k_max, WINDOW)  # draft steps enough to be most of their median
         if not self.costs.measured or not self.costs.draft_measured:
             return min(k_max, LEARNING_K)  # draft, and learn what a round costs
         plan = self.costs.plan()
@@ -579,6 +610,11 @@ class AdaptiveK:
             return 0
         self.rounds_at_zero, self.probe_wait = 0, 2 * self.probe_wait
         return 1
+
+    @property
+    def exploring(self) -> bool:
+        """Whether this session measures the draft's costs again (:attr:`CostModel.explores`)."""
+        return self.costs.explores and id(self) in self.costs.sessions
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from coordinator.policy import (
+    DRAFT_STALE_S,
     LEARNING_K,
     PLAN_ERROR,
     TIE,
@@ -15,7 +16,7 @@ from coordinator.policy import (
     adaptive_k_max,
     expected_tokens,
 )
-from outrider.load import EngineLoad
+from outrider.load import WINDOW, EngineLoad
 
 
 def curve(cost, top: int = 1024, *, decode: bool = False) -> tuple[tuple[float, float, float], ...]:
@@ -119,6 +120,28 @@ def test_a_draft_slower_than_the_target_is_never_consulted_again():
     # loses and probing could not change the answer.
     policy = session(model(cpu, draft_per_token=1.3), alpha=0.99)
     assert [policy.choose(limit=100) for _ in range(64)] == [0] * 64
+
+
+def test_a_draft_curve_no_answer_refreshed_is_measured_again_by_a_session_alone(monkeypatch):
+    # The draft's steps were measured while something else held the cores:
+    # at their cost then drafting does not pay, so no round drafts and no
+    # answer would ever correct them. Once they are stale, a session alone
+    # drafts enough steps to be most of their median; beside another it
+    # does not (a round of many drafts would hold the other's steps).
+    costs = model(cpu, draft=lambda n: 1.3 * n)
+    clock = [costs.draft_at]
+    monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])
+    alone = session(costs, alpha=0.9, k_max=16)
+    assert alone.choose(limit=100) == 0
+    clock[0] += DRAFT_STALE_S
+    assert alone.choose(limit=100) == WINDOW
+    other = session(costs, alpha=0.9, k_max=16)
+    assert [alone.choose(limit=100), other.choose(limit=100)] == [0, 0]
+    other.close()
+    assert alone.choose(limit=100) == WINDOW  # until it answers
+    costs.draft_answered(EngineLoad(curve(lambda n: 0.3 * n, decode=True), 1.0, 1.0, 2))
+    costs._plan = None  # (planned again at the next target step)
+    assert not alone.exploring and 0 < alone.choose(limit=100) < WINDOW
 
 
 def test_adaptive_k_stays_within_the_targets_cuda_graphs():
