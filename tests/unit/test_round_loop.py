@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from coordinator.lockstep import Lockstep
 from coordinator.loop import GenerationRequest, Models, generate
-from coordinator.policy import CostModel
+from coordinator.policy import AdaptiveK, CostModel
 from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import DraftWorkerConfig, EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.worker import start_engine
@@ -134,6 +134,9 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     monkeypatch.setattr(
         CostModel, "draft_prefill_pays", lambda self, tokens, tokens_left: tokens < len(long)
     )
+    # Every round would draft, but for the gate (the plan's K, from the
+    # costs these workers happen to show, could be 0 in a first round).
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, limit: min(self.k_max, limit))
     costs, lockstep = CostModel(), Lockstep(max_wait_s=5.0)
     entered: list[int] = []
     draft_phase = lockstep.draft
