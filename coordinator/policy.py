@@ -421,6 +421,8 @@ class CostModel:
         depth = np.concatenate([np.arange(1, k + 1) for k in k_max]) if k_max.sum() else owner
         gain = alphas[owner] ** depth
         order = np.lexsort((owner, depth, -gain))
+        # (Less than TIE of a token each: the plan without them is as good.)
+        order = order[gain[order] >= TIE]
         owner, depth, gain = owner[order], depth[order], gain[order]
         rows_before = np.where(depth <= other_depth, other_drafting, 0.0) + _rank_within(depth)
         draft_add = self.draft_step_costs(rows_before + 1) - self.draft_step_costs(rows_before)
@@ -429,7 +431,7 @@ class CostModel:
         # A deep draft costs a draft step every session waits for, so the best
         # prefix is sought under every cap on the depth (K = cap for all is one).
         best: tuple[float, float, np.ndarray] | None = None
-        for cap in range(int(k_max.max()) + 1):
+        for cap in range(int(depth.max(initial=0)) + 1):
             keep = depth <= cap
             goodput, cost = self._prefixes(
                 base, alphas, owner[keep], depth[keep], gain[keep], draft_add[keep]
