@@ -227,7 +227,7 @@ class Generation:
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
-        if k and self.drafts and not self.drafts.begun and not self.policy.exploring:
+        if k and self.drafts and not self.drafts.begun:
             if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
                 # Opening the draft costs more than it saves, and will only
                 # save less as the tokens to come run out.

@@ -316,8 +316,9 @@ class CostModel:
 
         A session whose draft never opened does not probe it either: its
         acceptance is the deployment's. True before the draft's steps are
-        measured (an open teaches them)."""
-        if self.draft is None or not self.draft.curve:
+        measured, and where the session alone is to measure them again
+        (:attr:`explores`): an open teaches them."""
+        if self.draft is None or not self.draft.curve or self.explores:
             return True
         plan = self.plan()
         if plan.goodput <= plan.target_only or plan.target_only <= 0:

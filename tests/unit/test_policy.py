@@ -133,8 +133,10 @@ def test_a_draft_curve_no_answer_refreshed_is_measured_again_by_a_session_alone(
     monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])
     alone = session(costs, alpha=0.9, k_max=16)
     assert alone.choose(limit=100) == 0
+    assert not costs.draft_prefill_pays(4, tokens_left=64)
     clock[0] += DRAFT_STALE_S
     assert alone.choose(limit=100) == WINDOW
+    assert costs.draft_prefill_pays(4, tokens_left=64)  # an open measures them
     other = session(costs, alpha=0.9, k_max=16)
     assert [alone.choose(limit=100), other.choose(limit=100)] == [0, 0]
     other.close()
