@@ -247,8 +247,8 @@ class CostModel:
         if steps:
             self.draft_per_token.update(draft_s / steps)
             if drafted and self.draft is not None and self.draft.curve:
-                rows = np.array([max(1.0, self.draft.rows_per_step)])
-                priced = steps * float(self.draft.decode_costs(rows)[0])
+                rows = max(1.0, self.draft.rows_per_step)
+                priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
                 self.draft_extra.update(max(0.0, draft_s - priced))
         self.overhead[drafted].update(overhead_s)
 
