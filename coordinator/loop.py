@@ -217,18 +217,19 @@ class Generation:
         it where the two compete for compute (``Models.draft_competes``)."""
         if self.drafts is None or beside == self.draft_competes:
             return
-        if self.finish_reason is None and self.choose_k(len(self.history) + beside) > 0:
+        if self.finish_reason is None and self.choose_k(len(self.history) + beside, beside) > 0:
             self.drafts.open_soon(self.history)
 
-    def choose_k(self, history_len: int) -> int:
+    def choose_k(self, history_len: int, beside: bool = False) -> int:
         """K for a round after ``history_len`` tokens: never past the length
-        limit (a round commits up to K + 1)."""
+        limit (a round commits up to K + 1). ``beside``: asked as the target
+        prefills, where a draft opened now prefills beside it."""
         room = max(0, self.max_len - history_len - 1)
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
         if k and self.drafts and not self.drafts.begun:
-            if not self.costs.draft_prefill_pays(history_len, tokens_left=room + 1):
+            if not self.costs.draft_prefill_pays(history_len, room + 1, beside=beside):
                 # Opening the draft costs more than it saves, and will only
                 # save less as the tokens to come run out.
                 self.target_only()
@@ -366,6 +367,7 @@ class Generation:
             draft_s=record.draft_s,
             draft_steps=len(drafted) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
+            verify_s=record.verify_s,
             overhead_s=record.overhead_s,
             drafted=proposal is not None and not record.hit,
         )

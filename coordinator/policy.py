@@ -14,7 +14,8 @@ the draft drafts in steps of every session drafting, n_j rows of a token at
 the j-th draft of a round, each costing d(n_j). Both costs are measured by
 the engines themselves, by rows and tokens, and reported with every answer
 (``outrider.load``); the coordinator adds its overhead o
-(RPCs and its own loop, measured per round). So a round costs
+(RPCs, its own loop, and the engines' work on a round's calls beyond their
+steps, measured per round). So a round costs
 
     C = o + Σ_j d(n_j) + c(T; R)
 
@@ -199,6 +200,12 @@ class CostModel:
     the draft has not seen — two, the last draft and the bonus token, where
     every draft was accepted — and a round of one draft pays it as one of K
     does. Priced as a fixed cost of a drafting round."""
+    verify_extra: _Floor = field(init=False)
+    """What a verify took beyond its step's price on the target's curve: the
+    target engine's work on the call outside the forward pass (the round's
+    job, its verdict), which every round pays — a round of no drafts too,
+    where it is a larger share (on a GPU a tenth of the round: K = 0 looked
+    that much cheaper than it is). Its floor, as the overhead's."""
     prefill_per_token: _Ema = field(init=False)
     overhead: dict[bool, _Floor] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one).
@@ -222,6 +229,7 @@ class CostModel:
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.draft_extra = _Ema(self.decay)
+        self.verify_extra = _Floor()
         self.prefill_per_token = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
@@ -236,9 +244,11 @@ class CostModel:
         drafted: bool,
         draft_steps: int | None = None,
         num_accepted: int | None = None,
+        verify_s: float | None = None,
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
-        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``."""
+        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
+        in ``verify_s`` of its engine's time."""
         if num_drafts and num_accepted is not None:
             judged = num_accepted + (num_accepted < num_drafts)
             self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
@@ -250,6 +260,10 @@ class CostModel:
                 rows = max(1.0, self.draft.rows_per_step)
                 priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
                 self.draft_extra.update(max(0.0, draft_s - priced))
+        if verify_s is not None and self.measured:
+            load = self.target
+            step = load.step_cost(max(load.tokens_per_step, 1.0), max(load.rows_per_step, 1.0))
+            self.verify_extra.update(max(0.0, verify_s - (step or 0.0)))
         self.overhead[drafted].update(overhead_s)
 
     def draft_answered(self, load: EngineLoad | None) -> None:
@@ -302,10 +316,11 @@ class CostModel:
         per_token = self.prefill_per_token.value
         return None if per_token is None else per_token * tokens
 
-    def draft_prefill_pays(self, tokens: int, tokens_left: int) -> bool:
+    def draft_prefill_pays(self, tokens: int, tokens_left: int, *, beside: bool = False) -> bool:
         """Whether a draft session opened now on ``tokens`` tokens repays its
         prefill, which the round that first drafts waits for (and, where the
-        draft shares the target's cores, every session): the ``tokens_left``
+        draft shares the target's cores, every session) — what of it outlasts
+        the target's prefill where it runs ``beside`` it: the ``tokens_left``
         tokens still to come, made at the plan's goodput G rather than at
         K = 0's G₀, must save more than the prefill costs — each goodput
         taken at the end of its error that favours the other, since an open
@@ -324,6 +339,8 @@ class CostModel:
         if plan.goodput <= plan.target_only or plan.target_only <= 0:
             return False
         prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        if beside:
+            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
         error = PLAN_ERROR * (1 - 1 / max(1.0, self.target.rows_per_step, len(self.sessions)))
         worst_target_only = plan.target_only * (1 + error)
         worst_goodput = plan.goodput * (1 - error)
@@ -481,6 +498,7 @@ class CostModel:
             else None,
             overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
             draft_extra=round((self.draft_extra.value or 0.0) * 1e3, 1),
+            verify_extra=round((self.verify_extra.value or 0.0) * 1e3, 1),
         )
 
     def _prefixes(
@@ -502,7 +520,7 @@ class CostModel:
             # No drafts: a decode step, a token a row.
             if (decode := self.target.decode_cost(base.rows)) is not None:
                 steps[0] = decode
-        verify = np.maximum.accumulate(steps)
+        verify = np.maximum.accumulate(steps) + (self.verify_extra.value or 0.0)
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:
             # A speculation drafts one step more (the guess) beside the verify;

@@ -106,6 +106,26 @@ def test_a_drafting_round_pays_what_its_draft_took_beyond_the_curve():
     assert policy.choose(limit=100) == int(np.argmax(paid)) > 1
 
 
+def test_every_round_pays_what_its_verify_took_beyond_the_step():
+    # A GPU-like target whose step costs what a draft step does, whatever
+    # its tokens: at the steps' prices alone a round of no drafts wins, but
+    # the target's work on each call outside its step is paid by every
+    # round, and with it counted the drafts' tokens are worth their steps.
+    step, extra, alpha = 3e-3, 1.5e-3, 0.96
+    costs = model(lambda t: step, draft=lambda n: step)
+    policy = session(costs, alpha=alpha)
+
+    def rates(extra: float) -> np.ndarray:
+        return np.array([expected_tokens(alpha, k) / (k * step + step + extra) for k in range(9)])
+
+    assert policy.choose(limit=100) == np.argmax(rates(0.0)) == 0
+    costs.observe(num_drafts=0, draft_s=0.0, overhead_s=0.0, drafted=False, verify_s=step + extra)
+    assert costs.verify_extra.value == pytest.approx(extra)
+    costs._plan = None  # (planned again at the next target step)
+    k = policy.choose(limit=100)
+    assert k > 0 and rates(extra)[k] >= rates(extra).max() * (1 - TIE) > rates(extra)[0] * 1.2
+
+
 def test_hopeless_drafts_fall_back_to_target_only_and_probe():
     policy = session(model(cpu, draft_per_token=0.05), alpha=0.0)
     choices = [policy.choose(limit=100) for _ in range(64)]
@@ -356,6 +376,11 @@ def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
     assert 0.5 < saved_per_token < 0.6
     assert costs.draft_prefill_pays(100, tokens_left=6)  # 3.5 s saved
     assert not costs.draft_prefill_pays(100, tokens_left=5)  # 2.9 s
+    # Opened beside the target's prefill of 2.5 s, the draft's holds the
+    # first drafting round only by what it takes beyond that.
+    costs.observe_prefill(100, 2.5)
+    assert costs.draft_prefill_pays(100, tokens_left=1, beside=True)  # 0.58 s saved, 0.5 waited
+    assert not costs.draft_prefill_pays(100, tokens_left=1)
     alone.close()
 
 

@@ -132,7 +132,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     assert models.draft_competes
     short, long = (1, 2, 3, 4), (5, 6, 7, 8, 9, 10)
     monkeypatch.setattr(
-        CostModel, "draft_prefill_pays", lambda self, tokens, tokens_left: tokens < len(long)
+        CostModel, "draft_prefill_pays", lambda self, tokens, *_, **__: tokens < len(long)
     )
     # Every round would draft, but for the gate (the plan's K, from the
     # costs these workers happen to show, could be 0 in a first round).
