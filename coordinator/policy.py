@@ -60,7 +60,9 @@ session in it.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +146,24 @@ class _Ema:
             self.value = self.decay * self.value + (1 - self.decay) * sample
 
 
+class _Median:
+    """The median of the last :data:`WINDOW` samples. A rare sample far off
+    the others (a round whose draft ran a shape's first, eager, step: 0.8 s
+    on an H100 against 25 ms) says nothing of the rounds to come, and a
+    mean would carry it for dozens of rounds — for ever, where the price it
+    sets stops the drafting whose samples would replace it."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+
+    def update(self, sample: float) -> None:
+        self.samples.append(sample)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
 class _Floor:
     """The floor of a noisy sample: follows a lower sample quickly and a
     higher one slowly, so it settles near the low end of the samples."""
@@ -194,7 +214,7 @@ class CostModel:
     """When the draft last answered (:meth:`draft_answered`)."""
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
-    draft_extra: _Ema = field(init=False)
+    draft_extra: _Median = field(init=False)
     """What a round's drafts took beyond their steps' prices on the draft's
     curve: its first step feeds the tokens the last round committed that
     the draft has not seen — two, the last draft and the bonus token, where
@@ -228,7 +248,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
-        self.draft_extra = _Ema(self.decay)
+        self.draft_extra = _Median()
         self.verify_extra = _Floor()
         self.prefill_per_token = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}

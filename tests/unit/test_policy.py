@@ -104,6 +104,11 @@ def test_a_drafting_round_pays_what_its_draft_took_beyond_the_curve():
     costs._plan = None  # (planned again at the next target step)
     paid = [expected_tokens(0.8, k) / (0.3 * (k > 0) + k * step + verify(k + 1)) for k in range(9)]
     assert policy.choose(limit=100) == int(np.argmax(paid)) > 1
+    # A round whose draft ran a shape's first, eager, step does not price
+    # every round after it.
+    costs.observe(num_drafts=1, draft_s=step + 0.3, overhead_s=0.0, drafted=True)
+    costs.observe(num_drafts=1, draft_s=step + 30.0, overhead_s=0.0, drafted=True)
+    assert costs.draft_extra.value == pytest.approx(0.3)
 
 
 def test_every_round_pays_what_its_verify_took_beyond_the_step():
