@@ -452,7 +452,7 @@ class Engine:
         self.scheduler.add(outcome, call)
 
     def _step(self) -> None:
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(getattr(self.runner, "graphed_tokens_per_row", 0))
         rows = [scheduled.row for scheduled in step]
         self.meter.begin()
         started = time.perf_counter()

@@ -12,6 +12,14 @@ def feed(n: int, num_logits: int = 1) -> Feed:
     return Feed(KVCache(POOL), list(range(n)), num_logits)
 
 
+def cached(tokens: int) -> KVCache:
+    """A session's cache holding ``tokens`` tokens."""
+    kv = KVCache(POOL)
+    kv.reserve(tokens)
+    kv.appended(list(range(tokens)))
+    return kv
+
+
 def shape(step):
     return [(len(s.row.tokens), s.row.num_logits) for s in step]
 
@@ -155,3 +163,25 @@ def test_a_prompt_beside_other_sessions_or_past_the_limit_is_chunked(beside):
         scheduler.add(Feed(KVCache(pool), [1, 2], num_logits=0), "other")
     scheduler.add(prompt, "prompt")
     assert sum(len(s.row.tokens) for s in scheduler.schedule()) == 64
+
+
+def test_a_catch_up_past_the_cuda_graphs_runs_in_chunks_they_hold():
+    # A draft syncs 21 tokens committed while it drafted none; its graphs
+    # hold 17 a row: 17, then the 4 whose last logits are wanted, replayed.
+    scheduler = Scheduler(max_tokens_per_step=2048, max_rows=8)
+    scheduler.add(Feed(cached(40), list(range(21)), num_logits=1), "sync")
+    chunks = []
+    while scheduler:
+        step = scheduler.schedule(graphed_tokens_per_row=17)
+        chunks.append(shape(step))
+        scheduler.update(step, [None] * len(step))
+    assert chunks == [[(17, 0)], [(4, 1)]]
+
+
+@pytest.mark.parametrize("tokens, context", [(21, 0), (17, 40), (69, 40)])
+def test_a_prompt_a_round_within_the_graphs_or_a_long_catch_up_runs_whole(tokens, context):
+    # An opening prompt runs as a prefill does; a catch-up of more than four
+    # chunks costs more replayed than in one eager step.
+    scheduler = Scheduler(max_tokens_per_step=2048, max_rows=8)
+    scheduler.add(Feed(cached(context), list(range(tokens)), num_logits=1), "round")
+    assert shape(scheduler.schedule(graphed_tokens_per_row=17)) == [(tokens, 1)]
