@@ -148,10 +148,10 @@ class _Ema:
 
 class _Median:
     """The median of the last :data:`WINDOW` samples. A rare sample far off
-    the others (a round whose draft ran a shape's first, eager, step: 0.8 s
-    on an H100 against 25 ms) says nothing of the rounds to come, and a
-    mean would carry it for dozens of rounds — for ever, where the price it
-    sets stops the drafting whose samples would replace it."""
+    the others (a round whose draft ran a shape's first, eager, step, many
+    times its usual drafts) says nothing of the rounds to come, and a mean
+    would carry it for dozens of rounds — for ever, where the price it sets
+    stops the drafting whose samples would replace it."""
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=WINDOW)
@@ -224,8 +224,9 @@ class CostModel:
     """What a verify took beyond its step's price on the target's curve: the
     target engine's work on the call outside the forward pass (the round's
     job, its verdict), which every round pays — a round of no drafts too,
-    where it is a larger share (on a GPU a tenth of the round: K = 0 looked
-    that much cheaper than it is). Its floor, as the overhead's."""
+    where it is the larger share: unpriced, K = 0 looks cheaper than it is
+    where a step costs a few milliseconds (docs/design.md#adaptive-k). Its
+    floor, as the overhead's."""
     prefill_per_token: _Ema = field(init=False)
     overhead: dict[bool, _Floor] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one).

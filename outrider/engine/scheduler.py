@@ -42,8 +42,8 @@ from outrider.engine.kv_cache import KVCache
 
 CATCH_UP_CHUNKS = 4
 """The most graphed steps a catch-up is split into: an eager step of the
-default model costs 8-20 replayed ones on an H100 (27-56 ms against 3),
-and a shape's first eager step up to a second."""
+default model costs about ten replays on a GPU, and a shape's first eager
+step far more (docs/benchmark.md#one-h200)."""
 
 
 @dataclass
