@@ -631,6 +631,13 @@ def _add_bench_parser(commands) -> None:
         "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",
     )  # fmt: skip
     bench.add_argument(
+        "--repeat", type=int, default=1, metavar="R",
+        help="with --concurrency: run every configuration R times at each N, the order rotated "
+        "each time, and report the batch of median tokens/s with the range of all R (the "
+        "outputs of every one are checked); ratios between configurations then hold against "
+        "the machine's drift (default: 1)",
+    )  # fmt: skip
+    bench.add_argument(
         "--coordinators", type=int, default=1, metavar="N",
         help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, "
         "the streams spread round-robin over them (to see how many a load needs when one "

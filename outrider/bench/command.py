@@ -51,6 +51,8 @@ class BenchOptions:
     concurrency: tuple[int, ...] = ()
     """Empty: the sequential bench; else the concurrency levels (1 among them)."""
     coordinators: int = 1
+    repeat: int = 1
+    """Batches of each configuration at each concurrency; the median is reported."""
     threads: int = os.cpu_count() or 1
     target_tp: int = 1
     draft_tp: int = 1
@@ -179,7 +181,12 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
     configs, batches, not_run = run_concurrency(
-        configs, prompts, options.concurrency, options.max_new_tokens, progress=options.progress
+        configs,
+        prompts,
+        options.concurrency,
+        options.max_new_tokens,
+        repeat=options.repeat,
+        progress=options.progress,
     )
     return build_concurrency_report(configs, prompts, batches, not_run, meta)
 
@@ -217,6 +224,7 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
     }
     if options.concurrency:
         meta["coordinators"] = options.coordinators
+        meta["repeat"] = options.repeat
     return meta
 
 
@@ -255,6 +263,10 @@ def options_from_args(args: Any) -> BenchOptions:
         raise ValueError(
             "--coordinators needs --concurrency (one request at a time needs one coordinator)"
         )
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
+    if args.repeat > 1 and not args.concurrency:
+        raise ValueError("--repeat needs --concurrency (the sequential bench interleaves prompts)")
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
         parse_drafter(d, target_model=None)
@@ -273,6 +285,7 @@ def options_from_args(args: Any) -> BenchOptions:
         ignore_eos=args.ignore_eos,
         concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
         coordinators=args.coordinators,
+        repeat=args.repeat,
         threads=args.threads or os.cpu_count() or 1,
         target_tp=args.target_tp,
         draft_tp=args.draft_tp,

@@ -332,3 +332,53 @@ def test_coordinator_replicas_need_concurrency(tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     assert main(["bench", "--prompts", str(prompts), "--coordinators", "2"]) == 1
     assert "--coordinators needs --concurrency" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--repeat", "3"], "--repeat needs --concurrency"),
+        (["--repeat", "0", "--concurrency", "1,8"], "--repeat must be at least 1"),
+    ],
+)
+def test_repeats_need_concurrency_and_one_batch_at_least(tmp_path, capsys, flags, error):
+    from outrider.cli import main
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    assert main(["bench", "--prompts", str(prompts), *flags]) == 1
+    assert error in capsys.readouterr().err
+
+
+def test_repeated_batches_report_their_median_and_check_every_output():
+    """With ``repeat``, each configuration runs R batches at each N, the order
+    rotated each time; the report gives the median batch with the range of all
+    R, and a wrong output in any of them is a mismatch."""
+    calls: list = []
+    walls = {"a": iter([1.0, 3.0, 2.0, 1.0, 1.0, 1.0]), "b": iter([2.0] * 6)}
+
+    def config(name: str) -> LoadConfig:
+        def run(requests, n, max_new_tokens, done):
+            calls.append((name, n, max_new_tokens))
+            if max_new_tokens < 32:  # a warm-up
+                return Batch(n, tuple(stream([1] * max_new_tokens, 0.1) for _ in requests), 1.0)
+            wall = next(walls[name])
+            tokens = [2] * max_new_tokens if wall == 3.0 else [1] * max_new_tokens
+            return Batch(n, tuple(stream(tokens, 0.1) for _ in requests), wall)
+
+        return LoadConfig(name, "outrider", run)
+
+    prompts = [Prompt("q:1", "c", "a")]
+    configs = [config("outrider-k0"), config("a"), config("b")]
+    walls["outrider-k0"] = iter([1.0] * 6)
+    ran, batches, _ = run_concurrency(configs, prompts, [1, 2], 32, repeat=3, progress=False)
+    timed = [c[0] for c in calls if c[1] == 1 and c[2] == 32]
+    assert timed == ["outrider-k0", "a", "b", "a", "b", "outrider-k0", "b", "outrider-k0", "a"]
+    assert batches["a"][1].wall_s == 2.0  # the median of 1, 3 and 2 s
+    report = build_concurrency_report(ran, prompts, batches)
+    run = next(c for c in report["configs"] if c["name"] == "a")["runs"][0]
+    assert run["tokens_per_s"] == 16.0
+    assert run["tokens_per_s_repeats"] == [approx4(32 / 3), 16.0, 32.0]
+    assert [(m["config"], m["concurrency"]) for m in report["mismatches"]] == [("a", 1)]
+    out = io.StringIO()
+    render_concurrency(report, out)
+    assert "16.00" in out.getvalue() and "(10.67–32.00)" in out.getvalue()

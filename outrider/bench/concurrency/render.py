@@ -23,6 +23,14 @@ def k_shares(distribution: Mapping[str, float] | None) -> str:
     return " ".join(f"{k}:{100 * share:.0f}%" for k, share in distribution.items())
 
 
+def _tokens_per_s(run: Mapping[str, Any]) -> str:
+    """Tokens/s, and the range of every repeat where there were several."""
+    repeats = run.get("tokens_per_s_repeats")
+    if not repeats:
+        return fmt(run["tokens_per_s"])
+    return f"{fmt(run['tokens_per_s'])} ({fmt(repeats[0])}–{fmt(repeats[-1])})"
+
+
 def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
     rows = []
     for config in report["configs"]:
@@ -32,7 +40,7 @@ def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
                     config["name"],
                     str(r["concurrency"]),
                     str(r["requests"]),
-                    fmt(r["tokens_per_s"]),
+                    _tokens_per_s(r),
                     fmt(r["speedup_vs_concurrency_1"], ".2f", "×"),
                     fmt(r.get("vs_target_only"), ".2f", "×"),
                     fmt(r["ttft_ms_p50"], ".1f"),
@@ -55,7 +63,8 @@ def table_rows(report: Mapping[str, Any]) -> list[list[str]]:
 def headline_lines(report: Mapping[str, Any]) -> list[str]:
     reference = report["mismatch_reference"]
     lines = [
-        "tok/s = all streams' generated tokens ÷ wall time of the batch; "
+        "tok/s = all streams' generated tokens ÷ wall time of the batch (with --repeat: "
+        "the median batch's, every batch's range in brackets; the row is that batch's); "
         "× N=1 = tok/s ÷ tok/s at concurrency 1; ÷ k0 = tok/s (TTFT p50) ÷ "
         "outrider-k0's at the same N.",
         "TTFT = request sent → first streamed chunk; ITL = gap between chunks "

@@ -16,7 +16,10 @@ DEFINITIONS = {
     "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; "
     "stream s sends requests s, s+N, ... in turn",
     "tokens_per_s": "all streams' generated tokens / wall time of the batch "
-    "(first request sent -> last stream ended)",
+    "(first request sent -> last stream ended); with --repeat, of the batch of median "
+    "tokens_per_s, whose figures are the run's",
+    "tokens_per_s_repeats": "with --repeat R > 1: tokens_per_s of each of the R batches, "
+    "in increasing order",
     "speedup_vs_concurrency_1": "tokens_per_s / tokens_per_s of the same configuration "
     "at concurrency 1",
     "ttft": "client-side, request sent -> first streamed chunk; p50/p99 over the batch's requests",
@@ -78,6 +81,10 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
         by_k += [0] * (len(s.rounds_by_k) - len(by_k))
         for k, n in enumerate(s.rounds_by_k):
             by_k[k] += n
+    repeats = {}
+    if batch.repeats:
+        every = sorted(b.tokens_per_s for b in (batch, *batch.repeats))
+        repeats = {"tokens_per_s_repeats": [round_or_none(t) for t in every]}
     return {
         "concurrency": batch.concurrency,
         "requests": len(streams),
@@ -97,6 +104,7 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
         if sum(by_k)
         else None,
         "verified_fraction": round_or_none(drafted / proposed if proposed else None),
+        **repeats,
     }
 
 
@@ -136,11 +144,12 @@ def find_mismatches(
     reference configuration's at concurrency 1, and, at N > 1, from its own at concurrency 1."""
     found = []
     for name, by_concurrency in batches.items():
-        for n, batch in by_concurrency.items():
-            against = [reference] if (name, n) != (reference, 1) else []
+        for n, median in by_concurrency.items():
+            against = [reference]  # (the reference's own repeats at 1 too)
             if n != 1 and name != reference:
                 against.append(name)
-            for j, stream in enumerate(batch.streams):
+            streams = [s for batch in (median, *median.repeats) for s in enumerate(batch.streams)]
+            for j, stream in streams:
                 prompt = j % len(prompts)
                 for other in against:
                     theirs = batches[other][1].streams[prompt].token_ids

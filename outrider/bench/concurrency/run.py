@@ -1,12 +1,13 @@
 """The concurrency run: every configuration at every concurrency,
 interleaved, after one warm-up each, and a short untimed batch of each at
-every concurrency before its timed ones."""
+every concurrency before its timed ones (``repeat`` of them, reported by
+their median)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests
+from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests, median_batch
 from outrider.bench.prompts import Prompt
 from outrider.bench.runner import failure_detail, interleaved_order, without_ignored_options
 
@@ -20,9 +21,13 @@ def run_concurrency(
     levels: Sequence[int],
     max_new_tokens: int,
     *,
+    repeat: int = 1,
     progress: bool = True,
 ) -> tuple[list[LoadConfig], dict[str, dict[int, Batch]], dict[str, str]]:
-    """For each concurrency N, every configuration in turn (the order rotated from N to N).
+    """For each concurrency N, every configuration in turn (the order rotated
+    from N to N), ``repeat`` times (rotated again each time): each
+    configuration's batch at N is the median of its ``repeat``, so that a few
+    seconds of a slower machine weigh on no one configuration's figure.
 
     Before the timed batches of an N, each configuration runs the same
     requests for a few tokens, untimed: the first batch of a shape pays
@@ -44,8 +49,8 @@ def run_concurrency(
     configs = [c for c in configs if c.name in warm]
     configs = without_ignored_options(configs, {c.name: warm[c.name].streams[0] for c in configs})
 
-    batches: dict[str, dict[int, Batch]] = {c.name: {} for c in configs}
-    total = len(configs) * sum(len(batch_requests(prompts, n)) for n in levels)
+    runs: dict[str, dict[int, list[Batch]]] = {c.name: {} for c in configs}
+    total = repeat * len(configs) * sum(len(batch_requests(prompts, n)) for n in levels)
     with tqdm(total=total, desc="bench", unit="request", disable=not progress) as bar:
         for i, n in enumerate(levels):
             requests = batch_requests(prompts, n)
@@ -53,16 +58,18 @@ def run_concurrency(
                 if config.name not in not_run:
                     bar.set_postfix_str(f"warm-up {config.name} N={n}")
                     _run_batch(config, requests, n, min(max_new_tokens, WARM_UP_TOKENS), not_run)
-            for config in interleaved_order(configs, i):
-                if config.name in not_run:
-                    bar.update(len(requests))
-                    continue
-                bar.set_postfix_str(f"{config.name} N={n}")
-                batch = _run_batch(config, requests, n, max_new_tokens, not_run, bar.update)
-                if batch is not None:
-                    batches[config.name][n] = batch
+            for r in range(repeat):
+                for config in interleaved_order(configs, i * repeat + r):
+                    if config.name in not_run:
+                        bar.update(len(requests))
+                        continue
+                    bar.set_postfix_str(f"{config.name} N={n}")
+                    batch = _run_batch(config, requests, n, max_new_tokens, not_run, bar.update)
+                    if batch is not None:
+                        runs[config.name].setdefault(n, []).append(batch)
     ran = [c for c in configs if c.name not in not_run]
-    return ran, {c.name: batches[c.name] for c in ran}, not_run
+    batches = {c.name: {n: median_batch(b) for n, b in runs[c.name].items()} for c in ran}
+    return ran, batches, not_run
 
 
 def _run_batch(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import TypedDict, Unpack
 
@@ -98,6 +98,22 @@ class Batch:
     concurrency: int
     streams: tuple[Stream, ...]
     wall_s: float
+    repeats: tuple[Batch, ...] = ()
+    """The other batches of the same configuration and concurrency, where
+    this one is their median (``--repeat``)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        tokens = sum(s.generated_tokens for s in self.streams)
+        return tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def median_batch(batches: Sequence[Batch]) -> Batch:
+    """The batch of median tokens/s (of two in the middle, the slower),
+    holding the others as its ``repeats``."""
+    ordered = sorted(batches, key=lambda b: b.tokens_per_s)
+    median = ordered[(len(ordered) - 1) // 2]
+    return replace(median, repeats=tuple(b for b in ordered if b is not median))
 
 
 @dataclass
