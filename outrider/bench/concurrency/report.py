@@ -90,7 +90,7 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
         "requests": len(streams),
         "generated_tokens": tokens,
         "wall_s": round_or_none(batch.wall_s),
-        "tokens_per_s": round_or_none(tokens / batch.wall_s if batch.wall_s > 0 else 0.0),
+        "tokens_per_s": round_or_none(batch.tokens_per_s),
         "ttft_ms_p50": _ms(percentile(ttfts, 50)),
         "ttft_ms_p99": _ms(percentile(ttfts, 99)),
         "itl_ms_p50": _ms(percentile(gaps, 50)),
