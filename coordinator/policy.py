@@ -281,10 +281,8 @@ class CostModel:
                 rows = max(1.0, self.draft.rows_per_step)
                 priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
                 self.draft_extra.update(max(0.0, draft_s - priced))
-        if verify_s is not None and self.measured:
-            load = self.target
-            step = load.step_cost(max(load.tokens_per_step, 1.0), max(load.rows_per_step, 1.0))
-            self.verify_extra.update(max(0.0, verify_s - (step or 0.0)))
+        if verify_s is not None and (step := self.verify_cost(0)) is not None:
+            self.verify_extra.update(max(0.0, verify_s - step))
         self.overhead[drafted].update(overhead_s)
 
     def draft_answered(self, load: EngineLoad | None) -> None:
