@@ -352,9 +352,10 @@ def test_repeats_need_concurrency_and_one_batch_at_least(tmp_path, capsys, flags
 def test_repeated_batches_report_their_median_and_check_every_output():
     """With ``repeat``, each configuration runs R batches at each N, the order
     rotated each time; the report gives the median batch with the range of all
-    R, and a wrong output in any of them is a mismatch."""
+    R, and a wrong output in any of them is a mismatch — of its request,
+    counted once however many batches got it wrong."""
     calls: list = []
-    walls = {"a": iter([1.0, 3.0, 2.0, 1.0, 1.0, 1.0]), "b": iter([2.0] * 6)}
+    walls = {"a": iter([1.5, 3.0, 2.0, 1.0, 1.0, 1.0]), "b": iter([2.0] * 6)}
 
     def config(name: str) -> LoadConfig:
         def run(requests, n, max_new_tokens, done):
@@ -362,7 +363,7 @@ def test_repeated_batches_report_their_median_and_check_every_output():
             if max_new_tokens < 32:  # a warm-up
                 return Batch(n, tuple(stream([1] * max_new_tokens, 0.1) for _ in requests), 1.0)
             wall = next(walls[name])
-            tokens = [2] * max_new_tokens if wall == 3.0 else [1] * max_new_tokens
+            tokens = [2] * max_new_tokens if wall in (1.5, 3.0) else [1] * max_new_tokens
             return Batch(n, tuple(stream(tokens, 0.1) for _ in requests), wall)
 
         return LoadConfig(name, "outrider", run)
@@ -373,12 +374,13 @@ def test_repeated_batches_report_their_median_and_check_every_output():
     ran, batches, _ = run_concurrency(configs, prompts, [1, 2], 32, repeat=3, progress=False)
     timed = [c[0] for c in calls if c[1] == 1 and c[2] == 32]
     assert timed == ["outrider-k0", "a", "b", "a", "b", "outrider-k0", "b", "outrider-k0", "a"]
-    assert batches["a"][1].wall_s == 2.0  # the median of 1, 3 and 2 s
+    assert batches["a"][1].wall_s == 2.0  # the median of 1.5, 3 and 2 s
     report = build_concurrency_report(ran, prompts, batches)
     run = next(c for c in report["configs"] if c["name"] == "a")["runs"][0]
     assert run["tokens_per_s"] == 16.0
-    assert run["tokens_per_s_repeats"] == [approx4(32 / 3), 16.0, 32.0]
-    assert [(m["config"], m["concurrency"]) for m in report["mismatches"]] == [("a", 1)]
+    assert run["tokens_per_s_repeats"] == [approx4(32 / 3), 16.0, approx4(32 / 1.5)]
+    assert [(m["config"], m["concurrency"]) for m in report["mismatches"]] == [("a", 1)] * 2
+    assert (run["mismatches_vs_reference"], run["mismatches_vs_concurrency_1"]) == (1, 0)
     out = io.StringIO()
     render_concurrency(report, out)
-    assert "16.00" in out.getvalue() and "(10.67–32.00)" in out.getvalue()
+    assert "16.00" in out.getvalue() and "(10.67–21.33)" in out.getvalue()

@@ -190,11 +190,12 @@ def build_report(
                 for m in mismatches
                 if m["config"] == config.name and m["concurrency"] == run["concurrency"]
             ]
-            run["mismatches_vs_reference"] = sum(
-                1 for m in mine if m["reference"] == f"{reference}@1"
+            # (requests: with --repeat, one may be wrong in several batches)
+            run["mismatches_vs_reference"] = len(
+                {m["request"] for m in mine if m["reference"] == f"{reference}@1"}
             )
-            run["mismatches_vs_concurrency_1"] = sum(
-                1 for m in mine if m["reference"] == f"{config.name}@1"
+            run["mismatches_vs_concurrency_1"] = len(
+                {m["request"] for m in mine if m["reference"] == f"{config.name}@1"}
             )
         rows.append(
             {"name": config.name, "family": config.family, "drafter": config.drafter, "k": config.k,
