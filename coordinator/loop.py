@@ -81,6 +81,17 @@ class Models:
         draft = self.draft
         return bool(draft and draft.dtype and draft.device == self.target.device == "cpu")
 
+    @property
+    def draft_prefills_beside(self) -> bool:
+        """Whether a draft session opens beside the target's prefill, so
+        that drafting can start at the second round: only a draft model's
+        prefill is worth running beside it, and only where it does not slow
+        the target's (:attr:`draft_competes`). A model-free drafter has no
+        prefill to hide; its open is an RPC and its worker's work, which
+        at a batch's start would only land beside every session's prefill."""
+        draft = self.draft
+        return bool(draft and draft.dtype) and not self.draft_competes
+
 
 async def generate(
     request: GenerationRequest,
@@ -99,7 +110,7 @@ async def generate(
     )
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
-        #    streamed at once; the draft session opens beside it.
+        #    streamed at once; a draft model's session opens beside it.
         yield generation.finish(await generation.open())
         while generation.finish_reason is None:
             record = RoundRecord()
@@ -152,6 +163,7 @@ class Generation:
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
         self.draft_competes = models.draft_competes
+        self.draft_beside = models.draft_prefills_beside
         # Synchronous rounds that draft on a model sharing the target's cores
         # run in lockstep with the coordinator's others (a round with no
         # drafts has nothing to wait for); pipelined ones overlap draft and
@@ -184,11 +196,12 @@ class Generation:
     async def open(self) -> Delta:
         """Opens the target session on the prompt: the target prefills it
         and draws the token after it, as a round with no drafts would; that
-        round's delta. The draft session's prefill starts at once, beside
-        the target's (unless drafting does not pay now), so drafting can
-        start from the second round — or, where the two would share CPU
-        cores, as soon as the first token is drawn, so that it comes as
-        fast as without a draft."""
+        round's delta. A draft model's prefill starts at once, beside the
+        target's (unless drafting does not pay now), so drafting can start
+        from the second round — or, where the two would share CPU cores, as
+        soon as the first token is drawn, so that it comes as fast as
+        without a draft; a model-free drafter opens then too
+        (``Models.draft_prefills_beside``)."""
         record = RoundRecord()
         self.open_draft(beside=True)
         reply = await self.target.open(self.history, first_token=True)
@@ -214,8 +227,8 @@ class Generation:
 
     def open_draft(self, *, beside: bool) -> None:
         """Starts the draft session's prefill beside the target's, or after
-        it where the two compete for compute (``Models.draft_competes``)."""
-        if self.drafts is None or beside == self.draft_competes:
+        it (``Models.draft_prefills_beside``)."""
+        if self.drafts is None or beside != self.draft_beside:
             return
         if self.finish_reason is None and self.choose_k(len(self.history) + beside, beside) > 0:
             self.drafts.open_soon(self.history)

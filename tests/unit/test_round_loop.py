@@ -64,13 +64,18 @@ async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
     assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
 
 
-@pytest.mark.parametrize("competes", [False, True], ids=["apart", "sharing CPU cores"])
+@pytest.mark.parametrize(
+    "where, beside",
+    [("apart", True), ("sharing CPU cores", False), ("no draft model", False)],
+)
 async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
-    clients, tiny_target_dir, competes
+    clients, tiny_target_dir, where, beside
 ):
-    """The draft's prefill starts with the target's, so drafting can start at
-    the second round; where the two run on CPUs (one host's cores), it starts
-    once the first token is drawn, which then comes as fast as without a draft."""
+    """A draft model's prefill starts with the target's, so drafting can
+    start at the second round; where the two run on CPUs (one host's cores),
+    it starts once the first token is drawn, which then comes as fast as
+    without a draft. A model-free drafter has no prefill to hide: it opens
+    then too."""
     target, draft = clients
     events: list[str] = []
     target_open, draft_open = target.open, draft.open
@@ -90,16 +95,18 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     info = await target.info()
     draft_info = await draft.info()
     assert draft_info.dtype and info.device == draft_info.device == "cpu"
-    if not competes:
+    if where == "apart":
         draft_info = dataclasses.replace(draft_info, device="cuda:0")
+    elif where == "no draft model":  # (as a prompt-lookup worker reports itself)
+        draft_info = dataclasses.replace(draft_info, dtype="")
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     models = Models(tokenizer, frozenset(), info, draft_info)
-    assert models.draft_competes == competes
+    assert models.draft_prefills_beside == beside
     request = GenerationRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=8, num_speculative_tokens=3)
     deltas = await run(request, models, target, draft)
     assert sum(len(d.token_ids) for d in deltas) == 8
     draft_at = events.index("draft open begins")
-    assert (draft_at > events.index("target open ends")) == competes
+    assert (draft_at > events.index("target open ends")) != beside
 
 
 async def test_adaptive_rounds_stay_within_the_targets_cuda_graphs(clients, tiny_target_dir):
