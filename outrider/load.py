@@ -123,9 +123,17 @@ class EngineLoad:
 
 
 def _tokens_and_seconds(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens and seconds of ``points``, by increasing tokens."""
-    ordered = sorted(points, key=lambda point: point[1])
-    return np.array([p[1] for p in ordered]), np.array([p[2] for p in ordered])
+    """The tokens and seconds of ``points``, by increasing tokens, less each
+    point that costs less than one of fewer tokens: a step of more tokens
+    never costs less, so that point is noise (a range's few steps timed
+    while the machine ran faster), and kept it would price the tokens
+    between the two at nothing — or less — and draw drafts the step cannot
+    afford. Leaving out the later point prices them higher, never lower."""
+    kept: list[Point] = []
+    for point in sorted(points, key=lambda point: point[1]):
+        if not kept or point[2] >= kept[-1][2]:
+            kept.append(point)
+    return np.array([p[1] for p in kept]), np.array([p[2] for p in kept])
 
 
 def _along_tokens(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
