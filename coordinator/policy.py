@@ -498,18 +498,25 @@ class CostModel:
         added = max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]) + first_step
         price = goodput_best * float(added)
         if log.is_enabled_for(logging.DEBUG):  # (its arguments are built only to be written)
-            self._log_plan(ks, alphas, goodput_best, rows, tokens)
+            self._log_plan(ks, alphas, goodput_best, target_only, rows, tokens)
         ks_of = {id(s): int(k) for s, k in zip(sessions, ks, strict=True)}
         return Plan(ks_of, goodput_best, price, target_only)
 
     def _log_plan(
-        self, ks: np.ndarray, alphas: np.ndarray, goodput: float, rows: float, tokens: float
+        self,
+        ks: np.ndarray,
+        alphas: np.ndarray,
+        goodput: float,
+        target_only: float,
+        rows: float,
+        tokens: float,
     ) -> None:
         log.debug(
             "plan",
             ks=ks.tolist(),
             alphas=[round(float(a), 3) for a in alphas],
             goodput=round(goodput, 1),
+            target_only=round(target_only, 1),
             others=(round(rows, 1), round(tokens, 1)),
             target=[(r, t, round(s * 1e3, 1)) for r, t, s in self.target.curve],
             draft=[(r, t, round(s * 1e3, 1)) for r, t, s in self.draft.curve]
