@@ -123,17 +123,9 @@ class EngineLoad:
 
 
 def _tokens_and_seconds(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens and seconds of ``points``, by increasing tokens, less each
-    point that costs less than one of fewer tokens: a step of more tokens
-    never costs less, so that point is noise (a range's few steps timed
-    while the machine ran faster), and kept it would price the tokens
-    between the two at nothing — or less — and draw drafts the step cannot
-    afford. Leaving out the later point prices them higher, never lower."""
-    kept: list[Point] = []
-    for point in sorted(points, key=lambda point: point[1]):
-        if not kept or point[2] >= kept[-1][2]:
-            kept.append(point)
-    return np.array([p[1] for p in kept]), np.array([p[2] for p in kept])
+    """The tokens and seconds of ``points``, by increasing tokens."""
+    ordered = sorted(points, key=lambda point: point[1])
+    return np.array([p[1] for p in ordered]), np.array([p[2] for p in ordered])
 
 
 def _along_tokens(xs: np.ndarray, ys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -165,6 +157,8 @@ class LoadMeter:
         """Power-of-two ranges of rows and tokens → their last steps."""
         self._points: dict[tuple[int, int], Point] = {}
         """Power-of-two ranges of rows and tokens → their point of the surface."""
+        self._measured_at: dict[tuple[int, int], int] = {}
+        """Power-of-two ranges of rows and tokens → the step that last measured them."""
         self._recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
         """The last steps' rows and tokens."""
         self._steps = 0
@@ -188,12 +182,42 @@ class LoadMeter:
         bucket = self._buckets.setdefault(key, deque(maxlen=WINDOW))
         bucket.append((rows, tokens, seconds))
         self._points[key] = _median(bucket)
+        self._measured_at[key] = self._steps
         self._recent.append((rows, tokens))
         self._steps += 1
-        curve = tuple(sorted(self._points.values()))
+        curve = tuple(sorted(_consistent(self._points, self._measured_at)))
         rows_per_step = statistics.median(r for r, _ in self._recent)
         tokens_per_step = statistics.median(t for _, t in self._recent)
         self._snapshot = EngineLoad(curve, tokens_per_step, rows_per_step, self._steps)
+
+
+def _consistent(
+    points: dict[tuple[int, int], Point], measured_at: dict[tuple[int, int], int]
+) -> list[Point]:
+    """The surface's points less those a fresher one contradicts: in a range
+    of rows a step of more tokens never costs less, nor a step of a token a
+    row of more rows. Where two points disagree, the one measured longer
+    ago goes: a range no step has come back to since the machine or the
+    load changed. Kept, it prices the steps between the two wrongly — a
+    decode point that held a batch's first, slow steps while every session
+    drafted sat above the verifies of more tokens since, and K = 0 looked
+    dearer than drafting."""
+    stale: set[tuple[int, int]] = set()
+    by_rows: dict[int, list[tuple[int, int]]] = {}
+    for key in points:
+        by_rows.setdefault(key[0], []).append(key)
+    decode = [key for key, point in points.items() if point[1] < DECODE_TOKENS_PER_ROW * point[0]]
+    for keys, size in [*((keys, 1) for keys in by_rows.values()), (decode, 0)]:
+        kept: list[tuple[int, int]] = []
+        for key in sorted(keys, key=lambda key: points[key][size]):
+            while kept and points[kept[-1]][2] > points[key][2]:
+                if measured_at[kept[-1]] > measured_at[key]:
+                    stale.add(key)
+                    break
+                stale.add(kept.pop())
+            else:
+                kept.append(key)
+    return [point for key, point in points.items() if key not in stale]
 
 
 def _range_of(count: float) -> int:

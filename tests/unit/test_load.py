@@ -125,17 +125,33 @@ def test_a_decode_step_is_priced_by_the_decode_steps_where_its_range_of_rows_has
     assert EngineLoad(((4.0, 20.0, 0.1),)).decode_cost(4.0) is None
 
 
-def test_a_point_cheaper_than_one_of_fewer_tokens_is_left_out():
-    """At 8 rows on the CPU a range of 11 tokens once measured 86 ms against
-    91 for 8 tokens: kept, three more tokens cost nothing and the plan
-    drafted them. Without it they cost their share of the slope to 18."""
-    load = EngineLoad(((8.0, 8.0, 0.091), (8.0, 11.0, 0.086), (8.0, 18.0, 0.142)))
-    slope = (0.142 - 0.091) / 10
-    assert load.step_cost(11, rows=8) == pytest.approx(0.091 + 3 * slope)
-    assert load.step_cost(8, rows=8) == 0.091
-    # Decode steps by their rows too: more rows never cost less.
-    decode = EngineLoad(((1.0, 1.0, 0.015), (2.0, 2.0, 0.013), (4.0, 4.0, 0.025)))
-    assert decode.decode_costs(np.array([2.0]))[0] == pytest.approx(0.015 + (0.025 - 0.015) / 3)
+def feed(meter: LoadMeter, *steps: tuple[int, int, float]) -> None:
+    for rows, tokens, seconds in steps:
+        meter.begin()
+        meter.stepped(rows=rows, tokens=tokens, seconds=seconds)
+
+
+@pytest.mark.parametrize("stale", ["fewer tokens", "more tokens"])
+def test_of_two_points_that_disagree_the_older_leaves_the_surface(stale):
+    """In a range of rows a step of more tokens never costs less: where two
+    points say it does, the one measured longer ago goes (at 8 streams on
+    the CPU a decode point kept a batch's first, slow steps while every
+    session drafted, and K = 0 looked dearer than drafting)."""
+    meter = LoadMeter()
+    decode, verify = (8, 8, 0.115), (8, 12, 0.104)
+    feed(meter, *((decode, verify) if stale == "fewer tokens" else (verify, decode)))
+    fresh = verify if stale == "fewer tokens" else decode
+    assert meter.load.curve == (tuple(map(float, fresh)),)
+    # Once agreeing, both stay.
+    feed(meter, (8, 8, 0.090) if stale == "fewer tokens" else (8, 12, 0.140))
+    assert len(meter.load.curve) == 2
+
+
+def test_of_two_decode_points_that_disagree_the_older_leaves_the_surface():
+    """Decode steps, a token a row, never cost less for more rows."""
+    meter = LoadMeter()
+    feed(meter, (2, 2, 0.030), (4, 4, 0.020), (1, 1, 0.015))
+    assert [point[0] for point in meter.load.curve] == [1.0, 4.0]
 
 
 def test_beyond_the_last_point_the_slope_spans_at_least_a_doubling():
