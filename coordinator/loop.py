@@ -110,8 +110,10 @@ async def generate(
     )
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
-        #    streamed at once; a draft model's session opens beside it.
+        #    streamed at once; a draft model's session opens beside it, or
+        #    once that token is on its way.
         yield generation.finish(await generation.open())
+        generation.open_draft(beside=False)
         while generation.finish_reason is None:
             record = RoundRecord()
             proposal = await generation.draft(record)  # 2. draft, or take the speculation
@@ -198,10 +200,10 @@ class Generation:
         and draws the token after it, as a round with no drafts would; that
         round's delta. A draft model's prefill starts at once, beside the
         target's (unless drafting does not pay now), so drafting can start
-        from the second round — or, where the two would share CPU cores, as
-        soon as the first token is drawn, so that it comes as fast as
-        without a draft; a model-free drafter opens then too
-        (``Models.draft_prefills_beside``)."""
+        from the second round — or, where the two would share CPU cores,
+        once the first token is streamed (:func:`generate`), so that it
+        comes as fast as without a draft; a model-free drafter opens then
+        too (``Models.draft_prefills_beside``)."""
         record = RoundRecord()
         self.open_draft(beside=True)
         reply = await self.target.open(self.history, first_token=True)
@@ -212,7 +214,6 @@ class Generation:
         self.costs.observe_prefill(len(self.history), reply.compute_s)
         verdict = Verdict(num_accepted=0, next_token=reply.value)
         delta = self.commit(None, verdict)
-        self.open_draft(beside=False)
         record.ended()
         log.debug(
             "first round",

@@ -73,7 +73,7 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
 ):
     """A draft model's prefill starts with the target's, so drafting can
     start at the second round; where the two run on CPUs (one host's cores),
-    it starts once the first token is drawn, which then comes as fast as
+    it starts once the first token is streamed, which then comes as fast as
     without a draft. A model-free drafter has no prefill to hide: it opens
     then too."""
     target, draft = clients
@@ -103,9 +103,15 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     models = Models(tokenizer, frozenset(), info, draft_info)
     assert models.draft_prefills_beside == beside
     request = GenerationRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=8, num_speculative_tokens=3)
-    deltas = await run(request, models, target, draft)
+    deltas = []
+    async for delta in generate(request, models, target, draft):
+        await asyncio.sleep(0)  # the stream's write
+        events.append("delta streamed")
+        deltas.append(delta)
     assert sum(len(d.token_ids) for d in deltas) == 8
     draft_at = events.index("draft open begins")
+    # (after: once the first token is on its way to the client)
+    assert (draft_at > events.index("delta streamed")) != beside
     assert (draft_at > events.index("target open ends")) != beside
 
 
@@ -162,7 +168,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
         deltas = []
         async for delta in generate(request, models, target, draft, costs, lockstep=lockstep):
             deltas.append(delta)
-            if prompt == long:
+            if prompt == long and len(deltas) > 1:  # (it leaves once its first token is out)
                 planned.append(len(costs.sessions))
         return deltas
 
