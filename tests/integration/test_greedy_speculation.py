@@ -333,7 +333,8 @@ async def test_sessions_are_freed_after_the_client_cancels(
             stream = client.stream(
                 token_ids=prompt_ids, max_new_tokens=400, num_speculative_tokens=2
             )
-            await anext(stream)
+            await anext(stream)  # the first token: the draft opens once it is out
+            await anext(stream)  # a round that drafted
             assert len(stack.target.store) == 1 and len(stack.draft.store) == 1
             await stream.aclose()
         assert await stack.sessions_left() == (0, 0)
