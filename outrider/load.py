@@ -118,8 +118,13 @@ class EngineLoad:
     @cached_property
     def _decode(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The tokens and seconds of the decode steps' points (a token a row)."""
-        decode = [point for point in self.curve if point[1] < DECODE_TOKENS_PER_ROW * point[0]]
+        decode = [point for point in self.curve if _is_decode(point)]
         return _tokens_and_seconds(decode) if decode else None
+
+
+def _is_decode(point: Point) -> bool:
+    """Whether a point is of decode steps, a token a row."""
+    return point[1] < DECODE_TOKENS_PER_ROW * point[0]
 
 
 def _tokens_and_seconds(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
@@ -202,22 +207,36 @@ def _consistent(
     decode point that held a batch's first, slow steps while every session
     drafted sat above the verifies of more tokens since, and K = 0 looked
     dearer than drafting."""
-    stale: set[tuple[int, int]] = set()
     by_rows: dict[int, list[tuple[int, int]]] = {}
     for key in points:
         by_rows.setdefault(key[0], []).append(key)
-    decode = [key for key, point in points.items() if point[1] < DECODE_TOKENS_PER_ROW * point[0]]
-    for keys, size in [*((keys, 1) for keys in by_rows.values()), (decode, 0)]:
-        kept: list[tuple[int, int]] = []
-        for key in sorted(keys, key=lambda key: points[key][size]):
-            while kept and points[kept[-1]][2] > points[key][2]:
-                if measured_at[kept[-1]] > measured_at[key]:
-                    stale.add(key)
-                    break
-                stale.add(kept.pop())
-            else:
-                kept.append(key)
+    stale: set[tuple[int, int]] = set()
+    for keys in by_rows.values():  # along the tokens
+        by_tokens = sorted(keys, key=lambda k: points[k][1])
+        stale |= _older_of_disagreeing(by_tokens, points, measured_at)
+    decode = sorted((key for key in points if _is_decode(points[key])), key=lambda k: points[k][0])
+    stale |= _older_of_disagreeing(decode, points, measured_at)  # along the rows
     return [point for key, point in points.items() if key not in stale]
+
+
+def _older_of_disagreeing(
+    ordered: list[tuple[int, int]],
+    points: dict[tuple[int, int], Point],
+    measured_at: dict[tuple[int, int], int],
+) -> set[tuple[int, int]]:
+    """Of ``ordered`` (by the size of their steps), those that cost more than
+    a later, fresher one, or less than an earlier, fresher one."""
+    stale: set[tuple[int, int]] = set()
+    kept: list[tuple[int, int]] = []
+    for key in ordered:
+        while kept and points[kept[-1]][2] > points[key][2]:
+            if measured_at[kept[-1]] > measured_at[key]:
+                stale.add(key)
+                break
+            stale.add(kept.pop())
+        else:
+            kept.append(key)
+    return stale
 
 
 def _range_of(count: float) -> int:
