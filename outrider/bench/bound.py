@@ -27,12 +27,13 @@ synchronous round costs
 
 A pipelined round (the draft drafts round i+1, assuming round i is accepted
 whole, while the target verifies round i) costs, on a *hit* (the verdict
-matched the assumption: the next drafts are ready at once), the longer of
-the verify and the draft's speculative work (its drafts and its guess of the
-bonus token, which the draft worker's compute of the round includes), and
-on a *miss* a fresh draft on the critical path first:
+matched the assumption: the next drafts are ready at once), its RPCs and
+the coordinator's work and the longer of the verify and the draft's
+speculative work (its drafts and its guess of the bonus token, which the
+draft worker's compute of the round includes) — the two are asked at once,
+each over an RPC — and on a *miss* a fresh draft on the critical path first:
 
-    T = max(t_verify + t_rpc, d̄) + (1 − P_hit)·d̄
+    T = t_rpc + max(t_verify, d̄) + (1 − P_hit)·d̄
 
 with P_hit = hits / (hits + misses) as measured (0 where no round
 speculated). Target-only decoding costs t_target a token, so speculation
@@ -96,7 +97,7 @@ class Bound:
         drafting = self.mean_draft_tokens * self.t_draft_s  # d̄
         if self.hit_rate is None:
             return drafting + self.t_verify_s + self.t_rpc_s
-        return max(self.t_verify_s + self.t_rpc_s, drafting) + (1.0 - self.hit_rate) * drafting
+        return self.t_rpc_s + max(self.t_verify_s, drafting) + (1.0 - self.hit_rate) * drafting
 
     @property
     def speedup(self) -> float:

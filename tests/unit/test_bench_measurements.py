@@ -304,18 +304,18 @@ def test_pipelined_round_time_when_the_verify_is_the_longer():
         pipelined_totals(0.4, hits=6, misses=4), k0, pipelined=True
     )  # t_draft = 10 ms
     assert bound.hit_rate == pytest.approx(0.6)
-    # The draft's 40 ms a round (d̄) overlap the verify's 100 + 1 ms; a miss
-    # (40%) drafts afresh first.
-    t = max(0.101, 0.040) + 0.4 * 0.040  # 0.117
+    # The draft's 40 ms a round (d̄) overlap the verify's 100 ms, after the
+    # round's 1 ms of RPCs; a miss (40%) drafts afresh first.
+    t = 0.001 + max(0.100, 0.040) + 0.4 * 0.040  # 0.117
     assert bound.round_time_s == pytest.approx(t)
     assert bound.speedup == pytest.approx(3.7 * 0.080 / t)
 
 
 def test_pipelined_round_time_when_the_draft_is_the_longer():
     k0 = aggregate([m(10, 1.0, 10, verify_time_s=0.8, draft_time_s=0.0, overhead_time_s=0.0)])
-    totals = pipelined_totals(1.2, hits=6, misses=4)  # d̄ = 120 ms a round > 101 ms
+    totals = pipelined_totals(1.2, hits=6, misses=4)  # d̄ = 120 ms a round > 100 ms
     pipelined = analytic_bound(totals, k0, pipelined=True)
-    assert pipelined.round_time_s == pytest.approx(0.120 + 0.4 * 0.120)  # 0.168
+    assert pipelined.round_time_s == pytest.approx(0.001 + 0.120 + 0.4 * 0.120)  # 0.169
     # Synchronous, the same numbers cost 4 × 30 + 100 + 1 = 221 ms a round.
     assert analytic_bound(totals, k0).round_time_s == pytest.approx(0.221)
 
