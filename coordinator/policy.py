@@ -79,9 +79,9 @@ LEARNING_K = 4
 PRIOR_TOKENS = 8.0
 """The least weight, in judged draft tokens, of the deployment's acceptance
 in each session's estimate. A session's own last few rounds alone are
-noisy, and the plan drafts deepest where they happened to be lucky: at 8
-sessions on the CPU the sessions' estimates ran at 0.97-1.00 while their
-rounds accepted 0.92 of their drafts."""
+noisy, and the plan drafts deepest where they happened to be lucky: under
+load, estimates from a session's own rounds alone ran above what those
+rounds then accepted."""
 PRIOR_TOKENS_MAX = 64.0
 """The most weight of the deployment's acceptance α₀: it weighs as one run
 of its drafts up to a rejection, 1/(1 − α₀) judged drafts, between
@@ -95,7 +95,8 @@ the draft's costs again (:meth:`CostModel.explores`)."""
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
-computing (1.2-1.6 ms for 8-64 sessions on 2 CPU cores; a GPU step of the default model is 3)."""
+computing. A plan of tens of sessions takes about as long as a GPU step
+of a small target, on the core that runs every session's rounds."""
 PLAN_ERROR = 0.1
 """How far a plan's goodput may be off what its rounds then make, with
 many sessions beside the one deciding: the engines' step times drift by

@@ -178,6 +178,7 @@ class DraftLink:
             self._begin_open(history)
 
     def _begin_open(self, history: list[int]) -> asyncio.Task[DraftSession]:
+        log.debug("draft session opening", tokens=len(history))
         # A copy: the history grows while an open runs in the background.
         self.opening = asyncio.ensure_future(self._open(list(history)))
         self.open_started = time.monotonic()
