@@ -9,7 +9,11 @@ session holding ``--context`` cached tokens) it times, median of
   (the rows of a batch would be that many such calls);
 * ``engine`` — the worker's runner (``outrider.engine``): all rows in one
   forward pass over the paged cache;
-* ``graph`` — the same step replayed from a captured CUDA graph (CUDA only).
+* ``graph`` — the same step replayed from a captured CUDA graph (CUDA only);
+* with ``--linears`` (CPU), the engine's step with every small-batch linear
+  on ``F.linear`` and every one as ``(W @ x.T).T``, each call of the three
+  taking turns (``outrider/engine/ops.py`` chose one per shape and rows at
+  start, as a worker does),
 
 and prints each also as a multiple of transformers' single-token step.
 The model is a real one (default: the default model, fetched by ``outrider
@@ -22,6 +26,7 @@ models fetch``), or random weights in its shape with ``--shape`` overrides
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -37,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from outrider import models  # noqa: E402
 from outrider.device import resolve_device, resolve_dtype  # noqa: E402
+from outrider.engine import ops  # noqa: E402
 from outrider.engine.kv_cache import BlockPool  # noqa: E402
 from outrider.engine.llama import LlamaForward  # noqa: E402
 from outrider.engine.runner import PagedRunner  # noqa: E402
@@ -55,6 +61,26 @@ def load(model: str, dtype: torch.dtype, device: torch.device, overrides: dict) 
         with device:  # initialised where it runs: an 8B shape takes minutes on the host
             return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     return models.load_causal_lm(model, dtype=dtype, device=device, fast_small_batch=False)
+
+
+def timed_in_turn(fn, repeats: int) -> dict[str, float]:
+    """Median milliseconds of ``fn`` with the linears as tuned, all on
+    ``F.linear`` and all transposed, each call of the three in turn (after
+    two warm-up calls each)."""
+    paths = {
+        "engine_ms": contextlib.nullcontext,
+        "f_linear_ms": lambda: ops.small_batch_path(transposed=False),
+        "transposed_ms": lambda: ops.small_batch_path(transposed=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i in range(repeats + 2):
+        for name, path in paths.items():
+            with path():
+                started = time.perf_counter()
+                fn()
+                if i >= 2:
+                    times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -152,6 +178,12 @@ def main() -> int:
     parser.add_argument(
         "--no-hf", action="store_true", help="skip transformers' steps but the 1×1 unit"
     )
+    parser.add_argument(
+        "--linears",
+        action="store_true",
+        help="CPU: also the engine's step with every small-batch linear on F.linear, and "
+        "with every one transposed, taking turns with the tuned choice",
+    )
     parser.add_argument("--json", type=Path, help="also write the table as JSON")
     args = parser.parse_args()
     if args.threads:
@@ -164,6 +196,7 @@ def main() -> int:
     rows_needed = sum(r * -(-(args.context + t) // 16) for r, t in shapes)
     with torch.inference_mode():
         eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(rows_needed + 16, 16))
+        eager.warm_up(max_rows=1, max_tokens_per_row=1)  # its linears' paths, as a worker's
         graphed = None
         if device.type == "cuda":
             graphed = PagedRunner(
@@ -186,15 +219,18 @@ def main() -> int:
         results = []
         for rows, tokens in tqdm(shapes, desc="shapes", unit="shape"):
             row = {"shape": f"{rows}x{tokens}", "hf_ms": None, "engine_ms": None, "graph_ms": None}
+            row |= {"f_linear_ms": None, "transposed_ms": None}
             if not args.no_hf or (rows, tokens) == (1, 1):
                 row["hf_ms"] = rows * (
                     unit
                     if tokens == 1
                     else timed(hf_step(model, tokens, args.context, device), args.repeats, device)
                 )
-            row["engine_ms"] = timed(
-                engine_step(eager, rows, tokens, args.context), args.repeats, device
-            )
+            step = engine_step(eager, rows, tokens, args.context)
+            if args.linears and device.type == "cpu":
+                row.update(timed_in_turn(step, args.repeats))
+            else:
+                row["engine_ms"] = timed(step, args.repeats, device)
             if graphed is not None:
                 row["graph_ms"] = timed(
                     engine_step(graphed, rows, tokens, args.context), args.repeats, device
@@ -205,11 +241,14 @@ def main() -> int:
         f"context {args.context}; "
         f"transformers' 1-token step = {unit:.2f} ms\n"
     )
-    print(f"{'rows×tokens':>12} {'hf (rows calls)':>16} {'engine':>16} {'engine graph':>16}")
+    columns = {"hf_ms": "hf (rows calls)", "engine_ms": "engine", "graph_ms": "engine graph"}
+    if any(row["f_linear_ms"] is not None for row in results):
+        columns |= {"f_linear_ms": "engine F.linear", "transposed_ms": "engine W @ x.T"}
+    print(f"{'rows×tokens':>12} " + " ".join(f"{title:>16}" for title in columns.values()))
     for row in results:
         cells = [
             f"{row[k]:8.2f} ms {row[k] / unit:4.2f}×" if row[k] is not None else f"{'-':>16}"
-            for k in ("hf_ms", "engine_ms", "graph_ms")
+            for k in columns
         ]
         print(f"{row['shape']:>12} " + " ".join(f"{c:>16}" for c in cells))
     if args.json:

@@ -303,6 +303,11 @@ class LlamaForward:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def linear_weights(self) -> list[Weight]:
+        """The weights of its linear layers, the LM head's last."""
+        layers = [(la.qkv, la.o, la.gate_up, la.down) for la in self.layers]
+        return [weight for weights in layers for weight in weights] + [self.lm_head]
+
     def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """Keys and values of ``num_blocks`` blocks (and the null block 0),
         ``[layers, 2, num_blocks + 1, block_size, kv heads, head dim]``,

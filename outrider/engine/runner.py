@@ -17,7 +17,8 @@ to make of the logits is the jobs' business (the workers' sessions).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from outrider.engine import ops
 from outrider.engine.cuda_graphs import CudaGraphs
 from outrider.engine.kv_cache import NULL_BLOCK, BlockPool, KVCache
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
@@ -98,7 +100,11 @@ class PagedRunner:
         return self.graphs.tokens[-1] if self.graphs is not None and self.graphs.tokens else 0
 
     def warm_up(self, *, max_rows: int, max_tokens_per_row: int, progress: bool = False) -> None:
-        """Captures the CUDA graphs of every bucket up to these sizes."""
+        """On the CPU, chooses how its linears run small batches
+        (:func:`tune_linears`); on CUDA, captures the graphs of every bucket
+        up to these sizes."""
+        if isinstance(self.forward, LlamaForward):  # (a tensor-parallel forward's ranks: F.linear)
+            tune_linears(self.forward.linear_weights())
         if self.graphs is not None:
             self.graphs.capture(
                 max_rows=max_rows, max_tokens_per_row=max_tokens_per_row, progress=progress
@@ -259,7 +265,8 @@ class FallbackRunner:
         return DynamicKVCache(self.pool, DynamicCache(config=self.config))
 
     def warm_up(self, **_) -> None:
-        pass
+        """Chooses how its linears run small batches (:func:`tune_linears`)."""
+        tune_linears(m.weight for m in self.model.modules() if isinstance(m, ops.SmallBatchLinear))
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
         outputs: list[Logits | None] = []
@@ -277,6 +284,21 @@ class FallbackRunner:
                 None if logits is None else Logits(logits, logits.argmax(dim=-1).tolist())
             )
         return outputs
+
+
+def tune_linears(weights: Iterable[object]) -> None:
+    """:func:`outrider.engine.ops.tune_small_batch_linears` of ``weights``,
+    logged — to be called on the engine's thread, which runs with the
+    engine's torch threads."""
+    started = time.perf_counter()
+    tuned, transposed = ops.tune_small_batch_linears(weights)
+    if tuned:
+        log.info(
+            "small-batch linears tuned",
+            products=tuned,
+            transposed=transposed,
+            seconds=round(time.perf_counter() - started, 2),
+        )
 
 
 def _split(logits: torch.Tensor, wanted: Sequence[tuple[int, int] | None]) -> list[Logits | None]:

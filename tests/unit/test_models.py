@@ -143,9 +143,16 @@ def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
 # --------------------------------------------------------------------------- small-batch linears
 
 
+@pytest.fixture
+def transposed():
+    """Every small batch computed as ``W @ x.T``, wherever it is the slower here."""
+    with ops.small_batch_path(transposed=True):
+        yield
+
+
 @pytest.mark.parametrize("rows", [1, 5, 11, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batch_linear_matches_f_linear(rows, bias):
+def test_small_batch_linear_matches_f_linear(rows, bias, transposed):
     torch.manual_seed(rows)
     layer = nn.Linear(24, 40, bias=bias)
     x = torch.randn(1, rows, 24)
@@ -159,7 +166,7 @@ def test_small_batch_linear_matches_f_linear(rows, bias):
 
 @pytest.mark.parametrize("rows", [1, 5, 11, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype):
+def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype, transposed):
     stock = tiny_llama(dtype)
     fast = copy.deepcopy(stock)
     ops.use_small_batch_linears(fast)
@@ -179,6 +186,38 @@ def test_small_batch_linears_swap_every_linear_in_place():
     assert linears and all(type(m) is ops.SmallBatchLinear for m in linears)
     assert type(model.lm_head) is ops.SmallBatchLinear
     assert model.lm_head.weight is head  # nothing copied
+
+
+def test_tuning_times_each_shape_and_count_of_rows_once_and_keeps_the_faster(monkeypatch):
+    monkeypatch.setattr(ops, "_transposed", set())
+    timed = []
+
+    def fastest_s(fn):
+        # The transposed path is the faster for even counts of rows.
+        library = fn.func is F.linear
+        rows = fn.args[0].shape[0]
+        timed.append((tuple(fn.args[1].shape), rows, library))
+        return 1.0 if library == (rows % 2 == 0) else 0.5
+
+    monkeypatch.setattr(ops, "_fastest_s", fastest_s)
+    weights = [torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(3, 4), torch.zeros(8), object()]
+    assert ops.tune_small_batch_linears(weights) == (32, 16)  # two shapes, 16 counts each
+    assert len(timed) == len(set(timed)) == 64
+    assert ops._transposed == {
+        (out, 4, rows, torch.float32) for out in (8, 3) for rows in range(2, 17, 2)
+    }
+    x = torch.randn(2, 4)
+    weight = torch.randn(8, 4)
+    torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
+
+
+def test_a_tuned_linear_matches_f_linear_at_every_count_of_rows(monkeypatch):
+    monkeypatch.setattr(ops, "_transposed", set())
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    ops.tune_small_batch_linears([weight])
+    for rows in range(1, 2 * ops.SMALL_BATCH_ROWS):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(ops.linear(x, weight, bias), F.linear(x, weight, bias))
 
 
 # --------------------------------------------------------------------------- loading and early exit
