@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from outrider.engine import ops
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
 from outrider.engine.runner import RunnerLost
 from outrider.engine.shards import CheckpointShard, Shard
@@ -255,6 +256,10 @@ class TensorParallelForward:
         self._failed = False
         self._lock = threading.Lock()
 
+    def linear_weights(self) -> list[Any]:
+        """Rank 0's linear weights (each rank tunes its own, :func:`serve_rank`)."""
+        return self.local.linear_weights()
+
     def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """This rank's KV cache; every other rank allocates its own, of its KV heads."""
         self.publisher.send(torch.tensor([ALLOCATE, num_blocks, block_size]))
@@ -412,6 +417,7 @@ def serve_rank(spec: RankSpec) -> int:
     steps = StepSubscriber(spec.steps)
     forward = load_shard(spec)
     return_freed_memory()
+    ops.tune_small_batch_linears(forward.linear_weights())  # (here: its steps run on this thread)
     store.set(f"loaded/{spec.rank}", "1")
     cache: torch.Tensor | None = None
     try:

@@ -63,6 +63,8 @@ class Forward(Protocol):
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor: ...
 
+    def linear_weights(self) -> list[Any]: ...
+
 
 class PagedRunner:
     """Rows of a step as one forward pass of a Llama-family model over a
@@ -103,8 +105,7 @@ class PagedRunner:
         """On the CPU, chooses how its linears run small batches
         (:func:`tune_linears`); on CUDA, captures the graphs of every bucket
         up to these sizes."""
-        if isinstance(self.forward, LlamaForward):  # (a tensor-parallel forward's ranks: F.linear)
-            tune_linears(self.forward.linear_weights())
+        tune_linears(self.forward.linear_weights())
         if self.graphs is not None:
             self.graphs.capture(
                 max_rows=max_rows, max_tokens_per_row=max_tokens_per_row, progress=progress
