@@ -45,9 +45,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from outrider.engine import ops
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
-from outrider.engine.runner import RunnerLost
+from outrider.engine.runner import RunnerLost, tune_linears
 from outrider.engine.shards import CheckpointShard, Shard
 from outrider.logging import get_logger
 from outrider.memory import return_freed_memory
@@ -417,7 +416,7 @@ def serve_rank(spec: RankSpec) -> int:
     steps = StepSubscriber(spec.steps)
     forward = load_shard(spec)
     return_freed_memory()
-    ops.tune_small_batch_linears(forward.linear_weights())  # (here: its steps run on this thread)
+    tune_linears(forward.linear_weights())  # (here: its steps run on this thread)
     store.set(f"loaded/{spec.rank}", "1")
     cache: torch.Tensor | None = None
     try:
