@@ -351,9 +351,10 @@ def test_repeats_need_concurrency_and_one_batch_at_least(tmp_path, capsys, flags
 
 def test_repeated_batches_report_their_median_and_check_every_output():
     """With ``repeat``, each configuration runs R batches at each N, the order
-    rotated each time; the report gives the median batch with the range of all
-    R, and a wrong output in any of them is a mismatch — of its request,
-    counted once however many batches got it wrong."""
+    rotated each time; the report gives the median batch with every batch's
+    figure in run order, the median of the ratios to outrider-k0's batch of
+    the same rotation, and a wrong output in any of them is a mismatch — of
+    its request, counted once however many batches got it wrong."""
     calls: list = []
     walls = {"a": iter([1.5, 3.0, 2.0, 1.0, 1.0, 1.0]), "b": iter([2.0] * 6)}
 
@@ -370,7 +371,7 @@ def test_repeated_batches_report_their_median_and_check_every_output():
 
     prompts = [Prompt("q:1", "c", "a")]
     configs = [config("outrider-k0"), config("a"), config("b")]
-    walls["outrider-k0"] = iter([1.0] * 6)
+    walls["outrider-k0"] = iter([1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
     ran, batches, _ = run_concurrency(configs, prompts, [1, 2], 32, repeat=3, progress=False)
     timed = [c[0] for c in calls if c[1] == 1 and c[2] == 32]
     assert timed == ["outrider-k0", "a", "b", "a", "b", "outrider-k0", "b", "outrider-k0", "a"]
@@ -378,9 +379,13 @@ def test_repeated_batches_report_their_median_and_check_every_output():
     report = build_concurrency_report(ran, prompts, batches)
     run = next(c for c in report["configs"] if c["name"] == "a")["runs"][0]
     assert run["tokens_per_s"] == 16.0
-    assert run["tokens_per_s_repeats"] == [approx4(32 / 3), 16.0, approx4(32 / 1.5)]
+    assert run["tokens_per_s_repeats"] == [approx4(32 / 1.5), approx4(32 / 3), 16.0]
+    # (outrider-k0 ran its batches at 32, 16 and 32 tok/s: paired, a ran at 2/3, 2/3 and 1/2 of it)
+    assert run["vs_target_only"] == 0.5
+    assert run["vs_target_only_paired"] == approx4(2 / 3)
     assert [(m["config"], m["concurrency"]) for m in report["mismatches"]] == [("a", 1)] * 2
     assert (run["mismatches_vs_reference"], run["mismatches_vs_concurrency_1"]) == (1, 0)
     out = io.StringIO()
     render_concurrency(report, out)
     assert "16.00" in out.getvalue() and "(10.67–21.33)" in out.getvalue()
+    assert "0.67×" in out.getvalue()

@@ -4,6 +4,7 @@ built from the batches (pure)."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ DEFINITIONS = {
     "(first request sent -> last stream ended); with --repeat, of the batch of median "
     "tokens_per_s, whose figures are the run's",
     "tokens_per_s_repeats": "with --repeat R > 1: tokens_per_s of each of the R batches, "
-    "in increasing order",
+    "in run order (the batches of one index ran in the same rotation, one after another)",
     "speedup_vs_concurrency_1": "tokens_per_s / tokens_per_s of the same configuration "
     "at concurrency 1",
     "ttft": "client-side, request sent -> first streamed chunk; p50/p99 over the batch's requests",
@@ -31,6 +32,9 @@ DEFINITIONS = {
     "(K = 0: target-only), as the speculation policy chose",
     "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed",
     "vs_target_only": "tokens_per_s / tokens_per_s of outrider-k0 at the same concurrency",
+    "vs_target_only_paired": "with --repeat R > 1: the median over r of batch r's tokens_per_s "
+    "/ outrider-k0's batch r's at the same concurrency (each pair ran in the same rotation, "
+    "so a machine that drifts in speed weighs less on it than on vs_target_only)",
     "ttft_vs_target_only": "ttft_ms_p50 / ttft_ms_p50 of outrider-k0 at the same concurrency",
 }
 REQUIRED_RUN_KEYS = (
@@ -83,8 +87,8 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
             by_k[k] += n
     repeats = {}
     if batch.repeats:
-        every = sorted(b.tokens_per_s for b in (batch, *batch.repeats))
-        repeats = {"tokens_per_s_repeats": [round_or_none(t) for t in every]}
+        every = sorted((batch, *batch.repeats), key=lambda b: b.index)
+        repeats = {"tokens_per_s_repeats": [round_or_none(b.tokens_per_s) for b in every]}
     return {
         "concurrency": batch.concurrency,
         "requests": len(streams),
@@ -123,7 +127,7 @@ def with_target_only_ratios(
 ) -> None:
     """Adds to every run ``vs_target_only`` and ``ttft_vs_target_only``: its
     throughput and TTFT p50 ÷ outrider-k0's at the same concurrency (None
-    without such a run)."""
+    without such a run); with repeats, ``vs_target_only_paired`` too."""
     target_only = next((row for row in rows if row["name"] == TARGET_ONLY), None)
     by_n = {r["concurrency"]: r for r in target_only["runs"]} if target_only else {}
     for row in rows:
@@ -135,6 +139,17 @@ def with_target_only_ratios(
             run["ttft_vs_target_only"] = round_or_none(
                 ratio(run["ttft_ms_p50"], k0.get("ttft_ms_p50"))
             )
+            paired = paired_ratio(run.get("tokens_per_s_repeats"), k0.get("tokens_per_s_repeats"))
+            if paired is not None:
+                run["vs_target_only_paired"] = round_or_none(paired)
+
+
+def paired_ratio(mine: Sequence[float] | None, theirs: Sequence[float] | None) -> float | None:
+    """The median of ``mine[r] / theirs[r]``: batches of one rotation against
+    each other. None unless both ran every repeat."""
+    if not mine or not theirs or len(mine) != len(theirs) or not all(theirs):
+        return None
+    return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
 
 
 def find_mismatches(

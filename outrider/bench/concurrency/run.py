@@ -6,6 +6,7 @@ their median)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from outrider.bench.concurrency.streams import Batch, LoadConfig, batch_requests, median_batch
 from outrider.bench.prompts import Prompt
@@ -66,7 +67,7 @@ def run_concurrency(
                     bar.set_postfix_str(f"{config.name} N={n}")
                     batch = _run_batch(config, requests, n, max_new_tokens, not_run, bar.update)
                     if batch is not None:
-                        runs[config.name].setdefault(n, []).append(batch)
+                        runs[config.name].setdefault(n, []).append(replace(batch, index=r))
     ran = [c for c in configs if c.name not in not_run]
     batches = {c.name: {n: median_batch(b) for n, b in runs[c.name].items()} for c in ran}
     return ran, batches, not_run

@@ -101,6 +101,9 @@ class Batch:
     repeats: tuple[Batch, ...] = ()
     """The other batches of the same configuration and concurrency, where
     this one is their median (``--repeat``)."""
+    index: int = 0
+    """Which of the ``--repeat`` batches this is, in run order: batches of
+    the same index ran in the same rotation, next to each other in time."""
 
     @property
     def tokens_per_s(self) -> float:
