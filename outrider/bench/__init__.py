@@ -32,7 +32,9 @@ else the file's stem does (``HumanEval_prompts.jsonl`` → ``humaneval``).
 
 Configurations run interleaved — for each prompt, every configuration in
 turn, the order rotated from prompt to prompt — so that machine noise hits
-all alike; one untimed warm-up request per configuration comes first.
+all alike; one untimed warm-up request per configuration comes first. With
+``--repeat R`` each prompt goes round R times, and each configuration's
+request of median wall time on it is the one reported.
 tokens/s = generated tokens ÷ wall time of the requests (client-side for
 Outrider, ``generate()`` for Hugging Face), both summed over prompts.
 

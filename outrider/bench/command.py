@@ -164,7 +164,9 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         configs = [generate, *configs, *assisted]
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
     configs = without_ignored_options(configs, warm)
-    results = run_interleaved(configs, prompts, options.max_new_tokens, progress=options.progress)
+    results = run_interleaved(
+        configs, prompts, options.max_new_tokens, repeat=options.repeat, progress=options.progress
+    )
     return build_report(configs, prompts, results, meta)
 
 
@@ -222,9 +224,9 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
         },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
+    meta["repeat"] = options.repeat
     if options.concurrency:
         meta["coordinators"] = options.coordinators
-        meta["repeat"] = options.repeat
     return meta
 
 
@@ -265,8 +267,6 @@ def options_from_args(args: Any) -> BenchOptions:
         )
     if args.repeat < 1:
         raise ValueError("--repeat must be at least 1")
-    if args.repeat > 1 and not args.concurrency:
-        raise ValueError("--repeat needs --concurrency (the sequential bench interleaves prompts)")
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
         parse_drafter(d, target_model=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -42,9 +42,21 @@ class Measurement:
     verify compute (waiting for drafts, RPCs, the coordinator's work); None
     where the server does not report it."""
 
+    repeats: tuple[Measurement, ...] = ()
+    """The other requests of the same configuration and prompt, where this
+    one is their median (``--repeat``)."""
+
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
+    """The request of median wall time (of two in the middle, the slower),
+    holding the others as its ``repeats``."""
+    ordered = sorted(measurements, key=lambda m: m.wall_s)
+    median = ordered[len(ordered) // 2]
+    return replace(median, repeats=tuple(m for m in ordered if m is not median))
 
 
 def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) -> Measurement:

@@ -36,13 +36,14 @@ def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
 def find_mismatches(
     results: Mapping[str, Sequence[Measurement]], prompts: Sequence[Prompt], reference: str
 ) -> list[dict[str, Any]]:
-    """Every (configuration, prompt) whose tokens differ from the reference's."""
+    """Every (configuration, prompt) whose tokens differ from the reference's,
+    in any of its repeats (the reference's own repeats against its median)."""
     found = []
     for name, measurements in results.items():
-        if name == reference:
-            continue
-        for prompt, mine, theirs in zip(prompts, measurements, results[reference], strict=True):
-            if mine.token_ids == theirs.token_ids:
+        for prompt, median, theirs in zip(prompts, measurements, results[reference], strict=True):
+            runs = median.repeats if name == reference else (median, *median.repeats)
+            mine = next((m for m in runs if m.token_ids != theirs.token_ids), None)
+            if mine is None:
                 continue
             found.append(
                 {

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from outrider.bench.configs import Config
-from outrider.bench.measurements import Measurement
+from outrider.bench.measurements import Measurement, median_measurement
 from outrider.bench.prompts import Prompt
 
 
@@ -32,22 +32,27 @@ def run_interleaved(
     prompts: Sequence[Prompt],
     max_new_tokens: int,
     *,
+    repeat: int = 1,
     progress: bool = True,
 ) -> dict[str, list[Measurement]]:
-    """For each prompt, every configuration in turn; the results by
-    configuration, in prompt order."""
+    """For each prompt, every configuration in turn, ``repeat`` times (the
+    order rotated each time); the results by configuration, in prompt order,
+    each the median of its ``repeat`` requests."""
     from tqdm import tqdm
 
-    results: dict[str, list[Measurement]] = {c.name: [] for c in configs}
+    runs: dict[str, list[list[Measurement]]] = {c.name: [] for c in configs}
     with tqdm(
-        total=len(prompts) * len(configs), desc="bench", unit="run", disable=not progress
+        total=repeat * len(prompts) * len(configs), desc="bench", unit="run", disable=not progress
     ) as bar:
         for i, prompt in enumerate(prompts):
-            for config in interleaved_order(configs, i):
-                bar.set_postfix_str(f"{prompt.id} {config.name}")
-                results[config.name].append(_run_one(config, prompt, max_new_tokens))
-                bar.update()
-    return results
+            for measurements in runs.values():
+                measurements.append([])
+            for r in range(repeat):
+                for config in interleaved_order(configs, i * repeat + r):
+                    bar.set_postfix_str(f"{prompt.id} {config.name}")
+                    runs[config.name][-1].append(_run_one(config, prompt, max_new_tokens))
+                    bar.update()
+    return {name: [median_measurement(m) for m in by_prompt] for name, by_prompt in runs.items()}
 
 
 def warm_up(

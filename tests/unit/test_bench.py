@@ -445,3 +445,32 @@ def test_a_failing_run_names_the_configuration_and_the_prompt():
         run_interleaved(
             [Config("outrider-k0", "outrider", run)], [Prompt("q:1", "c", "x")], 8, progress=False
         )
+
+
+def test_repeated_requests_report_their_median_and_check_every_output():
+    """With ``repeat``, each prompt runs every configuration R times, the
+    order rotated each time; each (configuration, prompt) reports its request
+    of median wall time, and a wrong output in any repeat is a mismatch."""
+    calls: list[str] = []
+    walls = {"hf-generate": iter([1.0, 1.0, 1.0]), "outrider-k0": iter([2.0, 0.5, 1.0])}
+    wrong = {"outrider-k0": iter([False, True, False])}
+
+    def config(name: str) -> Config:
+        def run(prompt, max_new_tokens):
+            calls.append(name)
+            tokens = 3 if next(wrong.get(name, iter([False] * 3))) else 4
+            return m(tokens, next(walls[name]), rounds=4)
+
+        return Config(name, "outrider", run)
+
+    configs = [config("hf-generate"), config("outrider-k0")]
+    results = run_interleaved(configs, [Prompt("q:1", "c", "x")], 4, repeat=3, progress=False)
+    hf, k0 = "hf-generate", "outrider-k0"
+    assert calls == [hf, k0, k0, hf, hf, k0]
+    median = results["outrider-k0"][0]
+    assert median.wall_s == 1.0 and sorted(r.wall_s for r in median.repeats) == [0.5, 2.0]
+    report = build_report(configs, [Prompt("q:1", "c", "x")], results)
+    assert [(x["config"], x["first_difference_at"]) for x in report["mismatches"]] == [
+        ("outrider-k0", 3)
+    ]
+    assert next(c for c in report["configs"] if c["name"] == "outrider-k0")["tokens_per_s"] == 4.0
