@@ -153,7 +153,7 @@ def print_tables(
         for line in lines:
             print(line, file=out)
         return
-    console = Console(file=out, width=None if out.isatty() else 220, highlight=False)
+    console = Console(file=out, width=None if out.isatty() else 260, highlight=False)
     for title, header, rows in tables:
         table = Table(title=title, title_justify="left")
         for i, name in enumerate(header):

@@ -365,7 +365,7 @@ def test_repeated_batches_report_their_median_and_check_every_output():
                 return Batch(n, tuple(stream([1] * max_new_tokens, 0.1) for _ in requests), 1.0)
             wall = next(walls[name])
             tokens = [2] * max_new_tokens if wall in (1.5, 3.0) else [1] * max_new_tokens
-            return Batch(n, tuple(stream(tokens, 0.1) for _ in requests), wall)
+            return Batch(n, tuple(stream(tokens, wall / 10) for _ in requests), wall)
 
         return LoadConfig(name, "outrider", run)
 
@@ -383,9 +383,12 @@ def test_repeated_batches_report_their_median_and_check_every_output():
     # (outrider-k0 ran its batches at 32, 16 and 32 tok/s: paired, a ran at 2/3, 2/3 and 1/2 of it)
     assert run["vs_target_only"] == 0.5
     assert run["vs_target_only_paired"] == approx4(2 / 3)
+    # (first tokens at a tenth of the wall: 150, 300, 200 ms against 100, 200, 100)
+    assert run["ttft_ms_p50_repeats"] == [150.0, 300.0, 200.0]
+    assert run["ttft_vs_target_only"] == 2.0 and run["ttft_vs_target_only_paired"] == 1.5
     assert [(m["config"], m["concurrency"]) for m in report["mismatches"]] == [("a", 1)] * 2
     assert (run["mismatches_vs_reference"], run["mismatches_vs_concurrency_1"]) == (1, 0)
     out = io.StringIO()
     render_concurrency(report, out)
     assert "16.00" in out.getvalue() and "(10.67–21.33)" in out.getvalue()
-    assert "0.67×" in out.getvalue()
+    assert "0.50× (0.67×)" in out.getvalue() and "2.00× (1.50×)" in out.getvalue()

@@ -35,6 +35,10 @@ DEFINITIONS = {
     "vs_target_only_paired": "with --repeat R > 1: the median over r of batch r's tokens_per_s "
     "/ outrider-k0's batch r's at the same concurrency (each pair ran in the same rotation, "
     "so a machine that drifts in speed weighs less on it than on vs_target_only)",
+    "ttft_ms_p50_repeats": "with --repeat R > 1: ttft_ms_p50 of each of the R batches, "
+    "in run order",
+    "ttft_vs_target_only_paired": "with --repeat R > 1: the median over r of batch r's "
+    "ttft_ms_p50 / outrider-k0's batch r's at the same concurrency",
     "ttft_vs_target_only": "ttft_ms_p50 / ttft_ms_p50 of outrider-k0 at the same concurrency",
 }
 REQUIRED_RUN_KEYS = (
@@ -88,7 +92,12 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
     repeats = {}
     if batch.repeats:
         every = sorted((batch, *batch.repeats), key=lambda b: b.index)
-        repeats = {"tokens_per_s_repeats": [round_or_none(b.tokens_per_s) for b in every]}
+        repeats = {
+            "tokens_per_s_repeats": [round_or_none(b.tokens_per_s) for b in every],
+            "ttft_ms_p50_repeats": [
+                _ms(percentile([s.ttft_s for s in b.streams], 50)) for b in every
+            ],
+        }
     return {
         "concurrency": batch.concurrency,
         "requests": len(streams),
@@ -127,7 +136,7 @@ def with_target_only_ratios(
 ) -> None:
     """Adds to every run ``vs_target_only`` and ``ttft_vs_target_only``: its
     throughput and TTFT p50 ÷ outrider-k0's at the same concurrency (None
-    without such a run); with repeats, ``vs_target_only_paired`` too."""
+    without such a run); with repeats, each paired too (``…_paired``)."""
     target_only = next((row for row in rows if row["name"] == TARGET_ONLY), None)
     by_n = {r["concurrency"]: r for r in target_only["runs"]} if target_only else {}
     for row in rows:
@@ -139,15 +148,19 @@ def with_target_only_ratios(
             run["ttft_vs_target_only"] = round_or_none(
                 ratio(run["ttft_ms_p50"], k0.get("ttft_ms_p50"))
             )
-            paired = paired_ratio(run.get("tokens_per_s_repeats"), k0.get("tokens_per_s_repeats"))
-            if paired is not None:
-                run["vs_target_only_paired"] = round_or_none(paired)
+            for key, repeats in (
+                ("vs_target_only_paired", "tokens_per_s_repeats"),
+                ("ttft_vs_target_only_paired", "ttft_ms_p50_repeats"),
+            ):
+                paired = paired_ratio(run.get(repeats), k0.get(repeats))
+                if paired is not None:
+                    run[key] = round_or_none(paired)
 
 
 def paired_ratio(mine: Sequence[float] | None, theirs: Sequence[float] | None) -> float | None:
     """The median of ``mine[r] / theirs[r]``: batches of one rotation against
-    each other. None unless both ran every repeat."""
-    if not mine or not theirs or len(mine) != len(theirs) or not all(theirs):
+    each other. None unless both ran every repeat (and measured it)."""
+    if not mine or not theirs or len(mine) != len(theirs) or not all((*mine, *theirs)):
         return None
     return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
 
