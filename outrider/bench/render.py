@@ -88,6 +88,11 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
     lines = [
         f"speedup = tokens/s ÷ tokens/s of {report['baseline']}; greedy, same prompts, interleaved."
     ]
+    if report.get("repeat", 1) > 1:
+        lines.append(
+            f"each prompt ran {report['repeat']} times per configuration; "
+            "each figure is of its request of median wall time."
+        )
     if h["best_outrider"] and h["best_hf_assisted"]:
         lines.append(
             f"best Outrider ({h['best_outrider']}) ÷ best HF assisted ({h['best_hf_assisted']}): "

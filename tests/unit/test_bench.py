@@ -474,3 +474,6 @@ def test_repeated_requests_report_their_median_and_check_every_output():
         ("outrider-k0", 3)
     ]
     assert next(c for c in report["configs"] if c["name"] == "outrider-k0")["tokens_per_s"] == 4.0
+    out = io.StringIO()
+    render({**report, "repeat": 3}, out)
+    assert "each prompt ran 3 times per configuration" in out.getvalue()
