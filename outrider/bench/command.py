@@ -223,8 +223,8 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
             "torch": torch.__version__,
         },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "repeat": options.repeat,
     }
-    meta["repeat"] = options.repeat
     if options.concurrency:
         meta["coordinators"] = options.coordinators
     return meta

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,21 @@ class Measurement:
         return len(self.token_ids)
 
 
-def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
-    """The request of median wall time (of two in the middle, the slower),
-    holding the others as its ``repeats``."""
-    ordered = sorted(measurements, key=lambda m: m.wall_s)
+R = TypeVar("R")
+
+
+def median_run(runs: Sequence[R], slowness: Callable[[R], float]) -> tuple[R, tuple[R, ...]]:
+    """The run of median ``slowness`` (of two in the middle, the slower), and
+    the others: what ``--repeat`` reports, and what it holds as repeats."""
+    ordered = sorted(runs, key=slowness)
     median = ordered[len(ordered) // 2]
-    return replace(median, repeats=tuple(m for m in ordered if m is not median))
+    return median, tuple(r for r in ordered if r is not median)
+
+
+def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
+    """The request of median wall time, holding the others as its ``repeats``."""
+    median, others = median_run(measurements, lambda m: m.wall_s)
+    return replace(median, repeats=others)
 
 
 def measurement_from_stats(token_ids: Sequence[int], stats: Any, wall_s: float) -> Measurement:

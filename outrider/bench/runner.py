@@ -40,19 +40,20 @@ def run_interleaved(
     each the median of its ``repeat`` requests."""
     from tqdm import tqdm
 
-    runs: dict[str, list[list[Measurement]]] = {c.name: [] for c in configs}
+    results: dict[str, list[Measurement]] = {c.name: [] for c in configs}
     with tqdm(
         total=repeat * len(prompts) * len(configs), desc="bench", unit="run", disable=not progress
     ) as bar:
         for i, prompt in enumerate(prompts):
-            for measurements in runs.values():
-                measurements.append([])
+            runs: dict[str, list[Measurement]] = {c.name: [] for c in configs}
             for r in range(repeat):
                 for config in interleaved_order(configs, i * repeat + r):
                     bar.set_postfix_str(f"{prompt.id} {config.name}")
-                    runs[config.name][-1].append(_run_one(config, prompt, max_new_tokens))
+                    runs[config.name].append(_run_one(config, prompt, max_new_tokens))
                     bar.update()
-    return {name: [median_measurement(m) for m in by_prompt] for name, by_prompt in runs.items()}
+            for name, measurements in runs.items():
+                results[name].append(median_measurement(measurements))
+    return results
 
 
 def warm_up(

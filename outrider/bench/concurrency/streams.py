@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import TypedDict, Unpack
 
+from outrider.bench.measurements import median_run
 from outrider.bench.prompts import Prompt
 
 
@@ -112,11 +113,9 @@ class Batch:
 
 
 def median_batch(batches: Sequence[Batch]) -> Batch:
-    """The batch of median tokens/s (of two in the middle, the slower),
-    holding the others as its ``repeats``."""
-    ordered = sorted(batches, key=lambda b: b.tokens_per_s)
-    median = ordered[(len(ordered) - 1) // 2]
-    return replace(median, repeats=tuple(b for b in ordered if b is not median))
+    """The batch of median tokens/s, holding the others as its ``repeats``."""
+    median, others = median_run(batches, lambda b: -b.tokens_per_s)
+    return replace(median, repeats=others)
 
 
 @dataclass
