@@ -381,7 +381,6 @@ class Generation:
             draft_s=record.draft_s,
             draft_steps=len(drafted) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
-            verify_s=record.verify_s,
             overhead_s=record.overhead_s,
             drafted=proposal is not None and not record.hit,
         )

@@ -13,11 +13,14 @@ of T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R);
 the draft drafts in steps of every session drafting, n_j rows of a token at
 the j-th draft of a round, each costing d(n_j). Both costs are measured by
 the engines themselves, by rows and tokens, and reported with every answer
-(``outrider.load``); the coordinator adds its overhead o
-(RPCs, its own loop, and the engines' work on a round's calls beyond their
-steps, measured per round). So a round costs
+(``outrider.load``), each with the engine's own work between its forward
+passes (answering, starting and scheduling calls), w a row for the
+target and w_d for the draft, which every row of a step waits for: w·R of
+a target step, whatever the K in it, is most of a round where a step is a
+few milliseconds of GPU time and tens of rows. The coordinator adds its
+overhead o (RPCs and its own loop, measured per round). So a round costs
 
-    C = o + Σ_j d(n_j) + c(T; R)
+    C = o + Σ_j (d(n_j) + w_d·n_j) + c(T; R) + w·R
 
 and the goodput of an assignment of K_i to the sessions is
 
@@ -35,7 +38,7 @@ few hundred tokens, so drafting is almost free at low load and K shrinks
 as T grows; on a CPU c is linear from the first token, so under load
 drafting pays only where α is high and drafts are cheap — K = 0 when it
 does not pay at all. A session alone is priced exactly as
-E(K) / (o + K·d(1) + c(K + 1; 1)), its own best rate. Among assignments of
+E(K) / (o + K·(d(1) + w_d) + c(K + 1; 1) + w), its own best rate. Among assignments of
 the same goodput (within :data:`TIE`), the shortest round wins: every
 session gets its tokens soonest.
 
@@ -221,13 +224,6 @@ class CostModel:
     the draft has not seen — two, the last draft and the bonus token, where
     every draft was accepted — and a round of one draft pays it as one of K
     does. Priced as a fixed cost of a drafting round."""
-    verify_extra: _Floor = field(init=False)
-    """What a verify took beyond its step's price on the target's curve: the
-    target engine's work on the call outside the forward pass (the round's
-    job, its verdict), which every round pays — a round of no drafts too,
-    where it is the larger share: unpriced, K = 0 looks cheaper than it is
-    where a step costs a few milliseconds (docs/design.md#adaptive-k). Its
-    floor, as the overhead's."""
     prefill_per_token: _Ema = field(init=False)
     overhead: dict[bool, _Floor] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one).
@@ -251,7 +247,6 @@ class CostModel:
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
         self.draft_extra = _Median()
-        self.verify_extra = _Floor()
         self.prefill_per_token = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
@@ -266,11 +261,9 @@ class CostModel:
         drafted: bool,
         draft_steps: int | None = None,
         num_accepted: int | None = None,
-        verify_s: float | None = None,
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
-        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
-        in ``verify_s`` of its engine's time."""
+        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``."""
         if num_drafts and num_accepted is not None:
             judged = num_accepted + (num_accepted < num_drafts)
             self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
@@ -282,8 +275,6 @@ class CostModel:
                 rows = max(1.0, self.draft.rows_per_step)
                 priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
                 self.draft_extra.update(max(0.0, draft_s - priced))
-        if verify_s is not None and (step := self.verify_cost(0)) is not None:
-            self.verify_extra.update(max(0.0, verify_s - step))
         self.overhead[drafted].update(overhead_s)
 
     def draft_answered(self, load: EngineLoad | None) -> None:
@@ -375,11 +366,15 @@ class CostModel:
         return saved > prefill
 
     def verify_cost(self, k: int) -> float | None:
-        """What a verify of K drafts should take now: a step at the current load."""
+        """What a verify of K drafts should take now: a step at the current
+        load, and the engine's work on the step's rows around it."""
         if not self.measured:
             return None
         load = self.target
-        return load.step_cost(max(load.tokens_per_step, 1.0) + k, max(load.rows_per_step, 1.0))
+        rows = max(load.rows_per_step, 1.0)
+        step = load.step_cost(max(load.tokens_per_step, 1.0) + k, rows)
+        assert step is not None  # (measured)
+        return step + load.work_per_row_s * rows
 
     def rpc_cost(self, drafted: bool) -> float:
         """o: a round's overhead with two RPCs on its critical path (``drafted``) or one."""
@@ -389,10 +384,12 @@ class CostModel:
         return overhead
 
     def draft_step_costs(self, rows: np.ndarray) -> np.ndarray:
-        """d(n) of draft steps of ``rows`` rows (0 rows: no step)."""
+        """d(n) of draft steps of ``rows`` rows (0 rows: no step), the draft
+        engine's work on the rows around each included."""
         rows = np.asarray(rows, dtype=float)
         if self.draft is not None and self.draft.curve:
-            costs = self.draft.decode_costs(np.maximum(rows, 1.0))
+            stepping = np.maximum(rows, 1.0)
+            costs = self.draft.decode_costs(stepping) + self.draft.work_per_row_s * stepping
         else:
             costs = np.full_like(rows, self.draft_per_token.value or 0.0)
         return np.where(rows > 0, costs, 0.0)
@@ -525,7 +522,10 @@ class CostModel:
             else None,
             overhead=(round(self.rpc_cost(False) * 1e3, 1), round(self.rpc_cost(True) * 1e3, 1)),
             draft_extra=round((self.draft_extra.value or 0.0) * 1e3, 1),
-            verify_extra=round((self.verify_extra.value or 0.0) * 1e3, 1),
+            work_per_row=(
+                round(self.target.work_per_row_s * 1e3, 2),
+                round(self.draft.work_per_row_s * 1e3, 2) if self.draft else None,
+            ),
         )
 
     def _prefixes(
@@ -547,7 +547,8 @@ class CostModel:
             # No drafts: a decode step, a token a row.
             if (decode := self.target.decode_cost(base.rows)) is not None:
                 steps[0] = decode
-        verify = np.maximum.accumulate(steps) + (self.verify_extra.value or 0.0)
+        # Every row of the step waits for the engine's work on all of them.
+        verify = np.maximum.accumulate(steps) + self.target.work_per_row_s * base.rows
         one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
         if base.pipelined:
             # A speculation drafts one step more (the guess) beside the verify;

@@ -56,6 +56,13 @@ class EngineLoad:
     """Forward passes begun since the engine started."""
     running_s: float = 0.0
     """How long the step under way has run (0: none is)."""
+    work_per_row_s: float = 0.0
+    """The engine's own work between two forward passes — answering the
+    last step's rows, starting the calls that came meanwhile, scheduling —
+    per row of the step after it: the median of the last steps. Every row
+    of a step waits for all of it, so a round pays it for each row of its
+    step whatever its K; where a step is a few milliseconds of GPU time and
+    tens of rows, it is most of a round."""
 
     def step_cost(self, tokens: float, rows: float = 1.0) -> float | None:
         """Seconds of a step of ``tokens`` tokens in ``rows`` rows; None
@@ -166,6 +173,8 @@ class LoadMeter:
         """Power-of-two ranges of rows and tokens → the step that last measured them."""
         self._recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
         """The last steps' rows and tokens."""
+        self._work: deque[float] = deque(maxlen=WINDOW)
+        """The last steps' work per row (:attr:`EngineLoad.work_per_row_s`)."""
         self._steps = 0
         self._snapshot = EngineLoad()
 
@@ -180,8 +189,9 @@ class LoadMeter:
         self._began_at = time.perf_counter()
         self._begun += 1
 
-    def stepped(self, *, rows: int, tokens: int, seconds: float) -> None:
-        """A step ended: ``rows`` rows of ``tokens`` tokens took ``seconds``."""
+    def stepped(self, *, rows: int, tokens: int, seconds: float, work_s: float = 0.0) -> None:
+        """A step ended: ``rows`` rows of ``tokens`` tokens took ``seconds``,
+        after ``work_s`` of the engine's own work since the step before."""
         self._began_at = None
         key = (_range_of(rows), _range_of(tokens))
         bucket = self._buckets.setdefault(key, deque(maxlen=WINDOW))
@@ -189,11 +199,18 @@ class LoadMeter:
         self._points[key] = _median(bucket)
         self._measured_at[key] = self._steps
         self._recent.append((rows, tokens))
+        self._work.append(work_s / max(1, rows))
         self._steps += 1
         curve = tuple(sorted(_consistent(self._points, self._measured_at)))
         rows_per_step = statistics.median(r for r, _ in self._recent)
         tokens_per_step = statistics.median(t for _, t in self._recent)
-        self._snapshot = EngineLoad(curve, tokens_per_step, rows_per_step, self._steps)
+        self._snapshot = EngineLoad(
+            curve,
+            tokens_per_step,
+            rows_per_step,
+            self._steps,
+            work_per_row_s=statistics.median(self._work),
+        )
 
 
 def _consistent(

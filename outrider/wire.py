@@ -125,6 +125,7 @@ def load_to_pb(load: EngineLoad | None) -> worker_pb2.EngineLoad | None:
         rows_per_step=load.rows_per_step,
         steps=load.steps,
         running_s=load.running_s,
+        work_per_row_s=load.work_per_row_s,
     )
 
 
@@ -142,4 +143,5 @@ def load_from_pb(message: worker_pb2.EngineLoad) -> EngineLoad:
         rows_per_step=message.rows_per_step,
         steps=message.steps,
         running_s=message.running_s,
+        work_per_row_s=message.work_per_row_s,
     )

@@ -287,6 +287,10 @@ class Engine:
         self._returns = _Returns(max_batch_wait)
         self._stepped_at: float | None = None
         """While a step answers its sessions: when it ended."""
+        self._forward_ended_at: float | None = None
+        """When the last forward pass ended (None: before the first)."""
+        self._waited_s = 0.0
+        """Seconds the loop has waited for calls since then."""
         self._calls: queue.SimpleQueue[_Call | _Fatal | None] = queue.SimpleQueue()
         self._stopped = False
         self.exited: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
@@ -393,9 +397,12 @@ class Engine:
         try:
             call = self._calls.get(block=block, timeout=timeout)
         except queue.Empty:
+            self._waited_s += time.perf_counter() - waiting_since
             return True
         if block:
-            self._activity.idle_s += time.perf_counter() - waiting_since
+            waited = time.perf_counter() - waiting_since
+            self._activity.idle_s += waited
+            self._waited_s += waited
         while call is not None:
             if isinstance(call, _Fatal):
                 raise call.exc
@@ -456,6 +463,13 @@ class Engine:
         rows = [scheduled.row for scheduled in step]
         self.meter.begin()
         started = time.perf_counter()
+        # The engine's own work since the last forward pass: answering that
+        # step's rows, starting the calls that came meanwhile, scheduling.
+        work_s = (
+            0.0
+            if self._forward_ended_at is None
+            else max(0.0, started - self._forward_ended_at - self._waited_s)
+        )
         try:
             outputs = self.runner.execute(rows)
         except RunnerLost:
@@ -467,8 +481,9 @@ class Engine:
             for call in self.scheduler.discard(scheduled.pending.owner for scheduled in step):
                 call.fail(exc)
             return
+        self._forward_ended_at, self._waited_s = time.perf_counter(), 0.0
         stats = StepStats(
-            len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - started
+            len(rows), sum(len(r.tokens) for r in rows), self._forward_ended_at - started
         )
         log.debug(
             "step",
@@ -479,7 +494,9 @@ class Engine:
             pid=os.getpid(),
         )
         self._returns.stepped(stats.seconds)
-        self.meter.stepped(rows=stats.rows, tokens=stats.tokens, seconds=stats.seconds)
+        self.meter.stepped(
+            rows=stats.rows, tokens=stats.tokens, seconds=stats.seconds, work_s=work_s
+        )
         if self.on_step is not None:
             self.on_step(stats)
         self._stepped_at = time.perf_counter()  # the step's sessions form one group

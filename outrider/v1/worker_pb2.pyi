@@ -38,7 +38,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., graphed_tokens_per_row: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("curve_tokens", "curve_seconds", "curve_rows", "tokens_per_step", "rows_per_step", "steps", "running_s")
+    __slots__ = ("curve_tokens", "curve_seconds", "curve_rows", "tokens_per_step", "rows_per_step", "steps", "running_s", "work_per_row_s")
     CURVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CURVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CURVE_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class EngineLoad(_message.Message):
     ROWS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_S_FIELD_NUMBER: _ClassVar[int]
+    WORK_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
     curve_tokens: _containers.RepeatedScalarFieldContainer[float]
     curve_seconds: _containers.RepeatedScalarFieldContainer[float]
     curve_rows: _containers.RepeatedScalarFieldContainer[float]
@@ -53,7 +54,8 @@ class EngineLoad(_message.Message):
     rows_per_step: float
     steps: int
     running_s: float
-    def __init__(self, curve_tokens: _Optional[_Iterable[float]] = ..., curve_seconds: _Optional[_Iterable[float]] = ..., curve_rows: _Optional[_Iterable[float]] = ..., tokens_per_step: _Optional[float] = ..., rows_per_step: _Optional[float] = ..., steps: _Optional[int] = ..., running_s: _Optional[float] = ...) -> None: ...
+    work_per_row_s: float
+    def __init__(self, curve_tokens: _Optional[_Iterable[float]] = ..., curve_seconds: _Optional[_Iterable[float]] = ..., curve_rows: _Optional[_Iterable[float]] = ..., tokens_per_step: _Optional[float] = ..., rows_per_step: _Optional[float] = ..., steps: _Optional[int] = ..., running_s: _Optional[float] = ..., work_per_row_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling", "first_token")

@@ -18,6 +18,7 @@ from outrider.engine.llama import LlamaForward, unsupported
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound, Unavailable
+from outrider.load import WINDOW
 from tests.tiny import FAMILY_SHAPE, LLAMA_FAMILY
 
 
@@ -466,3 +467,34 @@ def test_the_rows_histogram_has_the_cuda_graphs_buckets():
     from outrider.engine import cuda_graphs
 
     assert metrics.ROW_BUCKETS == cuda_graphs.ROW_BUCKETS
+
+
+async def test_the_engine_reports_its_own_work_between_steps_per_row_and_not_its_waits(llama):
+    # Each of 4 sessions' jobs works 10 ms after every feed, on the engine's
+    # thread: the engine works 40 ms between two steps of the 4 rows, 10 ms
+    # a row. Between one session's rounds, 100 ms apart, it only waits.
+    spy = Spy(paged(llama))
+    engine = Engine(spy, max_tokens_per_step=64, max_rows=8)
+
+    def busy(kv, prompt, n):
+        out = yield Feed(kv, prompt, num_logits=1)
+        for _ in range(n):
+            time.sleep(0.01)
+            out = yield Feed(kv, [out.argmax[-1]])
+        return out.argmax[-1]
+
+    def one_token(kv, token):
+        out = yield Feed(kv, [token])
+        return out.argmax[-1]
+
+    try:
+        kvs = [spy.new_kv() for _ in range(4)]
+        await asyncio.gather(*(engine.run(busy, kv, [1, 2, 3], 20) for kv in kvs))
+        assert engine.load.rows_per_step == 4
+        assert 0.01 <= engine.load.work_per_row_s < 0.02
+        for _ in range(WINDOW):
+            await asyncio.sleep(0.1)
+            await engine.run(one_token, kvs[0], 5)
+        assert engine.load.work_per_row_s < 0.02
+    finally:
+        engine.shutdown()

@@ -88,8 +88,17 @@ def test_a_reset_forgets_the_warm_up_but_not_the_heartbeat():
     assert meter.load.steps == 1
 
 
+def test_the_engines_work_between_steps_is_a_median_per_row_of_recent_steps():
+    meter = LoadMeter()
+    meter.stepped(rows=8, tokens=8, seconds=0.01, work_s=0.016)
+    assert meter.load.work_per_row_s == pytest.approx(0.002)
+    meter.stepped(rows=8, tokens=8, seconds=0.01, work_s=0.016)
+    meter.stepped(rows=1, tokens=1, seconds=0.01, work_s=0.5)  # (a rare slow one)
+    assert meter.load.work_per_row_s == pytest.approx(0.002)
+
+
 def test_the_surface_crosses_the_wire_and_a_curve_without_rows_is_one_range():
-    load = EngineLoad(((1.0, 60.0, 0.15), (8.0, 40.0, 0.2)), 12.0, 8.0, 7, 0.01)
+    load = EngineLoad(((1.0, 60.0, 0.15), (8.0, 40.0, 0.2)), 12.0, 8.0, 7, 0.01, 0.002)
     assert load_from_pb(load_to_pb(load)) == load
     by_tokens = load_to_pb(load)
     del by_tokens.curve_rows[:]  # a worker that measures by tokens alone

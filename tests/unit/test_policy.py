@@ -111,24 +111,37 @@ def test_a_drafting_round_pays_what_its_draft_took_beyond_the_curve():
     assert costs.draft_extra.value == pytest.approx(0.3)
 
 
-def test_every_round_pays_what_its_verify_took_beyond_the_step():
+def test_every_round_pays_the_target_engines_work_on_every_row_of_its_step():
     # A GPU-like target whose step costs what a draft step does, whatever
     # its tokens: at the steps' prices alone a round of no drafts wins, but
-    # the target's work on each call outside its step is paid by every
-    # round, and with it counted the drafts' tokens are worth their steps.
-    step, extra, alpha = 3e-3, 1.5e-3, 0.96
-    costs = model(lambda t: step, draft=lambda n: step)
-    policy = session(costs, alpha=alpha)
+    # the engine's work between steps on each of the step's rows is paid
+    # by every round whatever its K, and with it counted the drafts'
+    # tokens are worth their steps — the more so the more rows share it.
+    step, work, alpha = 3e-3, 1.5e-3, 0.96
+    for rows in (1, 16):
+        costs = model(lambda t: step, draft=lambda n: step, rows=rows)
+        policies = [session(costs, alpha=alpha) for _ in range(rows)]
 
-    def rates(extra: float) -> np.ndarray:
-        return np.array([expected_tokens(alpha, k) / (k * step + step + extra) for k in range(9)])
+        def rates(work_per_row: float, rows: int = rows) -> np.ndarray:
+            ks = np.arange(9)
+            cost = ks * step + step + work_per_row * rows
+            return rows * np.array([expected_tokens(alpha, k) for k in ks]) / cost
 
-    assert policy.choose(limit=100) == np.argmax(rates(0.0)) == 0
-    costs.observe(num_drafts=0, draft_s=0.0, overhead_s=0.0, drafted=False, verify_s=step + extra)
-    assert costs.verify_extra.value == pytest.approx(extra)
-    costs._plan = None  # (planned again at the next target step)
-    k = policy.choose(limit=100)
-    assert k > 0 and rates(extra)[k] >= rates(extra).max() * (1 - TIE) > rates(extra)[0] * 1.2
+        assert policies[0].choose(limit=100) == np.argmax(rates(0.0)) == 0
+        costs.target = dataclasses.replace(costs.target, work_per_row_s=work)
+        costs._plan = None  # (planned again at the next target step)
+        k = policies[0].choose(limit=100)
+        assert k > 0 and rates(work)[k] >= rates(work).max() * (1 - TIE) > rates(work)[0] * 1.2
+        assert costs.verify_cost(0) == pytest.approx(step + work * rows)
+
+
+def test_a_draft_step_pays_the_draft_engines_work_on_its_rows():
+    costs = model(lambda t: 0.01, draft=lambda n: 0.002)
+    bare = costs.draft_step_costs(np.array([0.0, 1.0, 8.0]))
+    costs.draft = dataclasses.replace(costs.draft, work_per_row_s=0.001)
+    assert costs.draft_step_costs(np.array([0.0, 1.0, 8.0])) == pytest.approx(
+        bare + [0.0, 0.001, 0.008]
+    )
 
 
 def test_hopeless_drafts_fall_back_to_target_only_and_probe():
