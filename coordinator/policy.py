@@ -464,22 +464,22 @@ class CostModel:
         draft_add = np.maximum(draft_add, 0.0)  # a row never makes a step cheaper
 
         # A deep draft costs a draft step every session waits for, so the best
-        # prefix is sought under every cap on the depth (K = cap for all is one).
+        # prefix is sought under every cap on the depth (K = cap for all is one):
+        # the prefixes of the tokens each cap keeps, one row of the tables a cap.
+        kept = depth[None, :] <= np.arange(int(depth.max(initial=0)) + 1)[:, None]
+        goodput, cost = self._prefixes(base, kept, alphas, owner, depth, gain, draft_add)
+        target_only = float(goodput[0, 0])  # every cap's first prefix: no drafts
+        near = goodput >= goodput.max(axis=1, keepdims=True) * (1 - TIE)
+        ends = np.argmin(np.where(near, cost, np.inf), axis=1)  # ties: the shortest round
         best: tuple[float, float, np.ndarray] | None = None
-        for cap in range(int(depth.max(initial=0)) + 1):
-            keep = depth <= cap
-            goodput, cost = self._prefixes(
-                base, alphas, owner[keep], depth[keep], gain[keep], draft_add[keep]
-            )
-            target_only = float(goodput[0])  # every cap's first prefix: no drafts
-            near = np.flatnonzero(goodput >= goodput.max() * (1 - TIE))
-            p = int(near[np.argmin(cost[near])])  # ties: the shortest round
+        for cap, end in enumerate(ends):
+            rate, seconds = float(goodput[cap, end]), float(cost[cap, end])
             if (
                 best is None
-                or goodput[p] > best[0] * (1 + TIE)
-                or (goodput[p] >= best[0] * (1 - TIE) and cost[p] < best[1])
+                or rate > best[0] * (1 + TIE)
+                or (rate >= best[0] * (1 - TIE) and seconds < best[1])
             ):
-                best = (float(goodput[p]), float(cost[p]), owner[keep][:p])
+                best = (rate, seconds, owner[kept[cap] & (np.arange(len(owner)) < end)])
         assert best is not None
         goodput_best, _, chosen = best
         ks = np.bincount(chosen, minlength=n)
@@ -531,38 +531,49 @@ class CostModel:
     def _prefixes(
         self,
         base: _Base,
+        kept: np.ndarray,
         alphas: np.ndarray,
         owner: np.ndarray,
         depth: np.ndarray,
         gain: np.ndarray,
         draft_add: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Goodput and round cost of every prefix of the tokens (0 .. all)."""
-        drafts = np.arange(len(gain) + 1, dtype=float)
-        committed = base.committed + np.concatenate([[0.0], np.cumsum(gain)])
-        drafting = np.concatenate([[0.0], np.cumsum(draft_add)])
-        drafting[1:] += self.draft_extra.value or 0.0
-        steps = self.target.step_costs(base.tokens + drafts, base.rows)
+        """Goodput and round cost of every prefix of the tokens each cap keeps
+        (a row of ``kept`` a cap): column 0 the empty prefix, column i + 1 the
+        prefix that ends with token i (where the cap keeps it; elsewhere no
+        goodput and no end)."""
+        drafts = np.cumsum(kept, axis=1)
+        committed = base.committed + np.cumsum(gain * kept, axis=1)
+        drafting = np.cumsum(draft_add * kept, axis=1) + (self.draft_extra.value or 0.0)
+        # A verify's cost depends only on how many drafts it holds.
+        verify = self._verify_costs(base, len(gain))
+        one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
+        if base.pipelined:
+            # A speculation drafts one step more (the guess) beside the verify;
+            # a miss drafts afresh first.
+            guess = draft_add[0] if len(draft_add) else 0.0
+            miss = np.cumsum(_miss_increments(alphas, owner, depth) * kept, axis=1) / base.sessions
+            cost = (
+                one_rpc
+                + np.maximum(verify[drafts], drafting + guess)
+                + miss * (drafting + two_rpcs - one_rpc)
+            )
+        else:
+            cost = two_rpcs + drafting + verify[drafts]
+        empty = np.full((len(kept), 1), one_rpc + verify[0])
+        cost = np.concatenate([empty, np.where(kept, cost, np.inf)], axis=1)
+        committed = np.concatenate([np.full_like(empty, base.committed), committed], axis=1)
+        return committed / np.maximum(cost, 1e-9), cost
+
+    def _verify_costs(self, base: _Base, most: int) -> np.ndarray:
+        """What the target's step costs with 0 .. ``most`` drafts in it."""
+        steps = self.target.step_costs(base.tokens + np.arange(most + 1.0), base.rows)
         if base.tokens < DECODE_TOKENS_PER_ROW * base.rows:
             # No drafts: a decode step, a token a row.
             if (decode := self.target.decode_cost(base.rows)) is not None:
                 steps[0] = decode
         # Every row of the step waits for the engine's work on all of them.
-        verify = np.maximum.accumulate(steps) + self.target.work_per_row_s * base.rows
-        one_rpc, two_rpcs = self.rpc_cost(False), self.rpc_cost(True)
-        if base.pipelined:
-            # A speculation drafts one step more (the guess) beside the verify;
-            # a miss drafts afresh first.
-            guess = np.where(drafts > 0, draft_add[0] if len(draft_add) else 0.0, 0.0)
-            miss = _miss_rates(alphas, owner, depth, base.sessions)
-            cost = (
-                one_rpc
-                + np.maximum(verify, drafting + guess)
-                + miss * (drafting + two_rpcs - one_rpc)
-            )
-        else:
-            cost = np.where(drafts > 0, two_rpcs, one_rpc) + drafting + verify
-        return committed / np.maximum(cost, 1e-9), cost
+        return np.maximum.accumulate(steps) + self.target.work_per_row_s * base.rows
 
 
 @dataclass(frozen=True)
@@ -587,12 +598,13 @@ def _rank_within(groups: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def _miss_rates(alphas: np.ndarray, owner: np.ndarray, depth: np.ndarray, n: int) -> np.ndarray:
-    """Along the order, the sessions' mean chance that a speculation misses
-    (1 − α^(K+1) for a session drafting K > 0, none for one that does not)."""
+def _miss_increments(alphas: np.ndarray, owner: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """What each token adds to the sessions' summed chance that a speculation
+    misses (1 − α^(K+1) for a session drafting K > 0, none for one that
+    does not): its session's chance at its depth less that at the depth before."""
     before = np.where(depth > 1, 1.0 - alphas[owner] ** depth, 0.0)
     after = 1.0 - alphas[owner] ** (depth + 1)
-    return np.concatenate([[0.0], np.cumsum(after - before)]) / n
+    return after - before
 
 
 @dataclass
