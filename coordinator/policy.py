@@ -471,6 +471,7 @@ class CostModel:
         target_only = float(goodput[0, 0])  # every cap's first prefix: no drafts
         near = goodput >= goodput.max(axis=1, keepdims=True) * (1 - TIE)
         ends = np.argmin(np.where(near, cost, np.inf), axis=1)  # ties: the shortest round
+        position = np.arange(len(owner))
         best: tuple[float, float, np.ndarray] | None = None
         for cap, end in enumerate(ends):
             rate, seconds = float(goodput[cap, end]), float(cost[cap, end])
@@ -479,7 +480,7 @@ class CostModel:
                 or rate > best[0] * (1 + TIE)
                 or (rate >= best[0] * (1 - TIE) and seconds < best[1])
             ):
-                best = (rate, seconds, owner[kept[cap] & (np.arange(len(owner)) < end)])
+                best = (rate, seconds, owner[kept[cap] & (position < end)])
         assert best is not None
         goodput_best, _, chosen = best
         ks = np.bincount(chosen, minlength=n)

@@ -397,12 +397,12 @@ class Engine:
         try:
             call = self._calls.get(block=block, timeout=timeout)
         except queue.Empty:
-            self._waited_s += time.perf_counter() - waiting_since
             return True
-        if block:
+        finally:
             waited = time.perf_counter() - waiting_since
-            self._activity.idle_s += waited
             self._waited_s += waited
+        if block:
+            self._activity.idle_s += waited
         while call is not None:
             if isinstance(call, _Fatal):
                 raise call.exc
