@@ -242,13 +242,29 @@ class Generation:
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
-        if k and self.drafts and not self.drafts.begun:
-            if not self.costs.draft_prefill_pays(history_len, room + 1, beside=beside):
-                # Opening the draft costs more than it saves, and will only
-                # save less as the tokens to come run out.
-                self.target_only()
-                return 0
+        if self.drafts and not self.drafts.begun and not self.draft_opens(k, history_len, beside):
+            return 0
         return k
+
+    def draft_opens(self, k: int, history_len: int, beside: bool) -> bool:
+        """Whether a draft never opened opens for a round of ``k`` drafts:
+        where its prefill pays (``CostModel.draft_prefill_pays``). Where it
+        does not, it will only pay less as the tokens to come run out: the
+        session drafts no more (:meth:`target_only`). On cores shared with
+        the draft (in the lockstep) only once others draft: until then a
+        round of its costs only its row, and it asks again each round.
+        Beside drafting sessions it cannot wait — it would wait in their
+        phases, a token a phase, or its steps would run beside their drafts
+        — so it joins them or drafts no more."""
+        others_draft = self.lockstep is not None and self.lockstep.active
+        room = self.max_len - history_len
+        if k > 0 and self.costs.draft_prefill_pays(
+            history_len, room, beside=beside, others_draft=others_draft
+        ):
+            return True
+        if others_draft or (k > 0 and self.lockstep is None):
+            self.target_only()
+        return False
 
     def target_only(self) -> None:
         """Drafts no more: the session leaves the plan, where its row becomes

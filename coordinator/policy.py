@@ -327,7 +327,9 @@ class CostModel:
         per_token = self.prefill_per_token.value
         return None if per_token is None else per_token * tokens
 
-    def draft_prefill_pays(self, tokens: int, tokens_left: int, *, beside: bool = False) -> bool:
+    def draft_prefill_pays(
+        self, tokens: int, tokens_left: int, *, beside: bool = False, others_draft: bool = False
+    ) -> bool:
         """Whether a draft session opened now on ``tokens`` tokens repays its
         prefill, which the round that first drafts waits for (and, where the
         draft shares the target's cores, every session) — what of it outlasts
@@ -340,6 +342,14 @@ class CostModel:
 
             tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
 
+        Where the draft shares the target's cores and ``others_draft`` (in
+        the coordinator's lockstep), a session without a draft has no round
+        that costs the deployment only its row: it waits in the others'
+        phases, a token a phase, or its steps run beside their drafts,
+        slowing both. There the prefill is the price of joining them, and
+        the draft opens wherever drafting pays at the end of the error,
+        G(1 − ε) > G₀(1 + ε).
+
         A session whose draft never opened does not probe it either: its
         acceptance is the deployment's. True before the draft's steps are
         measured, and where the session alone is to measure them again
@@ -349,12 +359,14 @@ class CostModel:
         plan = self.plan()
         if plan.goodput <= plan.target_only or plan.target_only <= 0:
             return False
-        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
-        if beside:
-            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
         error = PLAN_ERROR * (1 - 1 / max(1.0, self.target.rows_per_step, len(self.sessions)))
         worst_target_only = plan.target_only * (1 + error)
         worst_goodput = plan.goodput * (1 - error)
+        if others_draft:
+            return worst_goodput > worst_target_only
+        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        if beside:
+            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
         saved = tokens_left * (1 / worst_target_only - 1 / worst_goodput)
         log.debug(
             "draft prefill priced",

@@ -420,6 +420,24 @@ def test_beside_other_sessions_a_draft_pays_at_the_end_of_the_plans_error():
     policy.close()
 
 
+def test_beside_sessions_that_draft_on_shared_cores_a_draft_opens_wherever_drafting_pays():
+    # Waiting in the others' phases or stepping beside their drafts is no
+    # option that costs only a row: the prefill is the price of joining
+    # them, paid wherever drafting gains beyond the plan's error.
+    costs = model(cpu, overhead=0.0, rows=4.0)
+    costs.draft = EngineLoad(((1.0, 1.0, 0.01), (1.0, 100.0, 3.0)))
+    likely = session(costs, alpha=0.95)
+    assert not costs.draft_prefill_pays(100, tokens_left=1)
+    assert costs.draft_prefill_pays(100, tokens_left=1, others_draft=True)
+    likely.close()
+    unlikely = session(costs, alpha=0.6)  # K = 1 gains 6%
+    plan = costs.plan()
+    error = PLAN_ERROR * 3 / 4
+    assert plan.target_only < plan.goodput < plan.target_only * (1 + error) / (1 - error)
+    assert not costs.draft_prefill_pays(100, tokens_left=10**6, others_draft=True)
+    unlikely.close()
+
+
 def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])

@@ -8,10 +8,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from coordinator.lockstep import Lockstep
-from coordinator.loop import GenerationRequest, Models, generate
+from coordinator.loop import Generation, GenerationRequest, Models, generate
 from coordinator.policy import AdaptiveK, CostModel
 from draft_worker.main import build_sessions as build_draft_sessions
-from outrider.config import DraftWorkerConfig, EngineConfig, ServiceConfig, TargetWorkerConfig
+from outrider.config import (
+    DraftWorkerConfig,
+    EngineConfig,
+    Recovery,
+    ServiceConfig,
+    TargetWorkerConfig,
+)
 from outrider.worker import start_engine
 from target_worker.main import build_sessions as build_target_sessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
@@ -134,9 +140,10 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     clients, tiny_target_dir, monkeypatch
 ):
     """Two adaptive sessions whose draft shares the target's CPU cores: the
-    prefill of one's draft pays, of the other's not. That one never opens a
-    draft, leaves the plan, and its rounds never wait for the other's draft
-    phases (one token a phase); both give the target's tokens."""
+    prefill of one's draft pays, of the other's not, even beside the first's
+    drafts. That one never opens a draft, leaves the plan once the other
+    drafts, and its rounds never wait for the other's draft phases (one
+    token a phase); both give the target's tokens."""
     target, draft = clients
     info = await target.info()
     models = Models(
@@ -159,15 +166,20 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
         await draft_phase(session)
 
     lockstep.draft = tracing
-    planned: list[int] = []  # the sessions in the plan, once the long prompt's first token is out
+    planned: list[int] = []  # the sessions in the plan, once the short prompt drafts
+    short_drafts = asyncio.Event()
 
     async def one(prompt):
         request = GenerationRequest(
             prompt_ids=prompt, max_new_tokens=24, num_speculative_tokens=4, adaptive=True
         )
         deltas = []
+        if prompt == long:
+            await short_drafts.wait()
         async for delta in generate(request, models, target, draft, costs, lockstep=lockstep):
             deltas.append(delta)
+            if prompt == short and len(deltas) == 2:  # (a drafting round's)
+                short_drafts.set()
             if prompt == long and len(deltas) > 1:  # (it leaves once its first token is out)
                 planned.append(len(costs.sessions))
         return deltas
@@ -185,3 +197,55 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     await target.engine.run(lambda: None)
     await draft.engine.run(lambda: None)
     assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
+
+
+@pytest.mark.parametrize("joins", [True, False])
+async def test_on_shared_cores_a_draft_that_would_not_pay_is_asked_again_once_others_draft(
+    clients, tiny_target_dir, monkeypatch, joins
+):
+    """Where the draft shares the target's cores, a session whose draft's
+    prefill would not pay while no one drafts stays in the plan at K = 0
+    and asks again each round. Once others draft (in the lockstep's phases)
+    it cannot wait beside them: its draft opens where drafting pays at all
+    (``others_draft``), and otherwise it drafts no more. Apart from the
+    target (no lockstep), the first refusal is final."""
+    target, draft = clients
+    models = Models(
+        AutoTokenizer.from_pretrained(tiny_target_dir),
+        frozenset(),
+        await target.info(),
+        await draft.info(),
+    )
+    asked: list[bool] = []
+
+    def gate(self, tokens, tokens_left, *, beside=False, others_draft=False):
+        asked.append(others_draft)
+        return others_draft and joins
+
+    monkeypatch.setattr(CostModel, "draft_prefill_pays", gate)
+    k_chosen = [3]
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, limit: k_chosen[0])
+    request = GenerationRequest(
+        prompt_ids=(1, 2, 3), max_new_tokens=24, num_speculative_tokens=4, adaptive=True
+    )
+
+    def generation(lockstep):
+        return Generation(request, models, target, draft, CostModel(), Recovery(), lockstep)
+
+    apart = generation(None)
+    assert apart.choose_k(4) == 0 and apart.policy is None and apart.drafts is None
+    asked.clear()
+
+    lockstep = Lockstep(max_wait_s=5.0)
+    waits = generation(lockstep)
+    assert waits.choose_k(4) == 0 and asked == [False]
+    assert waits.policy is not None and waits.lockstep is lockstep and waits.drafts is not None
+    await lockstep.draft(object())  # another session drafts
+    assert waits.choose_k(5) == (3 if joins else 0) and asked == [False, True]
+    assert (waits.policy is not None) == joins and (waits.drafts is not None) == joins
+
+    # Beside drafting sessions, a round the plan gives no drafts leaves too.
+    k_chosen[0] = 0
+    idle = generation(lockstep)
+    assert idle.choose_k(4) == 0 and idle.policy is None and idle.lockstep is None
+    assert len(asked) == 2  # (a round of no drafts has no prefill to price)
