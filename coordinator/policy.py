@@ -397,11 +397,20 @@ class CostModel:
 
     def draft_step_costs(self, rows: np.ndarray) -> np.ndarray:
         """d(n) of draft steps of ``rows`` rows (0 rows: no step), the draft
-        engine's work on the rows around each included."""
+        engine's work on the rows around each included: along its steps of a
+        token a row, but no dearer than a step of as many tokens in the rows
+        measured nearest. Where its steps of a token a row were measured at
+        fewer rows only, their curve runs on proportionally from a lone
+        point, or on the slope of a step slowed by something else — far
+        above what the draft's steps of more rows took
+        (docs/design.md#speculation-under-load)."""
         rows = np.asarray(rows, dtype=float)
         if self.draft is not None and self.draft.curve:
             stepping = np.maximum(rows, 1.0)
-            costs = self.draft.decode_costs(stepping) + self.draft.work_per_row_s * stepping
+            decode = np.minimum(
+                self.draft.decode_costs(stepping), self.draft.step_costs(stepping, stepping)
+            )
+            costs = decode + self.draft.work_per_row_s * stepping
         else:
             costs = np.full_like(rows, self.draft_per_token.value or 0.0)
         return np.where(rows > 0, costs, 0.0)

@@ -144,6 +144,23 @@ def test_a_draft_step_pays_the_draft_engines_work_on_its_rows():
     )
 
 
+def test_a_draft_step_of_many_rows_costs_no_more_than_a_step_of_as_many_tokens():
+    # Surfaces logged at 4 streams on 2 CPU cores: the draft's steps of a
+    # token a row were measured at one row only, and their lone point priced
+    # a step of 4 rows at 4 × 19.8 ms; a step of 4 rows of 2 tokens each
+    # took 48.2 ms. Priced so, drafting looked hopeless at K = 0's 55 tok/s.
+    ms = 1e-3
+    costs = model(cpu)
+    draft = ((1.0, 1.0, 19.8), (1.0, 2.0, 27.5), (1.0, 56.0, 172.9), (2.0, 4.0, 41.3))
+    draft += ((2.0, 57.0, 449.0), (3.0, 60.0, 154.3), (4.0, 8.0, 48.2))
+    costs.draft = EngineLoad(tuple((r, t, c * ms) for r, t, c in draft), 4.0, 4.0, 1)
+    steps = costs.draft_step_costs(np.array([1.0, 2.0, 4.0]))
+    assert steps == pytest.approx([19.8 * ms, 39.6 * ms, 48.2 * ms])
+    # Where they were measured at as many rows, they price the step.
+    costs.draft = EngineLoad(costs.draft.curve + ((4.0, 4.0, 37.0 * ms),), 4.0, 4.0, 1)
+    assert costs.draft_step_costs(np.array([4.0]))[0] == pytest.approx(37.0 * ms)
+
+
 def test_hopeless_drafts_fall_back_to_target_only_and_probe():
     policy = session(model(cpu, draft_per_token=0.05), alpha=0.0)
     choices = [policy.choose(limit=100) for _ in range(64)]
