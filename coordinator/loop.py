@@ -257,9 +257,9 @@ class Generation:
         phases, a token a phase, or its steps would run beside their drafts
         — so it joins them or drafts no more."""
         others_draft = self.lockstep is not None and self.lockstep.active
-        room = self.max_len - history_len
+        tokens_left = self.max_len - history_len
         if k > 0 and self.costs.draft_prefill_pays(
-            history_len, room, beside=beside, others_draft=others_draft
+            history_len, tokens_left, beside=beside, others_draft=others_draft
         ):
             return True
         if others_draft or (k > 0 and self.lockstep is None):
