@@ -8,7 +8,7 @@ engine verifies them in one step, and neither runs beside the other. Left
 alone the sessions drift apart: the draft steps of some run beside the
 target steps of others, each slowing the other on the shared cores, and the
 engines step more often with fewer rows — where the cost model
-(coordinator/policy.py) prices one step for all.
+(coordinator/costs.py) prices one step for all.
 
 A phase ends when every session in it has done its part (or left); the
 sessions that arrived for the next phase meanwhile start it together, and a

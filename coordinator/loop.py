@@ -23,8 +23,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.costs import CostModel
 from coordinator.lockstep import Lockstep
-from coordinator.policy import AdaptiveK, CostModel, adaptive_k_max
+from coordinator.policy import AdaptiveK, adaptive_k_max
 from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo

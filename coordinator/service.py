@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from coordinator.costs import CostModel
 from coordinator.lockstep import Lockstep
 from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.policy import CostModel
 from coordinator.requests import ChatMessage, RequestBuilder, RequestParams, SpeculationPolicy
 from coordinator.stats import Stats
 from coordinator.workers import DraftClient, TargetClient, WorkerInfo

@@ -6,16 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.policy import (
-    DRAFT_STALE_S,
-    LEARNING_K,
-    PLAN_ERROR,
-    TIE,
-    AdaptiveK,
-    CostModel,
-    adaptive_k_max,
-    expected_tokens,
-)
+from coordinator.costs import DRAFT_STALE_S, PLAN_ERROR, TIE, CostModel, expected_tokens
+from coordinator.policy import LEARNING_K, AdaptiveK, adaptive_k_max
 from outrider.load import WINDOW, EngineLoad
 
 
@@ -185,7 +177,7 @@ def test_a_draft_curve_no_answer_refreshed_is_measured_again_by_a_session_alone(
     # does not (a round of many drafts would hold the other's steps).
     costs = model(cpu, draft=lambda n: 1.3 * n)
     clock = [costs.draft_at]
-    monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("coordinator.costs.time.perf_counter", lambda: clock[0])
     alone = session(costs, alpha=0.9, k_max=16)
     assert alone.choose(limit=100) == 0
     assert not costs.draft_prefill_pays(4, tokens_left=64)
@@ -457,7 +449,7 @@ def test_beside_sessions_that_draft_on_shared_cores_a_draft_opens_wherever_draft
 
 def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("coordinator.policy.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("coordinator.costs.time.perf_counter", lambda: clock[0])
     costs = model(cpu, draft_per_token=0.1)
     costs.planning_share = 0.1
     alone = session(costs, alpha=0.9)

@@ -20,7 +20,8 @@ import math
 
 import pytest
 
-from coordinator.policy import AdaptiveK, CostModel, expected_tokens
+from coordinator.costs import CostModel, expected_tokens
+from coordinator.policy import AdaptiveK
 from outrider.load import EngineLoad
 
 OVERHEAD_S = 0.001

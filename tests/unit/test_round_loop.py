@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 from transformers import AutoTokenizer
 
+from coordinator.costs import CostModel
 from coordinator.lockstep import Lockstep
 from coordinator.loop import Generation, GenerationRequest, Models, generate
-from coordinator.policy import AdaptiveK, CostModel
+from coordinator.policy import AdaptiveK
 from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import (
     DraftWorkerConfig,
