@@ -87,11 +87,16 @@ class EngineLoad:
         ranges = self._by_rows
         keys = list(ranges)  # increasing
         measured = np.log2(np.array(keys, dtype=float))
-        for count in np.unique(rows):
-            distance = np.abs(measured - math.log2(_range_of(count)))
-            nearest = keys[int(np.flatnonzero(distance == distance.min())[-1])]
-            at = rows == count
-            costs[at] = _along_tokens(*ranges[nearest], tokens[at])
+        # Each step's range of rows, then the measured range nearest it (the
+        # larger of two as near): a few ranges whatever the rows asked (a
+        # plan asks up to one count a session), each priced in one pass.
+        own, index = np.unique(_ranges_of(rows), return_inverse=True)
+        distance = np.abs(measured[None, :] - np.log2(own)[:, None])
+        nearest = len(keys) - 1 - np.argmin(distance[:, ::-1], axis=1)
+        step_range = nearest[index.reshape(rows.shape)]
+        for i in np.unique(nearest):
+            at = step_range == i
+            costs[at] = _along_tokens(*ranges[keys[i]], tokens[at])
         return costs
 
     def decode_costs(self, rows: np.ndarray) -> np.ndarray:
@@ -259,6 +264,12 @@ def _older_of_disagreeing(
 def _range_of(count: float) -> int:
     """The power of two at or above ``count``."""
     return 1 << max(0, math.ceil(count) - 1).bit_length()
+
+
+def _ranges_of(counts: np.ndarray) -> np.ndarray:
+    """:func:`_range_of` of each of ``counts``."""
+    whole = np.maximum(np.ceil(counts), 1.0)
+    return np.exp2(np.ceil(np.log2(whole))).astype(np.int64)
 
 
 def _median(steps: deque[Point]) -> Point:
