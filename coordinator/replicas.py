@@ -94,24 +94,35 @@ class Replica:
         if load is not None:
             self.steps = max(self.steps, load.steps)
 
-    async def stepping(self, timeout_s: float, *, lately_s: float) -> bool:
-        """Whether its engine is at work (busy, not frozen): it has begun a
-        step since it last said, or the step under way began within
-        ``lately_s`` — or within twice the longest step it has measured, as
-        a step longer than the deadline is still a step; a model-free worker
-        that answers is alive. Asked within ``timeout_s``; False when it does
-        not answer in time."""
+    async def stepping(self, timeout_s: float, *, lately_s: float, since: int) -> int | None:
+        """Its engine's progress — the steps it has begun and ended — where
+        it is at work (busy, not frozen): it has begun or ended a step since
+        progress ``since`` — what the asking call last heard — or the step
+        under way began within ``lately_s``, or within twice the longest
+        step it has measured, as a step longer than the deadline is still a
+        step; a model-free worker that answers is alive. A step that ended
+        since may have answered the call, its answer on its way. Asked
+        within ``timeout_s``; None when it is not at work or does not answer
+        in time. Each call keeps its own progress: one's probe must not spend
+        the news of a step for another waiting beside it."""
         try:
             info = await self.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # (UsageError: its channel closed)
-            return False
+            return None
         if not info.HasField("load"):
-            return True
+            return since
         load = info.load
-        moved = load.steps > self.steps
         self.steps = max(self.steps, load.steps)
+        progress = 2 * load.steps - (load.running_s > 0)
         longest = max(load.curve_seconds, default=0.0)
-        return moved or 0.0 < load.running_s < max(lately_s, 2 * longest)
+        if progress > since or 0.0 < load.running_s < max(lately_s, 2 * longest):
+            return progress
+        return None
+
+    def progress_heard(self) -> int:
+        """The engine's progress (:meth:`stepping`) as it last said, its last
+        step taken as under way then."""
+        return 2 * self.steps - 1
 
 
 class Replicas:

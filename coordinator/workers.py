@@ -157,12 +157,14 @@ async def answer_of(call: Awaitable[T], replica: Replica, deadline_s: float | No
     """The answer of ``call`` to ``replica``, however long it takes while the
     replica's engine keeps stepping: a busy worker is not a frozen one.
     Whenever ``deadline_s`` passes without an answer, the replica is asked
-    whether its engine is at work — it began a step since it last said, or
-    one within the deadline — within the deadline's last quarter (at most
+    whether its engine is at work — it began or ended a step since this
+    call last heard (when it was sent, or at its last probe), or began one
+    within the deadline — within the deadline's last quarter (at most
     :data:`PROBE_S`); TimeoutError when it is not, or does not answer
     (frozen, stalled or gone)."""
     if deadline_s is None:
         return await call
+    heard = replica.progress_heard()
     task = asyncio.ensure_future(call)
     probe_s = min(PROBE_S, deadline_s / 4)
     try:
@@ -170,13 +172,16 @@ async def answer_of(call: Awaitable[T], replica: Replica, deadline_s: float | No
             done, _ = await asyncio.wait({task}, timeout=deadline_s - probe_s)
             if task in done:
                 return task.result()
-            probe = asyncio.ensure_future(replica.stepping(probe_s, lately_s=deadline_s))
+            probe = asyncio.ensure_future(
+                replica.stepping(probe_s, lately_s=deadline_s, since=heard)
+            )
             first, _ = await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
             if task in first:
                 probe.cancel()
                 return task.result()
-            if not probe.result():
+            if (progress := probe.result()) is None:
                 raise TimeoutError
+            heard = progress
     finally:
         if not task.done():
             task.cancel()
