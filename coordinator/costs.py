@@ -99,8 +99,7 @@ any session): it is every session's prior, so it forgets slowly."""
 
 
 def expected_tokens(alpha: float, k: float) -> float:
-    """E(K): tokens one round commits, the recovered or bonus token included
-    (K may be a mean over rows: the drafts a row of a step's others)."""
+    """E(K): tokens one round commits, the recovered or bonus token included."""
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -427,13 +426,12 @@ class CostModel:
         drafting_now = sum(1 for k in shares if k)
         other_drafting = max(0.0, (self.draft.rows_per_step if self.draft else 0.0) - drafting_now)
         other_depth = tokens / rows - 1.0 if rows else 0.0  # their drafts per round
-        # What a round of theirs commits, at the deployment's acceptance: one
-        # token where they draft none (a session that went target-only, or
-        # another coordinator's), not what this coordinator's rounds commit.
-        alpha = self.alpha
-        other_commits = expected_tokens(0.5 if alpha is None else alpha, other_depth)
+        # A round of theirs commits a token. Their tokens past a row's one
+        # are priced but not credited: they may be another coordinator's
+        # drafts, or as well this one's past in the engine's median step —
+        # its sessions' earlier K, a prefill — which commits nothing now.
         base = _Base(
-            committed=rows * other_commits + n,
+            committed=rows + n,
             rows=rows + n,
             tokens=tokens + n,
             sessions=n,

@@ -391,6 +391,20 @@ def test_target_only_is_priced_by_the_decode_steps_and_others_at_k0_commit_a_tok
     alone.close()
 
 
+def test_tokens_of_the_others_past_a_row_each_are_priced_but_not_credited():
+    # The target's median step still holds four rows of 10 tokens — these
+    # sessions' rounds at K = 9 a moment ago — where three sessions remain
+    # at K = 0: the fourth row's tokens commit nothing now.
+    ms = 1e-3
+    costs = model(cpu, overhead=2 * ms, rows=4.0, tokens=40.0)
+    costs.observe(num_drafts=8, draft_s=0.2, overhead_s=2 * ms, drafted=True, num_accepted=8)
+    sessions = [session(costs, alpha=0.98) for _ in range(3)]
+    step = costs.target.step_cost(40.0, rows=4.0)  # (their 37 tokens and these 3)
+    assert costs.plan().target_only == pytest.approx((1 + 3) / (2 * ms + step))
+    for policy in sessions:
+        policy.close()
+
+
 def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
     # Alone: K = 0 commits a token in 1 s; K = 8 at α = 0.9 about 6.1 in
     # 2.6 s: each token to come saves about 0.58 s, against a prefill of 3 s.
