@@ -204,10 +204,19 @@ class Generation:
         from the second round — or, where the two would share CPU cores,
         once the first token is streamed (:func:`generate`), so that it
         comes as fast as without a draft; a model-free drafter opens then
-        too (``Models.draft_prefills_beside``)."""
+        too (``Models.draft_prefills_beside``). Where other sessions' rounds
+        run in the lockstep, the target's prefill waits for a verify phase:
+        beside their drafts, each would slow the other on the shared cores."""
         record = RoundRecord()
         self.open_draft(beside=True)
-        reply = await self.target.open(self.history, first_token=True)
+        lockstep = self.lockstep if self.lockstep is not None and self.lockstep.active else None
+        if lockstep is not None:
+            await lockstep.verify(self)
+        try:
+            reply = await self.target.open(self.history, first_token=True)
+        finally:
+            if lockstep is not None:
+                lockstep.leave(self)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
         if reply.load is not None:
@@ -229,8 +238,10 @@ class Generation:
 
     def open_draft(self, *, beside: bool) -> None:
         """Starts the draft session's prefill beside the target's, or after
-        it (``Models.draft_prefills_beside``)."""
-        if self.drafts is None or beside != self.draft_beside:
+        it (``Models.draft_prefills_beside``) — but in the lockstep, where it
+        shares the target's cores, in the session's first draft phase
+        (:meth:`draft`), so that it never runs beside a target step."""
+        if self.drafts is None or beside != self.draft_beside or self.lockstep is not None:
             return
         if self.finish_reason is None and self.choose_k(len(self.history) + beside, beside) > 0:
             self.drafts.open_soon(self.history)
