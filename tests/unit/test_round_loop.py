@@ -123,71 +123,25 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     assert (draft_at > events.index("target open ends")) != beside
 
 
-async def test_in_the_lockstep_a_draft_opens_in_a_draft_phase_never_beside_a_verify(
-    clients, tiny_target_dir
-):
-    """Where the draft shares the target's cores, a session's draft prefill
-    waits for its first draft phase: one whose first token is streamed while
-    another session verifies does not open its draft beside that verify."""
+async def opens_of_a_session_arriving_in(phase, watched, clients, tiny_target_dir) -> list[str]:
+    """Runs a session in a lockstep, and a second that arrives once the
+    first is in its first ``phase`` phase, given a second for its open on
+    ``watched`` (the target or the draft client) to begin there. The
+    lockstep's phase as each of ``watched``'s opens began; both sessions
+    give the target's tokens, and leave no phase or cache behind."""
     target, draft = clients
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     models = Models(tokenizer, frozenset(), await target.info(), await draft.info())
     assert models.draft_competes and not models.draft_prefills_beside
     lockstep = Lockstep(max_wait_s=5.0)
-    phases: list[str] = []  # the lockstep's phase as each draft open begins
+    phases: list[str] = []
     opened = asyncio.Event()
-    draft_open, verify_phase = draft.open, lockstep.verify
+    watched_open, enter_phase = watched.open, getattr(lockstep, phase)
 
     async def opening(*args, **kwargs):
         phases.append(lockstep.phase)
         opened.set()
-        return await draft_open(*args, **kwargs)
-
-    def request(prompt):
-        return GenerationRequest(prompt_ids=prompt, max_new_tokens=16, num_speculative_tokens=3)
-
-    async def one(prompt):
-        gen = generate(request(prompt), models, target, draft, lockstep=lockstep)
-        return [t async for delta in gen for t in delta.token_ids]
-
-    late: list[asyncio.Task] = []
-
-    async def verifying(session):
-        await verify_phase(session)
-        if not late:  # the first verify: a second session arrives meanwhile
-            opened.clear()
-            late.append(asyncio.create_task(one((5, 6, 7))))
-            with contextlib.suppress(TimeoutError):  # (its open, were it to begin now)
-                await asyncio.wait_for(opened.wait(), 1.0)
-
-    draft.open, lockstep.verify = opening, verifying
-    first = await one((1, 2, 3, 4))
-    second = await late[0]
-    assert first == reference_greedy(tiny_target_dir, [1, 2, 3, 4], 16, eos=None)
-    assert second == reference_greedy(tiny_target_dir, [5, 6, 7], 16, eos=None)
-    assert phases == ["draft", "draft"]
-    await target.engine.run(lambda: None)
-    await draft.engine.run(lambda: None)
-    assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
-
-
-async def test_in_the_lockstep_a_prompt_is_prefilled_in_a_verify_phase_never_beside_drafts(
-    clients, tiny_target_dir
-):
-    """Where the draft shares the target's cores, a session that arrives
-    while others draft waits for a verify phase to prefill its prompt."""
-    target, draft = clients
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    models = Models(tokenizer, frozenset(), await target.info(), await draft.info())
-    lockstep = Lockstep(max_wait_s=5.0)
-    phases: list[str] = []  # the lockstep's phase as each target open begins
-    opened = asyncio.Event()
-    target_open, draft_phase = target.open, lockstep.draft
-
-    async def opening(*args, **kwargs):
-        phases.append(lockstep.phase)
-        opened.set()
-        return await target_open(*args, **kwargs)
+        return await watched_open(*args, **kwargs)
 
     async def one(prompt):
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=16, num_speculative_tokens=3)
@@ -196,24 +150,46 @@ async def test_in_the_lockstep_a_prompt_is_prefilled_in_a_verify_phase_never_bes
 
     late: list[asyncio.Task] = []
 
-    async def drafting(session):
-        await draft_phase(session)
-        if not late:  # the first draft phase: a second session arrives meanwhile
+    async def entering(session):
+        await enter_phase(session)
+        if not late:  # the first such phase: a second session arrives meanwhile
             opened.clear()
             late.append(asyncio.create_task(one((5, 6, 7))))
-            with contextlib.suppress(TimeoutError):  # (its prefill, were it to begin now)
+            with contextlib.suppress(TimeoutError):  # (its open, were it to begin now)
                 await asyncio.wait_for(opened.wait(), 1.0)
 
-    target.open, lockstep.draft = opening, drafting
+    watched.open = opening
+    setattr(lockstep, phase, entering)
     first = await one((1, 2, 3, 4))
     second = await late[0]
     assert first == reference_greedy(tiny_target_dir, [1, 2, 3, 4], 16, eos=None)
     assert second == reference_greedy(tiny_target_dir, [5, 6, 7], 16, eos=None)
-    assert len(phases) == 2 and phases[1] == "verify"
     assert not lockstep.active
     await target.engine.run(lambda: None)
     await draft.engine.run(lambda: None)
     assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
+    return phases
+
+
+async def test_in_the_lockstep_a_draft_opens_in_a_draft_phase_never_beside_a_verify(
+    clients, tiny_target_dir
+):
+    """Where the draft shares the target's cores, a session's draft prefill
+    waits for its first draft phase: one whose first token is streamed while
+    another session verifies does not open its draft beside that verify."""
+    _, draft = clients
+    phases = await opens_of_a_session_arriving_in("verify", draft, clients, tiny_target_dir)
+    assert phases == ["draft", "draft"]
+
+
+async def test_in_the_lockstep_a_prompt_is_prefilled_in_a_verify_phase_never_beside_drafts(
+    clients, tiny_target_dir
+):
+    """Where the draft shares the target's cores, a session that arrives
+    while others draft waits for a verify phase to prefill its prompt."""
+    target, _ = clients
+    phases = await opens_of_a_session_arriving_in("draft", target, clients, tiny_target_dir)
+    assert len(phases) == 2 and phases[1] == "verify"
 
 
 async def test_adaptive_rounds_stay_within_the_targets_cuda_graphs(clients, tiny_target_dir):

@@ -5,6 +5,8 @@ cancel of the coordinator's own task stays a cancel."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -26,10 +28,11 @@ class SilentWorker(worker_pb2_grpc.TargetWorkerServicer):
         yield pb.VerifyResponse()
 
 
-@pytest.fixture
-async def replica():
+@contextlib.asynccontextmanager
+async def serving(worker: worker_pb2_grpc.TargetWorkerServicer) -> AsyncIterator[Replica]:
+    """A replica of ``worker``, served on a free local port while in use."""
     server = grpc.aio.server()
-    worker_pb2_grpc.add_TargetWorkerServicer_to_server(SilentWorker(), server)
+    worker_pb2_grpc.add_TargetWorkerServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -38,6 +41,12 @@ async def replica():
     finally:
         await channel.close()
         await server.stop(0)
+
+
+@pytest.fixture
+async def replica():
+    async with serving(SilentWorker()) as replica:
+        yield replica
 
 
 async def verify_in_flight(replica: Replica) -> asyncio.Task:
@@ -87,38 +96,19 @@ async def test_each_waiting_call_hears_of_a_step_for_itself():
     no step since, finds the engine at rest: two probes a call, then
     TimeoutError."""
     worker = BetweenStepsWorker()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_TargetWorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    replica = Replica(f"127.0.0.1:{port}", channel, worker_pb2_grpc.TargetWorkerStub(channel))
-    replica.steps = 4  # as it last said when the calls were sent (under way)
-    try:
+    async with serving(worker) as replica:
+        replica.steps = 4  # as it last said when the calls were sent (under way)
         waits = [answer_of(asyncio.Event().wait(), replica, deadline_s=0.4) for _ in range(2)]
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         assert all(isinstance(outcome, TimeoutError) for outcome in outcomes)
         assert worker.asked == 4
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 async def test_a_step_that_ended_since_the_last_probe_is_news():
     """A call's last probe found the engine's fifth step under way; the
     step has ended since — it may have answered the call, its answer on its
     way — and the engine rests between steps: at work once more."""
-    worker = BetweenStepsWorker()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_TargetWorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    replica = Replica(f"127.0.0.1:{port}", channel, worker_pb2_grpc.TargetWorkerStub(channel))
-    try:
+    async with serving(BetweenStepsWorker()) as replica:
         under_way = 2 * 5 - 1
         assert await replica.stepping(1.0, lately_s=0.2, since=under_way) == 10
         assert await replica.stepping(1.0, lately_s=0.2, since=10) is None
-    finally:
-        await channel.close()
-        await server.stop(0)
