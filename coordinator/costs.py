@@ -182,7 +182,7 @@ class CostModel:
     """The target engine's curve and load, from its latest answer (the
     round loop keeps it current)."""
     draft: EngineLoad | None = None
-    """The draft engine's; None for a model-free drafter (or before any)."""
+    """The draft engine's; None for prompt lookup (or before any answer)."""
     draft_at: float = field(init=False, default_factory=time.perf_counter)
     """When the draft last answered (:meth:`draft_answered`)."""
     draft_per_token: _Ema = field(init=False)
@@ -204,10 +204,14 @@ class CostModel:
     judged: float = field(init=False, default=0.0)
     """Over every session's drafting rounds (decayed sums): accepted drafts,
     and those plus the rejected ones."""
+    by_evidence: dict[int, list[float]] = field(init=False, default_factory=dict)
+    """The same sums, [accepted, judged], by the evidence the drafter had
+    for its drafts before drafting them (prompt lookup: the n of its match)."""
     sessions: dict[int, AdaptiveK] = field(init=False, default_factory=dict)
     """The adaptive sessions running now, planned together."""
     _version: int = field(init=False, default=0)
-    """Counts the joins and leaves: a plan is for one set of sessions."""
+    """Counts the joins, leaves and offers: a plan is for one set of
+    sessions, each with what its drafter offers (:meth:`changed`)."""
     _plan: Plan | None = field(init=False, default=None)
     _planned_at: tuple[int, int] = field(init=False, default=(-1, -1))
     _planned_time: float = field(init=False, default=0.0)
@@ -230,13 +234,19 @@ class CostModel:
         drafted: bool,
         draft_steps: int | None = None,
         num_accepted: int | None = None,
+        evidence: int | None = None,
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
-        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``."""
+        took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
+        (drafted on ``evidence``, if the drafter has any: :meth:`alpha_of`)."""
         if num_drafts and num_accepted is not None:
             judged = num_accepted + (num_accepted < num_drafts)
             self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
             self.judged = DEPLOYMENT_DECAY * self.judged + judged
+            if evidence is not None:
+                sums = self.by_evidence.setdefault(evidence, [0.0, 0.0])
+                sums[0] = DEPLOYMENT_DECAY * sums[0] + num_accepted
+                sums[1] = DEPLOYMENT_DECAY * sums[1] + judged
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
@@ -278,6 +288,14 @@ class CostModel:
     def alpha(self) -> float | None:
         """Per-token acceptance over every session's recent drafting rounds."""
         return self.accepted / self.judged if self.judged else None
+
+    def alpha_of(self, evidence: int, prior_weight: float) -> float:
+        """Per-token acceptance of the drafts drafted on ``evidence``: every
+        session's recent rounds on it, drawn toward :attr:`alpha` (0.5 before
+        any) by ``prior_weight`` judged drafts."""
+        prior = 0.5 if self.alpha is None else self.alpha
+        accepted, judged = self.by_evidence.get(evidence, (0.0, 0.0))
+        return (accepted + prior_weight * prior) / (judged + prior_weight)
 
     # --- costs -----------------------------------------------------------------
 
@@ -394,6 +412,10 @@ class CostModel:
         if self.sessions.pop(id(session), None) is not None:
             self._version += 1
 
+    def changed(self) -> None:
+        """A session's offer changed (:meth:`coordinator.policy.AdaptiveK.offer`)."""
+        self._version += 1
+
     def plan(self) -> Plan:
         """The K of every adaptive session that maximises the goodput (see
         the module docstring), recomputed after a target step or when the
@@ -413,7 +435,7 @@ class CostModel:
         if n == 0:
             return Plan({}, 0.0, 1.0, 0.0)
         alphas = np.array([s.alpha for s in sessions])
-        k_max = np.array([s.k_max for s in sessions])
+        k_max = np.array([s.k_most for s in sessions])
 
         # The others in the target's steps: its load less these sessions'
         # share, a row each (of one token for a session yet to verify: what
@@ -503,6 +525,7 @@ class CostModel:
             "plan",
             ks=ks.tolist(),
             alphas=[round(float(a), 3) for a in alphas],
+            offers=[(s.evidence, s.offered) for s in self.sessions.values()],
             goodput=round(goodput, 1),
             target_only=round(target_only, 1),
             others=(round(rows, 1), round(tokens, 1)),

@@ -25,6 +25,7 @@ from typing import Any
 
 from coordinator.costs import CostModel
 from coordinator.lockstep import Lockstep
+from coordinator.lookup import NO_MATCH, PromptLookup
 from coordinator.policy import AdaptiveK, adaptive_k_max
 from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
@@ -85,11 +86,9 @@ class Models:
     @property
     def draft_prefills_beside(self) -> bool:
         """Whether a draft session opens beside the target's prefill, so
-        that drafting can start at the second round: only a draft model's
-        prefill is worth running beside it, and only where it does not slow
-        the target's (:attr:`draft_competes`). A model-free drafter has no
-        prefill to hide; its open is an RPC and its worker's work, which
-        at a batch's start would only land beside every session's prefill."""
+        that drafting can start at the second round: where it does not slow
+        the target's (:attr:`draft_competes`). (Prompt lookup opens nothing:
+        it looks its drafts up in the coordinator.)"""
         draft = self.draft
         return bool(draft and draft.dtype) and not self.draft_competes
 
@@ -98,12 +97,13 @@ async def generate(
     request: GenerationRequest,
     models: Models,
     target: TargetClient,
-    draft: DraftClient | None,
+    draft: DraftClient | PromptLookup | None,
     costs: CostModel | None = None,
     recovery: Recovery = Recovery(),
     lockstep: Lockstep | None = None,
 ) -> AsyncIterator[Delta]:
     """Runs ``request`` round by round, yielding what each round streams;
+    ``draft``: the draft workers, prompt lookup in this process, or none;
     ``lockstep``: the coordinator's, for rounds where draft and target
     share CPU cores (:mod:`coordinator.lockstep`)."""
     generation = Generation(
@@ -136,7 +136,7 @@ class Generation:
         request: GenerationRequest,
         models: Models,
         target: TargetClient,
-        draft: DraftClient | None,
+        draft: DraftClient | PromptLookup | None,
         costs: CostModel,
         recovery: Recovery,
         lockstep: Lockstep | None = None,
@@ -148,6 +148,9 @@ class Generation:
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
         k_max = request.num_speculative_tokens if draft is not None else 0
+        self.lookup = draft if isinstance(draft, PromptLookup) and k_max > 0 else None
+        self.match = NO_MATCH
+        """The draft prompt lookup offers after the history (:meth:`look_up`)."""
         if request.adaptive:
             k_max = adaptive_k_max(k_max, models.target.graphed_tokens_per_row)
         self.k_max = k_max
@@ -158,7 +161,8 @@ class Generation:
             seed=request.sampling.seed,
             verification=request.sampling.verification.value,
             adaptive=request.adaptive and k_max > 0,
-            pipeline=request.pipeline and k_max > 0,
+            # (A lookup takes microseconds: there is nothing to overlap.)
+            pipeline=request.pipeline and k_max > 0 and self.lookup is None,
         )
         self.policy = (
             AdaptiveK(k_max, costs, pipeline=self.stats.pipeline) if self.stats.adaptive else None
@@ -192,7 +196,7 @@ class Generation:
                 deadline_s=recovery.draft_deadline_s,
                 backoff_s=recovery.draft_backoff_s,
             )
-            if draft is not None and k_max > 0
+            if draft is not None and not isinstance(draft, PromptLookup) and k_max > 0
             else None
         )
 
@@ -203,10 +207,10 @@ class Generation:
         target's (unless drafting does not pay now), so drafting can start
         from the second round — or, where the two would share CPU cores,
         once the first token is streamed (:func:`generate`), so that it
-        comes as fast as without a draft; a model-free drafter opens then
-        too (``Models.draft_prefills_beside``). Where other sessions' rounds
-        run in the lockstep, the target's prefill waits for a verify phase:
-        beside their drafts, each would slow the other on the shared cores."""
+        comes as fast as without a draft (``Models.draft_prefills_beside``).
+        Where other sessions' rounds run in the lockstep, the target's
+        prefill waits for a verify phase: beside their drafts, each would
+        slow the other on the shared cores."""
         record = RoundRecord()
         self.open_draft(beside=True)
         lockstep = self.lockstep if self.lockstep is not None and self.lockstep.active else None
@@ -234,6 +238,7 @@ class Generation:
         self.stats.record_round(None, verdict, record, streamed=len(delta.token_ids))
         if self.policy is not None:
             self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
+        self.look_up()
         return delta
 
     def open_draft(self, *, beside: bool) -> None:
@@ -251,6 +256,8 @@ class Generation:
         limit (a round commits up to K + 1). ``beside``: asked as the target
         prefills, where a draft opened now prefills beside it."""
         room = max(0, self.max_len - history_len - 1)
+        if self.lookup is not None:
+            room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
         k = self.policy.choose(room)
@@ -284,6 +291,7 @@ class Generation:
         draft phases it would wait for at a token a phase of K draft steps
         (docs/design.md#adaptive-k)."""
         self.k_max = 0
+        self.lookup = None
         if self.policy is not None:
             self.policy.close()
             self.policy = None
@@ -296,6 +304,11 @@ class Generation:
         """This round's proposal: the speculation's when it holds (a hit),
         else a fresh one (syncing the tokens committed since the last round).
         None when the round does not draft: K = 0, or the draft is lost."""
+        if self.lookup is not None:
+            record.k = self.choose_k(len(self.history))
+            record.drafted()
+            drafts = self.match.tokens[: record.k]
+            return Proposal(drafts, follows_len=len(self.history)) if drafts else None
         if self.drafts is None:
             return None
         reply, record.hit = await self.drafts.speculated(self.history)
@@ -381,12 +394,22 @@ class Generation:
         self.finish_reason = delta.finish_reason
         return delta
 
+    def look_up(self) -> None:
+        """Prompt lookup's draft after the history, looked up as soon as a
+        round has committed: each session's offer (its n and length) is
+        known to the plan of K before any of them asks (:mod:`coordinator.lookup`)."""
+        if self.lookup is None or self.finish_reason is not None:
+            return
+        self.match = self.lookup.match(self.history, self.k_max)
+        if self.policy is not None:
+            self.policy.offer(self.match.n, len(self.match.tokens))
+
     def account(
         self, proposal: Proposal | None, judged: Judged, record: RoundRecord, delta: Delta
     ) -> None:
         """Records the round in the statistics, as far as the client got its
         tokens, and teaches the cost model and the policy what it cost and
-        what it accepted."""
+        what it accepted; with prompt lookup, looks the next draft up."""
         drafted = proposal.tokens if proposal else []
         verified, verdict = len(judged.proposal.tokens), judged.verdict
         record.ended()
@@ -410,10 +433,12 @@ class Generation:
             draft_steps=len(drafted) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
             overhead_s=record.overhead_s,
-            drafted=proposal is not None and not record.hit,
+            drafted=proposal is not None and not record.hit and self.lookup is None,
+            evidence=self.match.n if self.lookup is not None else None,
         )
         if self.policy:
             self.policy.observe(verified, verdict.num_accepted)
+        self.look_up()
 
     def finish(self, delta: Delta) -> Delta:
         """The round's delta, with the statistics when it is the last."""

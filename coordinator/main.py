@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from coordinator.lookup import PromptLookup
 from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
@@ -36,7 +37,11 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
     target = GrpcTargetClient(config.target, credentials=worker_credentials)
-    draft = GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None
+    workers = (
+        GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None
+    )
+    lookup = PromptLookup(max_ngram=config.max_ngram) if config.prompt_lookup else None
+    draft = workers or lookup
     policy = SpeculationPolicy(
         default_k=config.default_k if draft else 0,
         max_k=config.max_num_speculative_tokens,
@@ -48,15 +53,12 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         # The coordinator serves once its target has described itself
         # (with k8s:// addresses: once a discovered endpoint is ready).
         await target.start()
-        if draft:
-            await draft.start()
+        if workers:
+            await workers.start()
         target_info = await workers_info(target, "--target", config.target, config.worker_wait_s)
-        draft_info = (
-            await workers_info(draft, "--draft", config.draft, config.worker_wait_s)
-            if draft
-            else None
-        )
-        if draft_info is not None:
+        draft_info = lookup.info if lookup else None
+        if workers:
+            draft_info = await workers_info(workers, "--draft", config.draft, config.worker_wait_s)
             check_pairing(target_info, draft_info, config.draft)
         service = CoordinatorService(
             Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info, draft_info),
@@ -106,8 +108,8 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
                 await http.stop()
     finally:
         await target.close()
-        if draft:
-            await draft.close()
+        if workers:
+            await workers.close()
 
 
 async def workers_info(
@@ -127,7 +129,7 @@ async def workers_info(
 
 
 def check_pairing(target: WorkerInfo, draft: WorkerInfo, addresses: tuple[str, ...]) -> None:
-    """A draft worker serves the target's vocabulary (a model-free drafter serves any)."""
+    """A draft worker serves the target's vocabulary."""
     if (target.vocab_fingerprint and draft.vocab_fingerprint) and (
         target.vocab_fingerprint != draft.vocab_fingerprint
     ):
@@ -140,7 +142,8 @@ def check_pairing(target: WorkerInfo, draft: WorkerInfo, addresses: tuple[str, .
         "--draft",
         ",".join(addresses),
         f"the draft worker serves {draft.model!r}, {differs} ({target.model!r}): serve a draft "
-        "model that shares the target's tokenizer, or --drafter prompt-lookup",
+        "model that shares the target's tokenizer, or draft by prompt lookup (--prompt-lookup, "
+        "no --draft)",
     )
 
 

@@ -70,6 +70,11 @@ class AdaptiveK:
     """Rounds at K = 0 before the next probe."""
     k_last: int | None = None
     """The K of this session's last verified round (its share of the load)."""
+    evidence: int | None = None
+    offered: int | None = None
+    """What the drafter offers for the next round, where it knows before
+    drafting (prompt lookup, :meth:`offer`): the evidence its drafts rest on,
+    and how many there are. None: as many as asked, on no evidence."""
 
     def __post_init__(self) -> None:
         self.probe_wait = self.probe_every
@@ -78,11 +83,26 @@ class AdaptiveK:
     def close(self) -> None:
         self.costs.leave(self)
 
+    def offer(self, evidence: int, tokens: int) -> None:
+        """The drafter has ``tokens`` drafts for the next round, on ``evidence``."""
+        if (evidence, tokens) != (self.evidence, self.offered):
+            self.evidence, self.offered = evidence, tokens
+            self.costs.changed()
+
+    @property
+    def k_most(self) -> int:
+        """The most drafts its next round can have."""
+        return self.k_max if self.offered is None else min(self.k_max, self.offered)
+
     @property
     def alpha(self) -> float:
         """Its per-token acceptance: its own rounds', drawn toward what every
         session of the deployment has seen (its drafter's typical α; 0.5
-        before any) by one run of its drafts (:data:`PRIOR_TOKENS_MAX`)."""
+        before any) by one run of its drafts (:data:`PRIOR_TOKENS_MAX`). For
+        drafts on evidence, what every session's drafts on the same evidence
+        had: that says more of the next drafts than the session's past does."""
+        if self.evidence is not None:
+            return self.costs.alpha_of(self.evidence, PRIOR_TOKENS)
         prior = self.costs.alpha
         prior = 0.5 if prior is None else prior
         weight = PRIOR_TOKENS_MAX if prior >= 1.0 else 1.0 / (1.0 - prior)
@@ -92,7 +112,7 @@ class AdaptiveK:
 
     def choose(self, limit: int) -> int:
         """K for the next round, at most ``limit`` (the room left)."""
-        k_max = min(self.k_max, limit)
+        k_max = min(self.k_most, limit)
         if k_max <= 0:
             return 0
         if self.exploring:

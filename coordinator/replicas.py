@@ -100,7 +100,7 @@ class Replica:
         progress ``since`` — what the asking call last heard — or the step
         under way began within ``lately_s``, or within twice the longest
         step it has measured, as a step longer than the deadline is still a
-        step; a model-free worker that answers is alive. A step that ended
+        step; a worker that answers without its engine's load is alive. A step that ended
         since may have answered the call, its answer on its way. Asked
         within ``timeout_s``; None when it is not at work or does not answer
         in time. Each call keeps its own progress: one's probe must not spend

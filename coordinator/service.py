@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from coordinator.costs import CostModel
 from coordinator.lockstep import Lockstep
+from coordinator.lookup import PromptLookup
 from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.requests import ChatMessage, RequestBuilder, RequestParams, SpeculationPolicy
@@ -27,7 +28,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         models: Models,
         target: TargetClient,
-        draft: DraftClient | None,
+        draft: DraftClient | PromptLookup | None,
         policy: SpeculationPolicy,
         draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),

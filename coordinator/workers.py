@@ -56,7 +56,7 @@ class Reply(Generic[T]):
     value: T
     compute_s: float
     load: EngineLoad | None = None
-    """The worker's engine as it answered (None: a model-free drafter)."""
+    """The worker's engine as it answered (None: it reported none)."""
 
 
 class DraftSession(Protocol):

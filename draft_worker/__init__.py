@@ -1,3 +1,4 @@
-"""The draft worker: holds a drafter (a small model, the target's checkpoint
-in 4 bits, early exit, or prompt lookup) and each session's draft KV cache,
-and proposes K tokens a round."""
+"""The draft worker: holds a draft model (a small model, the target's
+checkpoint in 4 bits, or its first layers) and each session's draft KV
+cache, and proposes K tokens a round. (Prompt lookup needs no worker: it
+runs in the coordinator, ``coordinator.lookup``.)"""

@@ -13,7 +13,6 @@ from outrider.drafters import (
     EarlyExitDrafter,
     Int4Drafter,
     ModelDrafter,
-    PromptLookupDrafter,
 )
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
@@ -27,9 +26,6 @@ from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
-# Model-free drafters work with any vocabulary and any context length.
-UNBOUNDED_CONTEXT = 1 << 30
-
 GRAPH_TOKENS_PER_ROW = 17
 """CUDA graphs cover draft steps (1 token), syncs after a full accept (2),
 and syncs after the target-only rounds between two of adaptive K's probes
@@ -39,14 +35,6 @@ and syncs after the target-only rounds between two of adaptive K's probes
 def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     drafter: Drafter
     limits, kind = config.limits, config.drafter_kind
-    if kind == "prompt-lookup":
-        drafter = PromptLookupDrafter(max_ngram=config.max_ngram)
-        info = DraftInfo(
-            vocab_fingerprint="",
-            max_context=UNBOUNDED_CONTEXT,
-            max_draft_tokens=config.max_draft_tokens,
-        )
-        return DraftSessions(drafter, SessionStore(max_sessions=limits.max_sessions), info)
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
     info = DraftInfo(
         vocab_fingerprint=models.vocab_fingerprint_of(
@@ -82,14 +70,13 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
 
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
     """Captures the CUDA graphs (on CUDA), then runs one short session end to end."""
-    if draft.runner is not None:
-        await engine.run(
-            functools.partial(
-                draft.runner.warm_up,
-                max_rows=draft.store.max_sessions,
-                max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
-            )
+    await engine.run(
+        functools.partial(
+            draft.runner.warm_up,
+            max_rows=draft.store.max_sessions,
+            max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
         )
+    )
     await engine.run(draft.open, "warmup", [0, 1, 2, 3], 0, "")
     await engine.run(draft.propose, "warmup", 5, [0], min(3, draft.info.max_draft_tokens))
     await engine.run(draft.close, "warmup")

@@ -22,12 +22,11 @@ from outrider.validation import check_context, check_token_ids
 @dataclass(frozen=True)
 class DraftInfo:
     vocab_fingerprint: str
-    """sha256 of the drafter's tokenizer vocabulary; empty for model-free drafters."""
+    """sha256 of the drafter's tokenizer vocabulary."""
     max_context: int
     max_draft_tokens: int
     device: str = "cpu"
     dtype: str = ""
-    """Empty for model-free drafters."""
 
 
 class DraftSessions:
@@ -40,19 +39,17 @@ class DraftSessions:
 
     @property
     def runner(self):
-        """The drafter's model runner; None for a model-free drafter."""
+        """The drafter's model runner."""
         return self.drafter.runner
 
     def check_pairing(self, target_vocab_size: int, target_fingerprint: str) -> None:
         """Refuses a target whose vocabulary differs from the drafter's."""
-        if self.drafter.vocab_size is None:
-            return
         if target_fingerprint and self.info.vocab_fingerprint:
             if target_fingerprint != self.info.vocab_fingerprint:
                 raise FailedPrecondition(
                     f"the draft model {self.drafter.model_name!r} has a different tokenizer "
                     "vocabulary than the target: pair it with a draft that shares the target's "
-                    "tokenizer, or use --drafter prompt-lookup"
+                    "tokenizer, or draft by prompt lookup (the coordinator's --prompt-lookup)"
                 )
         elif target_vocab_size and target_vocab_size != self.drafter.vocab_size:
             raise FailedPrecondition(
@@ -74,14 +71,11 @@ class DraftSessions:
         self.check_pairing(target_vocab_size, target_fingerprint)
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
-        check_token_ids(
-            tokens, self.drafter.vocab_size or target_vocab_size or None, what="token_ids"
-        )
+        check_token_ids(tokens, self.drafter.vocab_size, what="token_ids")
         check_context(len(tokens), self.info.max_context, what="the history")
-        runner = self.drafter.runner
-        kv = runner.new_kv() if runner else None
+        kv = self.drafter.runner.new_kv()
         session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
-        if kv is not None and len(tokens) > 1:
+        if len(tokens) > 1:
             yield Feed(kv, list(tokens[:-1]), num_logits=0)
         return session.committed_len
 
@@ -128,15 +122,15 @@ class DraftSessions:
         # committed length; keep the longest prefix it shares with the
         # history to draft after, never its last token (the draft feeds it).
         kv = session.kv
-        agreed = min(len(kv), session.committed_len) if kv is not None else 0
+        assert kv is not None  # (a draft session keeps a cache)
+        agreed = min(len(kv), session.committed_len)
         session.tokens.extend(new_tokens)
         history = [*session.tokens, *assumed] if guessing else session.tokens
         k = min(num_draft_tokens + guessing, self.info.max_context - len(history))
         if k <= 0:
             return Proposal([], follows_len=len(history))
-        if kv is not None:
-            kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
-            kv.reserve(len(history) + k - 1)
+        kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
+        kv.reserve(len(history) + k - 1)
         proposal = yield from self.drafter.propose(session, history, k)
         if not guessing or not proposal.tokens:  # (no guess: nothing to speculate on)
             return proposal

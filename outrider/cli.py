@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     # up / demo: their defaults are the services' own
     engine, coordinator = flags.flag_defaults(EngineConfig), flags.flag_defaults(CoordinatorConfig)
     up = commands.add_parser(
-        "up", help="start coordinator, draft and target workers on this machine"
+        "up", help="start the coordinator, target and draft workers on this machine"
     )
     demo = commands.add_parser(
         "demo", help="start the stack, stream one generation, print its statistics, stop"
@@ -306,19 +306,22 @@ def _stack_args(args: argparse.Namespace) -> dict:
     if args.target_model:
         target += ["--model", args.target_model]
     drafter = args.drafter or default_drafter(args.device, draft_model=args.draft_model)
+    coordinator = ["--log-level", args.log_level, "--num-speculative-tokens", str(args.k)]
+    if args.pipeline:
+        coordinator += ["--pipeline"]
+    if args.target_model:
+        coordinator += ["--tokenizer", args.target_model]
+    if drafter == "prompt-lookup":  # (in the coordinator: no draft worker)
+        coordinator += ["--prompt-lookup"]
+        return dict(target_args=target, coordinator_args=coordinator, with_draft=False)
     draft += ["--drafter", drafter]
     if drafter == "early-exit":
         if not args.draft_layers:
             raise ValueError("--drafter early-exit needs --draft-layers L")
         draft += ["--draft-layers", str(args.draft_layers)]
     # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut).
-    if drafter != "prompt-lookup" and (args.draft_model or args.target_model):
+    if args.draft_model or args.target_model:
         draft += ["--model", args.draft_model or args.target_model]
-    coordinator = ["--log-level", args.log_level, "--num-speculative-tokens", str(args.k)]
-    if args.pipeline:
-        coordinator += ["--pipeline"]
-    if args.target_model:
-        coordinator += ["--tokenizer", args.target_model]
     return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
 
 
@@ -400,8 +403,14 @@ def _demo(args: argparse.Namespace) -> int:
 
     try:
         _check_stack_args(args)
-        print("Starting target worker, draft worker and coordinator...", flush=True)
-        stack = start_stack(**_stack_args(args))
+        stack_args = _stack_args(args)
+        services = (
+            "target worker, draft worker and coordinator"
+            if stack_args.get("with_draft", True)
+            else "target worker and coordinator (drafting by prompt lookup)"
+        )
+        print(f"Starting {services}...", flush=True)
+        stack = start_stack(**stack_args)
     except (StartupError, ValueError) as exc:
         print(f"outrider demo: {exc}", file=sys.stderr)
         return 2

@@ -17,15 +17,19 @@ from pathlib import Path
 from outrider.device import DTYPES, check_device, check_dtype
 from outrider.security import ClientTls, ServerTls, server_tls
 
+MODEL_DRAFTERS = ("model", "int4", "early-exit")
+"""What a draft worker runs — model: a small model of its own; int4: the
+target's checkpoint in 4 bits (``outrider.quantize``); early-exit: the
+target's first L layers."""
 DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
-"""model: a small model of its own; int4: the target's checkpoint in 4 bits
-(``outrider.quantize``); prompt-lookup: n-grams of the history, no model;
-early-exit: the target's first L layers."""
+"""A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
+the history, in the coordinator (``coordinator.lookup``), no draft worker."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
-"""The drafter a draft worker runs when none is named (nor a draft model), by
-device type (docs/benchmark.md#the-default-drafter): on the CPU a step reads
-weights, so the target's 4-bit copy is cheap and agrees; on CUDA the default
-model's step is launch-bound, so a 4-bit copy costs about a target step."""
+"""The drafter ``outrider up`` runs when none is named (nor a draft model),
+by device type (docs/benchmark.md#the-default-drafter): on the CPU a step
+reads weights, so the target's 4-bit copy is cheap and agrees; on CUDA the
+default model's step is launch-bound, so a 4-bit copy costs about a target
+step."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -222,9 +226,10 @@ class DraftWorkerConfig:
     """``outrider serve draft``."""
 
     service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["draft"])
-    drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
-    """model (a small model), int4 (the checkpoint in 4 bits), prompt-lookup or early-exit
-    (default: model if --model is given, else int4 on the CPU and prompt-lookup on CUDA)"""
+    drafter: str | None = field(default=None, metadata={"metavar": "{model,int4,early-exit}"})
+    """model (a small model), int4 (the checkpoint in 4 bits) or early-exit (default: model
+    if --model is given, else int4); prompt lookup needs no draft worker: it runs in the
+    coordinator (its --prompt-lookup)"""
     model: str | None = None
     """draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter
     cuts (default: the default model)"""
@@ -236,18 +241,22 @@ class DraftWorkerConfig:
     """weights sharing a scale and zero in the int4 drafter: 32, 64, 128 or 256"""
     max_draft_tokens: int = 16
     """largest K a round may ask for"""
-    max_ngram: int = 3
-    """longest n-gram the prompt-lookup drafter matches"""
     trust_remote_code: bool = False
     """allow model code from the checkpoint"""
 
     def __post_init__(self) -> None:
+        if self.drafter == "prompt-lookup":
+            raise ValueError(
+                "--drafter prompt-lookup: prompt lookup runs in the coordinator, with no draft "
+                "worker: start the coordinator with --prompt-lookup instead of --draft"
+            )
+        if self.drafter is not None and self.drafter not in MODEL_DRAFTERS:
+            raise ValueError(f"--drafter {self.drafter}: use one of {', '.join(MODEL_DRAFTERS)}")
         if self.drafter == "early-exit" and not self.draft_layers:
             raise ValueError("--drafter early-exit needs --draft-layers L (L >= 1)")
         if self.drafter != "early-exit" and self.draft_layers is not None:
             raise ValueError("--draft-layers only applies to --drafter early-exit")
         _at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
-        _at_least(self.max_ngram, 1, "--max-ngram")
         if self.int4_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 f"--int4-group-size {self.int4_group_size}: use one of "
@@ -256,8 +265,8 @@ class DraftWorkerConfig:
 
     @property
     def drafter_kind(self) -> str:
-        """The drafter it runs: the one named, else the default for its model and device."""
-        return self.drafter or default_drafter(self.engine.device, draft_model=self.model)
+        """The drafter it runs: the one named, else a model if one is named, else int4."""
+        return self.drafter or ("model" if self.model else "int4")
 
 
 @dataclass(frozen=True)
@@ -310,7 +319,13 @@ class CoordinatorConfig:
     own); sessions stay on the pod they opened on"""
     draft: tuple[str, ...] = field(default=(), metadata={"metavar": "ADDRESSES"})
     """draft workers, comma-separated, in the same forms as --target; none: target-only
-    decoding"""
+    decoding (or --prompt-lookup)"""
+    prompt_lookup: bool = False
+    """draft by prompt lookup here, in the coordinator: the continuation of an earlier
+    occurrence of each history's last n-gram, no model and no draft worker (instead of
+    --draft)"""
+    max_ngram: int = 3
+    """longest n-gram --prompt-lookup matches"""
     tokenizer: str | None = None
     """tokenizer: embedded name, directory or hub id (default: the default model's)"""
     num_speculative_tokens: int | str = field(
@@ -352,6 +367,12 @@ class CoordinatorConfig:
                 f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
             )
         _at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
+        if self.prompt_lookup and self.draft:
+            raise ValueError(
+                "--prompt-lookup drafts in the coordinator: drop --draft, or drop --prompt-lookup "
+                "to draft on the draft workers"
+            )
+        _at_least(self.max_ngram, 1, "--max-ngram")
         if self.worker_tls_key is not None and self.worker_tls_cert is None:
             raise ValueError("--worker-tls-key needs --worker-tls-cert")
         if self.worker_tls_cert is not None and self.worker_tls_key is None:

@@ -1,4 +1,6 @@
-"""Drafters: what proposes the K tokens the target verifies.
+"""Draft models: what proposes the K tokens the target verifies on a draft
+worker. (Prompt lookup, which needs no model, drafts in the coordinator:
+``coordinator.lookup``.)
 
 A drafter is one class with ``kind``, ``model_name``, ``runner`` and
 ``propose(session, k)``, an engine job (:mod:`outrider.engine.core`): a model
@@ -7,8 +9,8 @@ engine batches across every session drafting at that step. It draws its
 tokens the way the session's sampling says (``outrider.sampling.draw``):
 greedy, sampled from q (rejection mode, returning q), or with the position's
 Gumbel noise. The draft worker owns sessions and their caches (and rolls
-them back); a drafter only reads the committed history and, if it has a
-model, extends the session's cache.
+them back); a drafter only reads the committed history and extends the
+session's cache.
 
 * :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
   drawing each token as the session's sampling says.
@@ -17,16 +19,11 @@ model, extends the session's cache.
   predictions at a fraction of its weight bytes.
 * :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
   target's own) followed by its final norm and head.
-* :class:`PromptLookupDrafter` — no model: the continuation of the most
-  recent earlier occurrence of the history's last n-gram (prompt lookup
-  decoding, Saxena 2023; ``prompt_lookup_num_tokens`` in transformers).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
 
 from outrider.engine import Feed, Job
 from outrider.sampling import Stream, compact, draw
@@ -39,17 +36,17 @@ if TYPE_CHECKING:
 
 class Drafter(Protocol):
     kind: str
-    """"model", "int4", "early-exit" or "prompt-lookup"."""
+    """"model", "int4" or "early-exit"."""
     model_name: str
 
     @property
-    def runner(self) -> PagedRunner | FallbackRunner | None:
-        """The model runner; None for model-free drafters (sessions keep no KV cache)."""
+    def runner(self) -> PagedRunner | FallbackRunner:
+        """The model runner."""
         ...
 
     @property
-    def vocab_size(self) -> int | None:
-        """Size of the id space the drafter proposes from; None: any (model-free)."""
+    def vocab_size(self) -> int:
+        """Size of the id space the drafter proposes from."""
         ...
 
     def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
@@ -105,31 +102,3 @@ class EarlyExitDrafter(ModelDrafter):
     (built by ``outrider.models.load_causal_lm(..., num_layers=L)``)."""
 
     kind = "early-exit"
-
-
-class PromptLookupDrafter:
-    kind = "prompt-lookup"
-    model_name = "prompt-lookup"
-    runner = None
-    vocab_size = None
-
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-
-    def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
-        return Proposal(self.lookup(history, k), follows_len=len(history))
-        yield  # a job that needs no forward pass
-
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        history = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
-            # Earlier windows equal to the last n tokens; the latest one wins.
-            windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
-            matches = np.flatnonzero((windows == history[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return history[start : start + k].tolist()
-        return []

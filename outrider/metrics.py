@@ -206,8 +206,7 @@ class WorkerMetrics:
         ).set_function(lambda: store.cached_tokens)
         Gauge(
             PREFIX + "kv_cache_usage_perc",
-            "Fraction of the worker's KV cache blocks in use, 0 to 1 "
-            "(0 for a model-free drafter, which caches nothing).",
+            "Fraction of the worker's KV cache blocks in use, 0 to 1.",
             registry=registry,
         ).set_function(lambda: store.usage)
         self.opened = Counter(

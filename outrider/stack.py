@@ -257,6 +257,7 @@ def start_shared_target_stack(
     *,
     target_args: Sequence[str] = (),
     drafts: Mapping[str, Sequence[str]],
+    coordinator_drafts: Mapping[str, Sequence[str]] = {},
     coordinator_args: Sequence[str] = (),
     coordinator_replicas: int = 1,
     timeout_s: float = 300.0,
@@ -266,8 +267,11 @@ def start_shared_target_stack(
 
     ``drafts`` maps a drafter label to its draft worker's flags; the
     ``coordinator_replicas`` coordinators in front of that draft worker (and
-    the shared target) are ``stack.coordinators[label]``. With no drafts, the
-    coordinators without a draft worker are ``stack.coordinators[None]``.
+    the shared target) are ``stack.coordinators[label]``.
+    ``coordinator_drafts`` maps the label of a drafter that runs in the
+    coordinator (prompt lookup) to the coordinators' flags that name it.
+    With neither, the coordinators without a drafter are
+    ``stack.coordinators[None]``.
     """
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-")))
     try:
@@ -280,7 +284,8 @@ def start_shared_target_stack(
         for service in [target, *draft_workers.values()]:
             stack.wait_ready(service, timeout_s)
         draft_flags: dict[str | None, list[str]] = {
-            label: ["--draft", draft.address] for label, draft in draft_workers.items()
+            **{label: ["--draft", draft.address] for label, draft in draft_workers.items()},
+            **{label: list(flags) for label, flags in coordinator_drafts.items()},
         } or {None: []}
         for label, flags in draft_flags.items():
             stack.coordinators[label] = [

@@ -44,11 +44,10 @@ def first_line(exc: BaseException) -> str:
 
 
 def check_worker(config: TargetWorkerConfig | DraftWorkerConfig) -> None:
-    """Its address, TLS files, device and model (a prompt-lookup drafter has none)."""
+    """Its address, TLS files, device and model."""
     check_service(config.service)
     check_device(config.engine.device)
-    if getattr(config, "drafter_kind", "model") != "prompt-lookup":
-        check_model("--model", config.model)
+    check_model("--model", config.model)
     if config.engine.tensor_parallel_size > 1:
         check_tensor_parallel(config)
 
@@ -65,10 +64,6 @@ def check_tensor_parallel(config: TargetWorkerConfig | DraftWorkerConfig) -> Non
 
     size = config.engine.tensor_parallel_size
     kind = getattr(config, "drafter_kind", "model")
-    if kind == "prompt-lookup":
-        raise StartupError(
-            "--tensor-parallel-size", size, "the prompt-lookup drafter runs no model to split"
-        )
     model_config = AutoConfig.from_pretrained(
         models.resolve(config.model), trust_remote_code=config.trust_remote_code
     )

@@ -68,15 +68,10 @@ def checkpoint_of(config: Any) -> str | None:
     return models.checkpoint_dir(config.model)
 
 
-def start_engine(
-    sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None
-) -> Engine | InlineEngine:
+def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine:
     """The engine that runs ``sessions``' jobs in this process: a batching
-    :class:`Engine` on its own thread, or, for a worker without a model, an
-    :class:`InlineEngine`."""
+    :class:`Engine` on its own thread."""
     runner = sessions.runner
-    if runner is None:
-        return InlineEngine()
     engine = Engine(
         runner,
         max_tokens_per_step=config.tokens_per_step(runner.device.type),

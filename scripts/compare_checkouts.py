@@ -1,10 +1,12 @@
 """Single-stream tokens/s of two checkouts, request by request.
 
-Each checkout's three services (target, prompt-lookup draft, coordinator)
-run as processes, both stacks at once, with one request in flight at a time:
-for every prompt and K the two checkouts run it back to back, in alternating
-order, so drift in the machine's speed falls on both alike. Prints tokens/s
-per checkout and K, their ratio, and whether the outputs are identical::
+Each checkout's services (target, and a coordinator drafting by prompt
+lookup — on a draft worker of its own in checkouts older than
+``coordinator/lookup.py``) run as processes, both stacks at once, with one
+request in flight at a time: for every prompt and K the two checkouts run
+it back to back, in alternating order, so drift in the machine's speed falls
+on both alike. Prints tokens/s per checkout and K, their ratio, and whether
+the outputs are identical::
 
     git worktree add /tmp/before <commit>
     python scripts/compare_checkouts.py --old /tmp/before --new . --ks 0,4
@@ -45,10 +47,13 @@ def start_stack(checkout: Path, processes: list[subprocess.Popen], workdir: Path
     workdir.mkdir()
     target, target_address = start(checkout, "target", [], workdir)
     processes.append(target)
-    draft, draft_address = start(checkout, "draft", ["--drafter", "prompt-lookup"], workdir)
-    processes.append(draft)
+    drafting = ["--prompt-lookup"]
+    if not (checkout / "coordinator" / "lookup.py").exists():
+        draft, draft_address = start(checkout, "draft", ["--drafter", "prompt-lookup"], workdir)
+        processes.append(draft)
+        drafting = ["--draft", draft_address]
     coordinator, address = start(
-        checkout, "coordinator", ["--target", target_address, "--draft", draft_address], workdir
+        checkout, "coordinator", ["--target", target_address, *drafting], workdir
     )
     processes.append(coordinator)
     return address

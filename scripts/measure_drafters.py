@@ -24,7 +24,7 @@ from outrider.stack import start_stack
 MT_BENCH = PROMPT_SETS["mt-bench"]
 
 CANDIDATES = {
-    "prompt lookup": ["--drafter", "prompt-lookup"],
+    "prompt lookup": None,  # (in the coordinator: no draft worker)
     "target in 4 bits (int4)": ["--drafter", "int4"],
     "target in bfloat16": ["--drafter", "model", "--dtype", "bfloat16"],
     "early exit, 8 of 30 layers": ["--drafter", "early-exit", "--draft-layers", "8"],
@@ -37,11 +37,14 @@ def prompts(n: int) -> list[str]:
 
 
 def measure(
-    name: str, draft_args: list[str], questions: list[str], k: int, max_new_tokens: int
+    name: str, draft_args: list[str] | None, questions: list[str], k: int, max_new_tokens: int
 ) -> dict:
     totals = {0: [0, 0.0], k: [0, 0.0]}
     rounds = accepted = 0
-    with start_stack(draft_args=draft_args, coordinator_args=["--log-level", "warning"]) as stack:
+    coordinator = ["--log-level", "warning", *(["--prompt-lookup"] if draft_args is None else [])]
+    with start_stack(
+        draft_args=draft_args or (), coordinator_args=coordinator, with_draft=draft_args is not None
+    ) as stack:
         with Client(stack.coordinator.address) as client:
             for question in tqdm(questions, desc=name, unit="prompt"):
                 outputs = {}

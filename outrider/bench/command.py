@@ -78,16 +78,21 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
     if options.target_model:
         target += ["--model", options.target_model]
         coordinator += ["--tokenizer", options.target_model]
-    drafts = {d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args] for d in drafters}
+    drafts = {
+        d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args]
+        for d in drafters
+        if not d.coordinator_args
+    }
     # A model drafter runs in the target's dtype unless its flags say otherwise.
     for args in drafts.values():
-        if "--dtype" not in args and "prompt-lookup" not in args:
+        if "--dtype" not in args:
             args += ["--dtype", options.dtype]
-        if options.draft_tp != 1 and "prompt-lookup" not in args:
+        if options.draft_tp != 1:
             args += ["--tensor-parallel-size", str(options.draft_tp)]
     return dict(
         target_args=target,
         drafts=drafts,
+        coordinator_drafts={d.label: d.coordinator_args for d in drafters if d.coordinator_args},
         coordinator_args=coordinator,
         coordinator_replicas=options.coordinators,
     )
@@ -116,12 +121,10 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     meta = _meta(options, model_dir, len(prompts), started)
 
     with ExitStack() as cleanup:
-        services = f"{len(drafters)} draft worker + coordinator pairs"
-        if options.coordinators > 1:
-            services = (
-                f"{len(drafters)} draft workers, each with {options.coordinators} coordinators"
-            )
-        print(f"Starting 1 target worker and {services} ...", file=sys.stderr, flush=True)
+        workers = sum(1 for d in drafters if not d.coordinator_args)
+        coordinators = max(1, len(drafters)) * options.coordinators
+        services = f"{workers} draft workers and {coordinators} coordinators"
+        print(f"Starting 1 target worker, {services} ...", file=sys.stderr, flush=True)
         stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
         hf = (
             HuggingFace(model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos)

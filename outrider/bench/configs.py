@@ -13,6 +13,9 @@ BASELINE = "hf-generate"
 TARGET_ONLY = "outrider-k0"
 PIPELINED = "-pipelined"
 """The suffix of a pipelined configuration's name; without it, the name of its synchronous twin."""
+UNPIPELINED = frozenset({"prompt-lookup"})
+"""Drafters whose rounds are never pipelined: prompt lookup drafts in the
+coordinator, in microseconds, with nothing to overlap."""
 
 
 @dataclass
@@ -34,7 +37,8 @@ class Config:
 
 @dataclass(frozen=True)
 class Drafter:
-    """A drafter of ``--drafters``: its label and the draft worker's flags."""
+    """A drafter of ``--drafters``: its label and the draft worker's flags,
+    or the coordinator's for a drafter that runs there (no draft worker)."""
 
     label: str
     draft_args: tuple[str, ...]
@@ -42,6 +46,8 @@ class Drafter:
     """The Hugging Face peer: ``assistant_model=`` the target in bfloat16
     (``"bf16"``) or with the int4 drafter's weights (``"int4"``),
     ``"prompt-lookup"``, or None (no HF peer)."""
+    coordinator_args: tuple[str, ...] = ()
+    """Set for a drafter in the coordinator, whose ``draft_args`` are empty."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ def outrider_variants(
     labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool, pipelined: bool
 ) -> list[OutriderVariant]:
     """``outrider-k0`` on the first coordinator, then for each drafter its fixed K and adaptive K,
-    each followed by its ``-pipelined`` twin when ``pipelined``."""
+    each followed by its ``-pipelined`` twin when ``pipelined`` (and the drafter pipelines)."""
     variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
     for label in labels:
         if label is None:
@@ -76,7 +82,7 @@ def outrider_variants(
             )
         for v in synchronous:
             variants.append(v)
-            if pipelined:
+            if pipelined and label not in UNPIPELINED:
                 variants.append(replace(v, name=v.name + PIPELINED, pipeline=True))
     return variants
 
@@ -86,7 +92,7 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
     (the target with 4-bit weights) or ``early-exit-L``."""
     model = ("--model", target_model) if target_model else ()
     if spec == "prompt-lookup":
-        return Drafter(spec, ("--drafter", "prompt-lookup"), "prompt-lookup")
+        return Drafter(spec, (), "prompt-lookup", coordinator_args=("--prompt-lookup",))
     if spec == "bf16":
         return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "bf16")
     if spec == "int4":

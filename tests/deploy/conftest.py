@@ -1,6 +1,8 @@
 """Fixtures of the deployment tests: helm (installed on first use by
 scripts/install_tools.py, the same code `make tools` runs) and the chart
-rendered with the default and the full-featured values."""
+rendered with the default values (prompt lookup in the coordinator, no draft
+pool), the default values with an int4 draft pool, and the full-featured
+values."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "outrider"
 FULL_VALUES = CHART / "ci" / "full-values.yaml"
 RELEASE, NAMESPACE = "demo", "inference"
+# The CPU defaults with a draft-worker pool: int4, a drafter that runs a model.
+INT4_DRAFT = ("draft.drafter=int4",)
 
 
 def _load_install_tools():
@@ -77,13 +81,24 @@ def default_objects(render) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def int4_objects(render) -> list[dict]:
+    return render(sets=INT4_DRAFT)
+
+
+@pytest.fixture(scope="session")
 def full_objects(render) -> list[dict]:
     return render(FULL_VALUES)
 
 
-@pytest.fixture(params=["default", "full"])
-def objects(request, default_objects, full_objects) -> list[dict]:
-    return default_objects if request.param == "default" else full_objects
+@pytest.fixture(params=["default", "int4", "full"])
+def objects(request, default_objects, int4_objects, full_objects) -> list[dict]:
+    return {"default": default_objects, "int4": int4_objects, "full": full_objects}[request.param]
+
+
+@pytest.fixture(params=["int4", "full"])
+def drafting_objects(request, int4_objects, full_objects) -> list[dict]:
+    """The renderings with a draft-worker pool."""
+    return int4_objects if request.param == "int4" else full_objects
 
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
@@ -92,6 +107,20 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
 
 def component(objects: list[dict], kind: str, name: str) -> dict:
     return by_kind(objects, kind)[f"{RELEASE}-outrider-{name}"]
+
+
+def components(objects: list[dict]) -> list[str]:
+    """The components deployed: coordinator, target, and draft when there is
+    a draft-worker pool (not with prompt lookup, which runs in the coordinator)."""
+    prefix = f"{RELEASE}-outrider-"
+    names = [name.removeprefix(prefix) for name in by_kind(objects, "Deployment")]
+    assert {"coordinator", "target"} <= set(names) <= {"coordinator", "target", "draft"}
+    return names
+
+
+def workers(objects: list[dict]) -> list[str]:
+    """The worker pools deployed: target, and draft when there is a draft pool."""
+    return [name for name in components(objects) if name != "coordinator"]
 
 
 def pod_spec(deployment: dict) -> dict:

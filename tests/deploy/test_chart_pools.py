@@ -13,7 +13,9 @@ from outrider.models import EMBEDDED_MODELS
 from tests.deploy.conftest import (
     CHART,
     FULL_VALUES,
+    INT4_DRAFT,
     component,
+    components,
     env_of,
     pod_spec,
 )
@@ -61,9 +63,9 @@ def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
     )
 
 
-def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(default_objects):
+def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(int4_objects):
     for name in ("target", "draft"):
-        container = pod_spec(component(default_objects, "Deployment", name))["containers"][0]
+        container = pod_spec(component(int4_objects, "Deployment", name))["containers"][0]
         resources = container["resources"]
         assert not any(
             "gpu" in key for key in {**resources.get("limits", {}), **resources.get("requests", {})}
@@ -80,7 +82,7 @@ def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(default_objects):
 def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
     """gpu.count alone moves a pool onto its GPU: the device plugin's resource
     is requested, and the worker is told --device cuda (OUTRIDER_DEVICE)."""
-    objects = render(sets=(f"{name}.gpu.count=1",))
+    objects = render(sets=(*INT4_DRAFT, f"{name}.gpu.count=1"))
     container = pod_spec(component(objects, "Deployment", name))["containers"][0]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -110,6 +112,7 @@ def test_a_pools_tensor_parallel_size_requests_a_gpu_a_rank_and_reaches_its_work
         sets=(
             "target.gpu.count=1",
             "target.tensorParallelSize=8",
+            "draft.drafter=model",
             "draft.gpu.count=1",
             "draft.tensorParallelSize=2",
         )
@@ -148,15 +151,16 @@ def test_an_explicit_device_wins_over_the_one_gpu_count_implies(render, sets, de
 
 
 def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(
-    default_objects, full_objects
+    default_objects, int4_objects, full_objects
 ):
     # Defaults: the target and the coordinator's tokenizer are the embedded
-    # model; prompt lookup needs none.
-    for name in ("coordinator", "target"):
-        (init,) = pod_spec(component(default_objects, "Deployment", name))["initContainers"]
-        assert init["args"] == ["models", "fetch", "smollm2-135m-instruct"]
-        assert {"name": "cache", "mountPath": "/var/cache/outrider"} in init["volumeMounts"]
-    assert "initContainers" not in pod_spec(component(default_objects, "Deployment", "draft"))
+    # model (prompt lookup, in the coordinator, needs none); the int4 drafter
+    # quantizes the default model, embedded too.
+    for objects in (default_objects, int4_objects):
+        for name in components(objects):
+            (init,) = pod_spec(component(objects, "Deployment", name))["initContainers"]
+            assert init["args"] == ["models", "fetch", "smollm2-135m-instruct"]
+            assert {"name": "cache", "mountPath": "/var/cache/outrider"} in init["volumeMounts"]
     # Directories and hub ids are loaded by the service itself.
     for name in ("coordinator", "target", "draft"):
         assert "initContainers" not in pod_spec(component(full_objects, "Deployment", name))
@@ -218,7 +222,7 @@ def test_every_outrider_variable_the_chart_sets_is_a_flag_of_that_service(object
         ._subparsers._group_actions[0]
         .choices
     )
-    for name in ("coordinator", "target", "draft"):
+    for name in components(objects):
         flags = {
             "OUTRIDER_" + option.lstrip("-").upper().replace("-", "_")
             for action in roles[name]._actions
@@ -247,15 +251,15 @@ def parse_serve_args(monkeypatch, container: dict, role: str):
     return build_parser().parse_args(["serve", role])
 
 
-@pytest.mark.parametrize("name", ["coordinator", "target", "draft"])
-def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch, name):
+def test_every_service_parses_the_values_the_chart_gives_it(objects, monkeypatch):
     """The values, not only the names: Helm reads numbers in values files as
     floats, and a quoted 1048576 renders as 1.048576e+06, which no int flag takes."""
-    container = pod_spec(component(objects, "Deployment", name))["containers"][0]
-    args = parse_serve_args(monkeypatch, container, name)  # raises on a value a flag cannot take
-    if name != "coordinator":
-        cached = env_of(container).get("OUTRIDER_MAX_CACHED_TOKENS")
-        assert args.max_cached_tokens == (int(cached) if cached else None)
+    for name in components(objects):
+        container = pod_spec(component(objects, "Deployment", name))["containers"][0]
+        args = parse_serve_args(monkeypatch, container, name)  # raises on a value no flag takes
+        if name != "coordinator":
+            cached = env_of(container).get("OUTRIDER_MAX_CACHED_TOKENS")
+            assert args.max_cached_tokens == (int(cached) if cached else None)
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])
@@ -287,7 +291,7 @@ def test_large_integers_from_a_values_file_render_as_integers(full_objects):
     assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "1048576"  # ci/full-values.yaml
 
 
-def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, default_objects):
+def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, int4_objects):
     """0 (the full values' GPU draft pool): no flag, so the worker sizes its
     KV cache from the memory free once its model is loaded."""
     draft = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
@@ -296,5 +300,5 @@ def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, de
         "target",
         "draft",
     ):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
-        env = env_of(pod_spec(component(default_objects, "Deployment", name))["containers"][0])
+        env = env_of(pod_spec(component(int4_objects, "Deployment", name))["containers"][0])
         assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"

@@ -10,6 +10,7 @@ from tests.deploy.conftest import (
     component,
     env_of,
     pod_spec,
+    workers,
 )
 
 
@@ -59,7 +60,7 @@ def test_only_the_coordinator_gets_an_api_token(objects):
     coordinator = pod_spec(component(objects, "Deployment", "coordinator"))
     assert coordinator["serviceAccountName"] == account["metadata"]["name"]
     assert coordinator["automountServiceAccountToken"] is True
-    for name in ("target", "draft"):
+    for name in workers(objects):
         worker = pod_spec(component(objects, "Deployment", name))
         assert worker["automountServiceAccountToken"] is False
         assert "serviceAccountName" not in worker

@@ -9,13 +9,15 @@ from tests.deploy.conftest import (
     RELEASE,
     by_kind,
     component,
+    components,
     env_of,
     pod_spec,
+    workers,
 )
 
 
 def test_worker_services_are_headless_with_a_grpc_port_and_only_ready_pods(objects):
-    for name in ("target", "draft"):
+    for name in workers(objects):
         service = component(objects, "Service", name)
         deployment = component(objects, "Deployment", name)
         assert service["spec"]["clusterIP"] == "None"
@@ -61,8 +63,12 @@ def test_the_coordinator_serves_the_openai_api_on_its_http_port(
     }
 
 
-def test_the_coordinator_discovers_the_worker_pools_through_their_endpointslices(objects):
-    env = env_of(pod_spec(component(objects, "Deployment", "coordinator"))["containers"][0])
+def test_the_coordinator_discovers_the_worker_pools_through_their_endpointslices(
+    drafting_objects,
+):
+    env = env_of(
+        pod_spec(component(drafting_objects, "Deployment", "coordinator"))["containers"][0]
+    )
     assert env["OUTRIDER_TARGET"] == f"k8s://{RELEASE}-outrider-target.{NAMESPACE}:grpc"
     assert env["OUTRIDER_DRAFT"] == f"k8s://{RELEASE}-outrider-draft.{NAMESPACE}:grpc"
     assert env["OUTRIDER_HOST"] == "0.0.0.0"
@@ -73,11 +79,13 @@ def test_without_a_draft_pool_the_coordinator_decodes_with_the_target_alone(rend
     assert {o["metadata"]["name"] for o in objects if "draft" in o["metadata"]["name"]} == set()
     env = env_of(pod_spec(component(objects, "Deployment", "coordinator"))["containers"][0])
     assert "OUTRIDER_DRAFT" not in env
+    assert "OUTRIDER_PROMPT_LOOKUP" not in env and "OUTRIDER_MAX_NGRAM" not in env
 
 
 def test_pod_disruption_budgets_cover_every_component(objects):
     budgets = by_kind(objects, "PodDisruptionBudget")
-    for name in ("coordinator", "target", "draft"):
+    assert len(budgets) == len(components(objects))
+    for name in components(objects):
         budget = budgets[f"{RELEASE}-outrider-{name}"]
         labels = component(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -85,7 +93,7 @@ def test_pod_disruption_budgets_cover_every_component(objects):
 
 
 def test_every_service_drains_within_its_pods_termination_grace_period(objects):
-    for name in ("coordinator", "target", "draft"):
+    for name in components(objects):
         spec = pod_spec(component(objects, "Deployment", name))
         grace = int(env_of(spec["containers"][0])["OUTRIDER_SHUTDOWN_GRACE_S"])
         assert 0 < grace < spec["terminationGracePeriodSeconds"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from coordinator.lookup import PromptLookup
 from coordinator.loop import Models
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
@@ -181,7 +182,9 @@ async def running_stack(
         await target.start()
 
         draft_worker, draft_engine, draft = None, None, None
-        if drafter is not None:
+        if drafter == "prompt-lookup":  # (in the coordinator: no draft worker)
+            draft = PromptLookup()
+        elif drafter is not None:
             draft_config = DraftWorkerConfig(
                 service=SERVICE,
                 drafter=drafter,
@@ -222,7 +225,13 @@ async def running_stack(
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         target_info = await target.info(10)
-        draft_info = await draft.info(10) if draft else None
+        draft_info = (
+            draft.info
+            if isinstance(draft, PromptLookup)
+            else await draft.info(10)
+            if draft
+            else None
+        )
         eos = (
             frozenset(eos_token_ids)
             if eos_token_ids is not None
@@ -268,7 +277,7 @@ async def running_stack(
             draft_worker,
             target_workers,
             target_servers,
-            servers[target_replicas] if draft is not None else None,
+            servers[target_replicas] if draft_worker is not None else None,
             draft_engine,
             endpoints,
             service,

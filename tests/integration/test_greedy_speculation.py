@@ -141,14 +141,13 @@ async def test_int4_drafter_output_equals_target_only(tiny_target_dir, prompt_id
 # --- pipelined rounds: the draft drafts round i + 1 while the target verifies round i ---
 
 
-@pytest.mark.parametrize("draft", ["identical", "unrelated", "prompt-lookup"])
+@pytest.mark.parametrize("draft", ["identical", "unrelated"])
 async def test_pipelined_output_equals_target_only(
     tiny_target_dir, tiny_draft_same_dir, tiny_draft_other_dir, prompt_ids, reference, draft
 ):
     workers = {
         "identical": dict(draft_dir=tiny_draft_same_dir),
         "unrelated": dict(draft_dir=tiny_draft_other_dir),
-        "prompt-lookup": dict(drafter="prompt-lookup"),
     }[draft]
     async with running_stack(tiny_target_dir, eos_token_ids={NO_EOS}, **workers) as stack:
         async with AsyncClient(stack.address) as client:

@@ -124,7 +124,7 @@ async def test_oversized_messages_get_resource_exhausted(tiny_target_dir):
     ],
 )
 async def test_bad_request_ids_get_invalid_argument(tiny_target_dir, request_id, expected):
-    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+    async with running_stack(tiny_target_dir) as stack:
         async with AsyncClient(stack.address) as client:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.generate(token_ids=PROMPT, max_new_tokens=2, request_id=request_id)
@@ -152,14 +152,16 @@ async def test_an_overlong_request_id_header_gets_invalid_argument(tiny_target_d
         assert f"metadata {REQUEST_ID_KEY} has 300 characters" in info.value.details()
 
 
-async def test_a_model_free_drafter_refuses_negative_token_ids(tiny_target_dir):
-    async with running_stack(tiny_target_dir, drafter="prompt-lookup") as stack:
+async def test_a_draft_worker_refuses_negative_token_ids(tiny_target_dir):
+    async with running_stack(tiny_target_dir) as stack:
         async with grpc.aio.insecure_channel(stack.draft_server.address) as channel:
             call = worker_pb2_grpc.DraftWorkerStub(channel).Session()
             await call.write(wpb.DraftRequest(open=wpb.SessionOpen(token_ids=[3, -7])))
             code, details = await final_status(call)
             assert code == grpc.StatusCode.INVALID_ARGUMENT
-            assert details == "token_ids[1] = -7: token ids are never negative"
+            assert (
+                details == "token_ids[1] = -7 is outside the vocabulary: ids must lie in [0, 512)"
+            )
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ reference gives no mass (outside top-k / top-p / min-p) must never appear.
 
 Drafts: ``good`` (a copy of the target with a perturbed head: most drafts
 accepted, some rejected), ``bad`` (an unrelated model: most rejected), and
-``prompt-lookup`` (a deterministic point-mass draft; the prompt holds every
+``prompt-lookup`` (in the coordinator: a deterministic point-mass draft; the prompt holds every
 token, so it always finds a continuation to propose). With 3 tokens left
 after the first, a round drafts at most 2 (the loop never drafts past
 max_new_tokens), so K = 2 is the largest K that matters here.
@@ -61,11 +61,12 @@ from transformers import AutoModelForCausalLM
 import coordinator.loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.lockstep import Lockstep
+from coordinator.lookup import PromptLookup
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.workers import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.config import Recovery
-from outrider.drafters import ModelDrafter, PromptLookupDrafter
+from outrider.drafters import ModelDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
@@ -197,8 +198,7 @@ def target_client(model_runner) -> InProcessTargetClient:
 
 def draft_client(drafter) -> InProcessDraftClient:
     info = DraftInfo(vocab_fingerprint="", max_context=512, max_draft_tokens=16)
-    pool = drafter.runner.pool if drafter.runner else None
-    store = SessionStore(max_sessions=8, pool=pool)
+    store = SessionStore(max_sessions=8, pool=drafter.runner.pool)
     return InProcessDraftClient(DraftSessions(drafter, store, info), InlineEngine(drafter.runner))
 
 
@@ -263,7 +263,7 @@ class World:
     target_model: torch.nn.Module
     good_model: torch.nn.Module
     target: InProcessTargetClient
-    drafts: dict[str, InProcessDraftClient]
+    drafts: dict[str, InProcessDraftClient | PromptLookup]
     models: Models
     references: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     samples: dict[tuple[str, str, str, int, bool], Samples] = field(default_factory=dict)
@@ -364,7 +364,7 @@ def world(tmp_path_factory) -> World:
     drafts = {
         "good": draft_client(ModelDrafter(runner(TableLM(good, PROMPT, depth)), model_name="good")),
         "bad": draft_client(ModelDrafter(runner(TableLM(bad, PROMPT, depth)), model_name="bad")),
-        "prompt-lookup": draft_client(PromptLookupDrafter()),
+        "prompt-lookup": PromptLookup(),
     }
     info = WorkerInfo(
         model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512

@@ -103,21 +103,24 @@ def test_k_list_and_drafters_parse():
 
 
 def test_every_drafter_configuration_has_a_pipelined_twin_beside_it():
-    variants = outrider_variants([None, "prompt-lookup"], [4, 8], adaptive=True, pipelined=True)
+    variants = outrider_variants([None, "int4"], [4, 8], adaptive=True, pipelined=True)
     assert [v.name for v in variants] == [
         "outrider-k0",
-        "outrider-prompt-lookup-k4", "outrider-prompt-lookup-k4-pipelined",
-        "outrider-prompt-lookup-k8", "outrider-prompt-lookup-k8-pipelined",
-        "outrider-prompt-lookup-adaptive", "outrider-prompt-lookup-adaptive-pipelined",
+        "outrider-int4-k4", "outrider-int4-k4-pipelined",
+        "outrider-int4-k8", "outrider-int4-k8-pipelined",
+        "outrider-int4-adaptive", "outrider-int4-adaptive-pipelined",
     ]  # fmt: skip
     assert [v.pipeline for v in variants] == [False, False, True, False, True, False, True]
     twin = variants[-1]
-    assert (twin.coordinator, twin.drafter, twin.k, twin.adaptive) == (
-        "prompt-lookup",
-        "prompt-lookup",
-        None,
-        True,
-    )
+    assert (twin.coordinator, twin.drafter, twin.k, twin.adaptive) == ("int4", "int4", None, True)
+
+
+def test_prompt_lookup_has_no_pipelined_twin():
+    # (It drafts in the coordinator, in microseconds: nothing to overlap.)
+    variants = outrider_variants(["prompt-lookup"], [4], adaptive=True, pipelined=True)
+    assert [v.name for v in variants] == [
+        "outrider-k0", "outrider-prompt-lookup-k4", "outrider-prompt-lookup-adaptive"
+    ]  # fmt: skip
 
 
 def test_no_pipelined_leaves_the_twins_out():
@@ -141,7 +144,7 @@ class FakeClient:
 def test_every_outrider_configuration_sends_pipeline_explicitly():
     endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
     endpoint.client, endpoint.ignore_eos = FakeClient(), False
-    configs = outrider_configs({"prompt-lookup": endpoint}, [4], adaptive=True, pipelined=True)
+    configs = outrider_configs({"int4": endpoint}, [4], adaptive=True, pipelined=True)
     prompt = Prompt("q:1", "c", "x")
     for config in configs:
         assert config.run(prompt, 8).pipeline is config.pipeline

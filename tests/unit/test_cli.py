@@ -103,8 +103,13 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
 
     monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
     args = build_parser().parse_args(["up", *flags])
-    draft = _stack_args(args)["draft_args"]
+    stack = _stack_args(args)
+    if drafter == "prompt-lookup":  # in the coordinator, no draft worker
+        assert stack["with_draft"] is False and "--prompt-lookup" in stack["coordinator_args"]
+        return
+    draft = stack["draft_args"]
     assert draft[draft.index("--drafter") + 1] == drafter
+    assert "--prompt-lookup" not in stack["coordinator_args"]
     if drafter == "int4":
         assert "--model" not in draft  # the target's own checkpoint
 

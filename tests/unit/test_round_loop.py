@@ -74,7 +74,7 @@ async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
 
 @pytest.mark.parametrize(
     "where, beside",
-    [("apart", True), ("sharing CPU cores", False), ("no draft model", False)],
+    [("apart", True), ("sharing CPU cores", False)],
 )
 async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     clients, tiny_target_dir, where, beside
@@ -82,8 +82,7 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     """A draft model's prefill starts with the target's, so drafting can
     start at the second round; where the two run on CPUs (one host's cores),
     it starts once the first token is streamed, which then comes as fast as
-    without a draft. A model-free drafter has no prefill to hide: it opens
-    then too."""
+    without a draft."""
     target, draft = clients
     events: list[str] = []
     target_open, draft_open = target.open, draft.open
@@ -105,8 +104,6 @@ async def test_the_draft_prefills_beside_the_target_unless_they_share_cpu_cores(
     assert draft_info.dtype and info.device == draft_info.device == "cpu"
     if where == "apart":
         draft_info = dataclasses.replace(draft_info, device="cuda:0")
-    elif where == "no draft model":  # (as a prompt-lookup worker reports itself)
-        draft_info = dataclasses.replace(draft_info, dtype="")
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     models = Models(tokenizer, frozenset(), info, draft_info)
     assert models.draft_prefills_beside == beside

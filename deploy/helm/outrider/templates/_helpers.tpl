@@ -62,6 +62,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
+Whether a draft-worker pool is deployed: "true", or "" (false in an if).
+It is, with drafting on (draft.enabled), for the drafters that run a model
+(model, int4, early-exit). The prompt-lookup drafter runs in the coordinator
+(--prompt-lookup), with no draft pod.
+*/}}
+{{- define "outrider.draftWorker" -}}
+{{- if and .Values.draft.enabled (ne .Values.draft.drafter "prompt-lookup") }}true{{ end }}
+{{- end }}
+
+{{/*
 The ServiceAccount the coordinator runs as.
 */}}
 {{- define "outrider.serviceAccountName" -}}

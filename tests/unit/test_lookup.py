@@ -1,0 +1,112 @@
+"""Prompt lookup in the coordinator: its matches, the plan of K on what
+each session's match offers, and the round loop drafting by it."""
+
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from coordinator.costs import CostModel
+from coordinator.lookup import Match, PromptLookup
+from coordinator.loop import GenerationRequest, Models, generate
+from coordinator.policy import AdaptiveK
+from outrider.config import EngineConfig, ServiceConfig, TargetWorkerConfig
+from outrider.load import EngineLoad
+from outrider.worker import start_engine
+from target_worker.main import build_sessions as build_target_sessions
+from tests.inprocess import InProcessTargetClient
+from tests.integration.harness import reference_greedy
+
+
+@pytest.mark.parametrize(
+    "history, k, max_ngram, match",
+    [
+        ([1, 2, 3, 4, 5, 9, 2, 3], 2, 3, Match(2, [4, 5])),
+        ([1, 2, 3, 9, 1, 2, 3], 2, 3, Match(3, [9, 1])),
+        ([4, 9, 7, 4], 3, 3, Match(1, [9, 7, 4])),
+        # "2 3" matches at 1, "3" alone later at 6: the longer match decides.
+        ([1, 2, 3, 4, 0, 0, 3, 7, 2, 3], 1, 2, Match(2, [4])),
+        ([5, 6, 1, 5, 6, 2, 5, 6], 1, 2, Match(2, [2])),  # the latest of equal matches
+        ([1, 2, 3, 1, 2], 5, 3, Match(2, [3, 1, 2])),  # no more than the history holds
+        ([1, 2, 3, 4], 3, 3, Match(0, [])),  # no match
+        ([7], 3, 3, Match(0, [])),
+    ],
+)
+def test_a_match_is_what_followed_the_latest_occurrence_of_the_last_ngram(
+    history, k, max_ngram, match
+):
+    assert PromptLookup(max_ngram=max_ngram).match(history, k) == match
+
+
+def test_invalid_ngram_bounds_are_refused():
+    with pytest.raises(ValueError):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def cpu_like(rows: int) -> CostModel:
+    """A target whose step costs 20 ms and 2 ms a token, ``rows`` rows at a token each."""
+    counts = [float(1 << i) for i in range(11)]
+    costs = CostModel(decay=0.0, planning_share=math.inf)
+    costs.target = EngineLoad(tuple((1.0, t, 0.02 + 0.002 * t) for t in counts), rows, rows, 1)
+    costs.draft_per_token.update(0.0)  # (a lookup: microseconds, in the coordinator)
+    return costs
+
+
+def test_the_plan_drafts_on_strong_matches_and_not_on_weak_ones_or_none():
+    costs = cpu_like(rows=4)
+    for _ in range(200):  # what the deployment's drafts on each n have made
+        for drafts, accepted, n in ((4, 4, 3), (1, 0, 1)):
+            costs.observe(
+                num_drafts=drafts,
+                num_accepted=accepted,
+                evidence=n,
+                draft_s=0.0,
+                overhead_s=0.0,
+                drafted=False,
+            )
+    sessions = [AdaptiveK(8, costs) for _ in range(4)]
+    for policy in sessions:
+        policy.k_last = 0
+    offers = [(3, 8), (1, 8), (0, 0), (3, 2)]
+    for policy, (n, tokens) in zip(sessions, offers, strict=True):
+        policy.offer(n, tokens)
+    assert [policy.choose(limit=100) for policy in sessions] == [8, 0, 0, 2]
+    # A new offer is planned at once: the weak match became a strong one.
+    sessions[1].offer(3, 5)
+    assert sessions[1].choose(limit=100) == 5
+
+
+@pytest.fixture
+async def target(tiny_target_dir):
+    engine = EngineConfig(dtype="float64", threads=1)
+    sessions = build_target_sessions(
+        TargetWorkerConfig(ServiceConfig(), model=str(tiny_target_dir), engine=engine)
+    )
+    target_engine = start_engine(sessions, engine, max_rows=8)
+    yield InProcessTargetClient(sessions, target_engine)
+    target_engine.shutdown()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+async def test_the_loop_drafting_by_prompt_lookup_gives_the_target_s_tokens(
+    target, tiny_target_dir, adaptive
+):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    prompt = tokenizer("a b c a b c a b c a b")["input_ids"]
+    lookup = PromptLookup()
+    models = Models(tokenizer, frozenset(), await target.info(), lookup.info)
+    request = GenerationRequest(
+        prompt_ids=tuple(prompt),
+        max_new_tokens=24,
+        num_speculative_tokens=3,
+        adaptive=adaptive,
+        pipeline=True,  # (a lookup has nothing to overlap: its rounds are synchronous)
+    )
+    deltas = [delta async for delta in generate(request, models, target, lookup)]
+    assert [t for d in deltas for t in d.token_ids] == reference_greedy(
+        tiny_target_dir, prompt, 24, eos=None
+    )
+    stats = deltas[-1].stats
+    assert stats.draft_tokens > 0 and not stats.pipeline
+    await target.engine.run(lambda: None)  # (once a later call ran, the close has)
+    assert len(target.sessions.store) == 0
