@@ -1,0 +1,81 @@
+"""How prompt lookup's drafts fare by the length of their match.
+
+Generates each prompt's greedy answer with the target (Hugging Face
+``generate``, EOS ignored), then at every position of every answer looks up
+the draft the coordinator's prompt lookup would offer after the history
+(``coordinator.lookup.PromptLookup``) and counts, by the n of its match, how
+often its first token is the target's next token and how many of its
+leading tokens are. Prints a Markdown table (docs/benchmark.md#prompt-lookup-by-match)::
+
+    .venv/bin/python scripts/measure_lookup_matches.py --prompts mt-bench --limit 8
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from coordinator.lookup import PromptLookup
+from outrider import models
+from outrider.bench.prompts import load_prompts, prompt_file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="a shipped prompt set or a JSONL file"
+    )
+    parser.add_argument("--limit", type=int, default=8, help="prompts, spread over the set")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--k", type=int, default=8, help="draft tokens looked up per position")
+    parser.add_argument("--max-ngram", type=int, default=3, help="longest n-gram matched")
+    args = parser.parse_args()
+
+    tokenizer = models.load_tokenizer(None)
+    model = AutoModelForCausalLM.from_pretrained(models.checkpoint_dir(None)).eval()
+    lookup = PromptLookup(max_ngram=args.max_ngram)
+    # By n: positions, first draft accepted, accepted drafts (leading, of up to k).
+    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for prompt in load_prompts(prompt_file(args.prompts), args.limit):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=args.max_new_tokens,
+                min_new_tokens=args.max_new_tokens,
+                do_sample=False,
+            )
+        history = out[0].tolist()
+        for position in range(len(ids), len(history)):
+            match = lookup.match(history[:position], args.k)
+            truth = history[position : position + args.k]
+            accepted = next(
+                (i for i, (d, t) in enumerate(zip(match.tokens, truth, strict=False)) if d != t),
+                min(len(match.tokens), len(truth)),
+            )
+            row = counts[match.n]
+            row[0] += 1
+            row[1] += accepted >= 1
+            row[2] += accepted
+    total = sum(row[0] for row in counts.values())
+    print("| match | positions | first draft accepted | accepted drafts a position |")
+    print("|---|---:|---:|---:|")
+    for n in sorted(counts):
+        positions, first, accepted = counts[n]
+        name = f"{n}-gram" if n else "none"
+        print(
+            f"| {name} | {positions} ({positions / total:.0%}) | {first / positions:.2f} | "
+            f"{accepted / positions:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
