@@ -114,6 +114,23 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
         assert "--model" not in draft  # the target's own checkpoint
 
 
+def test_a_draft_worker_refuses_prompt_lookup_and_names_the_coordinator_s_flag(capsys):
+    from outrider.cli import main
+
+    assert main(["serve", "draft", "--drafter", "prompt-lookup"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-lookup" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_coordinator_refuses_prompt_lookup_beside_draft_workers(capsys):
+    from outrider.cli import main
+
+    assert (
+        main(["serve", "coordinator", "--target", "a:1", "--draft", "b:2", "--prompt-lookup"]) == 2
+    )
+    assert "drop --draft" in capsys.readouterr().err
+
+
 def test_serve_refuses_an_int4_group_size_the_kernels_lack(capsys):
     from outrider.cli import main
 
