@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from outrider import flags
+from outrider.bench.cli import add_bench_parser
 from outrider.config import (
     DEFAULT_PORTS,
     DRAFTERS,
@@ -40,20 +41,8 @@ ROLE_CONFIGS: dict[str, type[CoordinatorConfig | TargetWorkerConfig | DraftWorke
 }
 
 
-def _checked(check):
-    """An argparse type from a config check: its ValueError is the usage error."""
-
-    def convert(text: str):
-        try:
-            return check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
-
-
 device, dtype, k_value = (
-    _checked(check) for check in (check_device, check_dtype, num_speculative_tokens)
+    flags.argparse_type(check) for check in (check_device, check_dtype, num_speculative_tokens)
 )
 
 
@@ -122,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="draft the next round while the target verifies this one (requests may override)",
         )
         p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
-        _add_tp_flags(p)
+        flags.add_tensor_parallel_flags(p)
         p.add_argument("--log-level", default="warning", help="log level of the three services")
     up.add_argument(
         "--port",
@@ -217,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-file", type=Path, help="send the bearer token in this file")
 
     # bench
-    _add_bench_parser(commands)
+    add_bench_parser(commands)
 
     # models
     models = commands.add_parser("models", help="the embedded default model")
@@ -279,18 +268,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"outrider serve {args.role}: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def _add_tp_flags(parser: argparse.ArgumentParser) -> None:
-    for role in ("target", "draft"):
-        parser.add_argument(
-            f"--{role}-tp",
-            type=int,
-            default=1,
-            metavar="N",
-            help=f"tensor-parallel size of the {role} worker: its model split over N ranks "
-            "(GPUs, or processes on the CPU) (default: 1)",
-        )
 
 
 def _stack_args(args: argparse.Namespace) -> dict:
@@ -548,134 +525,6 @@ def _models(args: argparse.Namespace) -> int:
             state = "fetched" if models.is_fetched(known) else "not fetched"
             print(f"{known}\t{state}\t{models.model_path(known)}")
     return 0
-
-
-# --- outrider bench ------------------------------------------------------------------
-
-
-def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser(
-        "bench",
-        help="benchmark Outrider against Hugging Face generate and assisted generation, in one run",
-        description=(
-            "Runs a prompt set through every configuration in one run, interleaved (for each "
-            "prompt, every configuration in turn): plain Hugging Face generate (hf-generate, the "
-            "baseline), Outrider target-only (outrider-k0), Outrider with each drafter and K and "
-            "with adaptive K, each synchronous and pipelined, and Hugging Face assisted generation "
-            "on the same models. Greedy decoding; outputs are checked to be identical. Reports "
-            "tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance rate, mean acceptance "
-            "length, accepted per position, the per-round time split and the analytic bound "
-            "E·t_target/T (docs/design.md#cost-model), per configuration and per prompt category. "
-            "Starts its own services (one target worker, one draft worker and coordinator per "
-            "drafter). With --concurrency it measures throughput and latency with N streams at "
-            "once instead."
-        ),
-    )
-    bench.add_argument(
-        "--prompts", action="append", metavar="SET|FILE",
-        help="a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 "
-        "HumanEval prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a "
-        "JSONL file, rows with `turns` (the first is used) or `prompt`, and optionally `category` "
-        "(else the file stem); each is sent as one user chat message "
-        "(repeatable; default: mt-bench)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--limit", type=int, help="prompts per file, spread evenly over the file (default: all)"
-    )
-    bench.add_argument(
-        "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)"
-    )
-    bench.add_argument(
-        "--k",
-        default="4",
-        metavar="LIST",
-        help="fixed K values, comma-separated (default: 4); K=0 always runs",
-    )
-    bench.add_argument(
-        "--drafters", default="prompt-lookup,int4", metavar="LIST",
-        help="drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), bf16 "
-        "(the target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer) "
-        "(default: prompt-lookup,int4)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--no-hf",
-        action="store_true",
-        help="skip the Hugging Face configurations (speedup is then vs outrider-k0)",
-    )
-    bench.add_argument(
-        "--no-adaptive", action="store_true", help="skip the adaptive-K configurations"
-    )
-    bench.add_argument(
-        "--no-pipelined", action="store_true",
-        help="skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined, "
-        "outrider-<drafter>-adaptive-pipelined: the draft drafts the next round while the target "
-        "verifies this one); the others always run synchronous",
-    )  # fmt: skip
-    bench.add_argument(
-        "--target-model",
-        help="target model: embedded name, directory or hub id (default: smollm2-135m-instruct)",
-    )
-    bench.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
-        help="dtype of the target, in the target worker and for Hugging Face (default: float32)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--device", type=device, default="auto",
-        help="where both workers and the Hugging Face configurations run: auto (the first CUDA "
-        "device if there is one, else the CPU), cpu, cuda or cuda:N (default: auto)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--ignore-eos", action="store_true",
-        help="fixed-length runs: every request generates exactly --max-new-tokens, past "
-        "end-of-sequence tokens (Outrider's ignore_eos; Hugging Face with no end-of-sequence "
-        "token, which does the same without masking it, so the outputs stay comparable)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--concurrency", metavar="LIST",
-        help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always "
-        "runs), N streams at once, max(N, prompts) requests, stream s sending requests s, s+N, ... "
-        "in turn. Reports per configuration and N total tokens/s, speedup over N=1, TTFT and "
-        "inter-token latency p50/p99 (per chunk: Outrider streams a chunk per round; and per "
-        "token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
-        "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--repeat", type=int, default=1, metavar="R",
-        help="run every configuration R times on each prompt (with --concurrency: R batches at "
-        "each N), the order rotated each time, and report the median: of each prompt, the "
-        "request of median wall time; with --concurrency, the batch of median tokens/s, and "
-        "the median ratio to outrider-k0's batch of the same rotation. Every output is "
-        "checked; ratios between configurations then hold against the machine's drift "
-        "(default: 1)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--coordinators", type=int, default=1, metavar="N",
-        help="with --concurrency: N coordinator replicas per drafter, sharing the same workers, "
-        "the streams spread round-robin over them (to see how many a load needs when one "
-        "coordinator's CPU is the limit) (default: 1)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--threads",
-        type=int,
-        help="torch threads of this process and of each worker (default: all cores)",
-    )
-    _add_tp_flags(bench)
-    bench.add_argument(
-        "--json",
-        type=Path,
-        metavar="FILE",
-        help="write the report as JSON (one object with a `configs` list; with --concurrency each "
-        "has a `runs` list, one per N)",
-    )
-    bench.add_argument(
-        "--plot", type=Path, metavar="FILE.png",
-        help="plot speedup and acceptance by configuration and category; with --concurrency, "
-        "tokens/s, TTFT and inter-token latency against N (needs matplotlib: outrider[bench])",
-    )  # fmt: skip
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.add_argument(
-        "--log-level", default="warning", help="log level of the services (default: warning)"
-    )
 
 
 def _bench(args: argparse.Namespace) -> int:
