@@ -181,9 +181,10 @@ async def running_stack(
         clients.append(target)
         await target.start()
 
-        draft_worker, draft_engine, draft = None, None, None
+        draft_worker, draft_engine, draft, draft_info = None, None, None, None
         if drafter == "prompt-lookup":  # (in the coordinator: no draft worker)
             draft = PromptLookup()
+            draft_info = draft.info
         elif drafter is not None:
             draft_config = DraftWorkerConfig(
                 service=SERVICE,
@@ -222,16 +223,10 @@ async def running_stack(
             )
             draft = GrpcDraftClient([servers[-1].address], credentials=worker_client_credentials)
             clients.append(draft)
+            draft_info = await draft.info(10)
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         target_info = await target.info(10)
-        draft_info = (
-            draft.info
-            if isinstance(draft, PromptLookup)
-            else await draft.info(10)
-            if draft
-            else None
-        )
         eos = (
             frozenset(eos_token_ids)
             if eos_token_ids is not None
