@@ -2,9 +2,10 @@
 
 Prompt lookup drafts the continuation of the latest earlier occurrence of
 the history's last n-gram (prompt lookup decoding, Saxena 2023;
-``prompt_lookup_num_tokens`` in transformers): microseconds of numpy on the
-history the coordinator holds anyway. Asked of a worker it would cost an RPC
-and that worker's CPU each round, match or not. Here the round loop looks
+``prompt_lookup_num_tokens`` in transformers): a few dictionary lookups on
+the history the coordinator holds anyway (:class:`NgramIndex`). Asked of a
+worker it would cost an RPC and that worker's CPU each round, match or
+not. Here the round loop looks
 each session's next draft up as soon as a round commits, so the plan of K
 knows, before any session is asked, which have a draft to offer, how long,
 and how good: the length n of the matched n-gram says far more about a
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from coordinator.workers import WorkerInfo
 
@@ -55,14 +54,48 @@ class PromptLookup:
             model=DRAFTER, drafter=DRAFTER, vocab_size=0, vocab_fingerprint="", max_context=0
         )
 
+    def index(self) -> NgramIndex:
+        """An index for one session's growing history."""
+        return NgramIndex(range(self.max_ngram, self.min_ngram - 1, -1))
+
     def match(self, tokens: Sequence[int], k: int) -> Match:
         """Up to ``k`` tokens to follow ``tokens``, and the n of their match."""
-        history = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
-            # Earlier windows equal to the last n tokens; the latest one wins.
-            windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
-            matches = np.flatnonzero((windows == history[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return Match(n, history[start : start + k].tolist())
+        return self.index().match(tokens, k)
+
+
+class NgramIndex:
+    """Where each n-gram of a history last ended, kept up as the history grows.
+
+    A session looks its next draft up after every round, at up to thousands
+    of rounds a second in one coordinator; a scan of the whole history each
+    time (tens of microseconds at a few hundred tokens, growing with it)
+    would make the lookup the coordinator's largest cost. Indexed, a round
+    costs a few dictionary operations per n for each committed token, and a
+    lookup one per n. A session's history only grows (committed tokens are
+    never taken back), which is what lets the index be incremental.
+    """
+
+    def __init__(self, ngrams: range) -> None:
+        self.ngrams = ngrams
+        """The n matched, longest first."""
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in ngrams}
+        """By n: each n-gram's latest end that has a token after it."""
+        self.length = 0
+        """The length of the history last matched: its ends are indexed."""
+
+    def match(self, history: Sequence[int], k: int) -> Match:
+        """Up to ``k`` tokens to follow ``history``, which extends the
+        history of the previous call, and the n of their match."""
+        end = len(history)
+        if end < self.length:
+            raise ValueError("a prompt lookup index's history only grows")
+        for position in range(max(self.length, 1), end):
+            for n, ends in self.ends.items():
+                if position >= n:
+                    ends[tuple(history[position - n : position])] = position
+        self.length = end
+        for n in self.ngrams:
+            start = self.ends[n].get(tuple(history[end - n :])) if end > n else None
+            if start is not None:
+                return Match(n, list(history[start : start + k]))
         return NO_MATCH

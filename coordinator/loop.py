@@ -148,7 +148,7 @@ class Generation:
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
         k_max = request.num_speculative_tokens if draft is not None else 0
-        self.lookup = draft if isinstance(draft, PromptLookup) and k_max > 0 else None
+        self.lookup = draft.index() if isinstance(draft, PromptLookup) and k_max > 0 else None
         self.match = NO_MATCH
         """The draft prompt lookup offers after the history (:meth:`look_up`)."""
         if request.adaptive:

@@ -54,8 +54,9 @@ def main() -> None:
                 do_sample=False,
             )
         history = out[0].tolist()
+        index = lookup.index()  # (as a session's, grown a token at a time)
         for position in range(len(ids), len(history)):
-            match = lookup.match(history[:position], args.k)
+            match = index.match(history[:position], args.k)
             truth = history[position : position + args.k]
             accepted = next(
                 (i for i, (d, t) in enumerate(zip(match.tokens, truth, strict=False)) if d != t),

@@ -4,6 +4,8 @@ each session's match offers, and the round loop drafting by it."""
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from coordinator.costs import CostModel
@@ -36,6 +38,36 @@ def test_a_match_is_what_followed_the_latest_occurrence_of_the_last_ngram(
     history, k, max_ngram, match
 ):
     assert PromptLookup(max_ngram=max_ngram).match(history, k) == match
+
+
+def latest_match(history: list[int], k: int, max_ngram: int) -> Match:
+    """The definition, by scanning: the longest n first, its latest earlier occurrence."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        starts = [s for s in range(len(history) - n) if history[s : s + n] == history[-n:]]
+        if starts:
+            return Match(n, history[starts[-1] + n : starts[-1] + n + k])
+    return Match(0, [])
+
+
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    steps=st.lists(st.integers(1, 5), max_size=10),
+    max_ngram=st.integers(1, 4),
+)
+def test_a_session_s_index_matches_as_a_scan_of_its_whole_history_would(tokens, steps, max_ngram):
+    index = PromptLookup(max_ngram=max_ngram).index()
+    end = 0
+    for step in [*steps, len(tokens)]:  # the history grows by a round's tokens at a time
+        end = min(end + step, len(tokens))
+        history = tokens[:end]
+        assert index.match(history, 3) == latest_match(history, 3, max_ngram)
+
+
+def test_an_index_refuses_a_history_that_shrank():
+    index = PromptLookup().index()
+    index.match([1, 2, 3], 2)
+    with pytest.raises(ValueError):
+        index.match([1, 2], 2)
 
 
 def test_invalid_ngram_bounds_are_refused():
