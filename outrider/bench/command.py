@@ -123,7 +123,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     with ExitStack() as cleanup:
         workers = sum(1 for d in drafters if not d.coordinator_args)
         coordinators = max(1, len(drafters)) * options.coordinators
-        services = f"{workers} draft workers and {coordinators} coordinators"
+        services = f"{_count(workers, 'draft worker')} and {_count(coordinators, 'coordinator')}"
         print(f"Starting 1 target worker, {services} ...", file=sys.stderr, flush=True)
         stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
         hf = (
@@ -316,3 +316,8 @@ def main(args: Any) -> int:
         print("outrider bench: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural where ``n`` is not one."""
+    return f"{n} {noun}{'s' * (n != 1)}"
