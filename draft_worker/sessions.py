@@ -122,7 +122,6 @@ class DraftSessions:
         # committed length; keep the longest prefix it shares with the
         # history to draft after, never its last token (the draft feeds it).
         kv = session.kv
-        assert kv is not None  # (a draft session keeps a cache)
         agreed = min(len(kv), session.committed_len)
         session.tokens.extend(new_tokens)
         history = [*session.tokens, *assumed] if guessing else session.tokens

@@ -69,7 +69,6 @@ class ModelDrafter:
         # Sync: feed the tokens of the history the cache lacks (at least the
         # last one: the draft has not seen it yet).
         kv, sampling = session.kv, session.sampling
-        assert kv is not None  # a model drafter's sessions keep a cache
         out = yield Feed(kv, history[len(kv) :])
         position = len(history)
         tokens: list[int] = []

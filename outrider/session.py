@@ -42,8 +42,8 @@ class Session:
     session_id: str
     tokens: list[int]
     """The committed history, as this worker knows it."""
-    kv: KVCache | None = None
-    """The model's cache; None for model-free drafters."""
+    kv: KVCache
+    """The model's cache."""
     sampling: SamplingParams = SamplingParams()
     """How this session turns logits into tokens (the same on both workers)."""
 
@@ -53,18 +53,16 @@ class Session:
 
     @property
     def cached_tokens(self) -> int:
-        kv = self.kv  # one read: the metrics thread may call this while the session closes
-        return len(kv) if kv is not None else 0
+        return len(self.kv)
 
 
 class SessionStore:
     """Sessions of one worker, at most ``max_sessions``, their caches drawn
-    from ``pool`` (None: a model-free drafter, which caches nothing). All
-    methods run on the thread of the worker's engine (the event loop's, for
-    a model-free drafter's inline engine); the metrics endpoint only reads
+    from ``pool``. All methods run on the thread of the worker's engine;
+    the metrics endpoint only reads
     ``len``, ``cached_tokens`` and ``usage``, from its own."""
 
-    def __init__(self, *, max_sessions: int, pool: BlockPool | None = None) -> None:
+    def __init__(self, *, max_sessions: int, pool: BlockPool) -> None:
         self.max_sessions = max_sessions
         self.pool = pool
         self._sessions: dict[str, Session] = {}
@@ -74,7 +72,7 @@ class SessionStore:
 
     @property
     def max_cached_tokens(self) -> int:
-        return self.pool.capacity if self.pool is not None else 0
+        return self.pool.capacity
 
     @property
     def cached_tokens(self) -> int:
@@ -84,13 +82,13 @@ class SessionStore:
     @property
     def usage(self) -> float:
         """The fraction of the pool's blocks in use, 0 to 1."""
-        return self.pool.used_blocks / self.pool.num_blocks if self.pool is not None else 0.0
+        return self.pool.used_blocks / self.pool.num_blocks
 
     def create(
         self,
         session_id: str,
         tokens: Sequence[int],
-        kv: KVCache | None = None,
+        kv: KVCache,
         sampling: SamplingParams = SamplingParams(),
     ) -> Session:
         """A new session; its cache gets room for the whole history at once,
@@ -102,8 +100,7 @@ class SessionStore:
                 f"worker is full: {len(self._sessions)} of {self.max_sessions} sessions open; "
                 "retry later or on another replica"
             )
-        if kv is not None:
-            kv.reserve(len(tokens))
+        kv.reserve(len(tokens))
         session = Session(session_id=session_id, tokens=list(tokens), kv=kv, sampling=sampling)
         self._sessions[session_id] = session
         return session
@@ -117,5 +114,5 @@ class SessionStore:
     def close(self, session_id: str) -> None:
         """Frees the session and its KV cache at once (idempotent)."""
         session = self._sessions.pop(session_id, None)
-        if session is not None and session.kv is not None:
+        if session is not None:
             session.kv.free()

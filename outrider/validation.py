@@ -7,14 +7,8 @@ from collections.abc import Sequence
 from outrider.errors import InvalidArgument
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int | None, *, what: str) -> None:
-    """Raises InvalidArgument naming ``what`` if an id lies outside ``[0, vocab_size)``
-    (is negative, when the vocabulary is unknown: model-free drafters take any id)."""
-    if vocab_size is None:
-        for i, token in enumerate(ids):
-            if token < 0:
-                raise InvalidArgument(f"{what}[{i}] = {token}: token ids are never negative")
-        return
+def check_token_ids(ids: Sequence[int], vocab_size: int, *, what: str) -> None:
+    """Raises InvalidArgument naming ``what`` if an id lies outside ``[0, vocab_size)``."""
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise InvalidArgument(

@@ -23,7 +23,7 @@ between steps; a step is held briefly for the sessions the last one answered
 while their next round is a short round trip away (:class:`_Returns`). The
 gRPC event loop only ever waits on a future.
 :class:`InlineEngine` runs the same jobs at once on the caller's thread,
-each feed alone: for model-free drafters (no thread hop) and tests.
+each feed alone, with no thread hop: for tests that drive one session at a time.
 
 A feed's cache room is reserved before it is queued; a full pool is thrown
 into the job as ``ResourceExhausted``. A session closed while its job waits
@@ -508,14 +508,14 @@ class Engine:
 
 class InlineEngine:
     """The :class:`Engine` interface, running each call at once on the
-    caller's thread and each feed alone (``runner`` None: a job must not feed)."""
+    caller's thread and each feed alone, on ``runner``."""
 
-    def __init__(self, runner=None) -> None:
+    def __init__(self, runner) -> None:
         self.runner = runner
 
     @property
     def load(self) -> None:
-        """An inline engine has no steps to report (a model-free drafter)."""
+        """An inline engine has no steps to report."""
         return None
 
     @overload
@@ -545,8 +545,6 @@ class InlineEngine:
             return result
         context, value = contextvars.copy_context(), None
         while not isinstance(outcome := _resume(result, context, value), _Done):
-            if self.runner is None:
-                raise RuntimeError("a job of a worker without a model asked for a forward pass")
             with torch.inference_mode():
                 (value,) = self.runner.execute(
                     [Row(outcome.kv, outcome.tokens, outcome.num_logits)]

@@ -8,13 +8,14 @@ from outrider.session import SessionStore
 
 
 def test_store_limits_sessions():
-    store = SessionStore(max_sessions=2)
-    store.create("a", [1])
-    store.create("b", [1])
+    pool = BlockPool(num_blocks=8, block_size=4)
+    store = SessionStore(max_sessions=2, pool=pool)
+    store.create("a", [1], kv=KVCache(pool))
+    store.create("b", [1], kv=KVCache(pool))
     with pytest.raises(ResourceExhausted, match="2 of 2 sessions"):
-        store.create("c", [1])
+        store.create("c", [1], kv=KVCache(pool))
     store.close("a")
-    store.create("c", [1])
+    store.create("c", [1], kv=KVCache(pool))
 
 
 def test_a_new_session_gets_room_for_its_whole_history_or_is_refused():
@@ -46,13 +47,8 @@ def test_store_close_frees_the_cache_and_is_idempotent():
 
 
 def test_store_refuses_a_duplicate_session_id():
-    store = SessionStore(max_sessions=8)
-    store.create("a", [1])
+    pool = BlockPool(num_blocks=8, block_size=4)
+    store = SessionStore(max_sessions=8, pool=pool)
+    store.create("a", [1], kv=KVCache(pool))
     with pytest.raises(InvalidArgument):
-        store.create("a", [1])
-
-
-def test_a_model_free_store_caches_nothing():
-    store = SessionStore(max_sessions=8)
-    store.create("a", [1, 2, 3])
-    assert store.cached_tokens == 0 and store.max_cached_tokens == 0 and store.usage == 0.0
+        store.create("a", [1], kv=KVCache(pool))
