@@ -20,6 +20,9 @@ longer than that, and the next phase then starts without it.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,6 +62,17 @@ class Lockstep:
         draft phase has its drafts."""
         self._done(session)
         await self._enter("verify", session)
+
+    @asynccontextmanager
+    async def verifying(self, session: object) -> AsyncIterator[float]:
+        """``session``'s verify phase, from :meth:`verify` until it leaves
+        (its verdict came back, or it failed); yields the seconds it waited."""
+        started = time.perf_counter()
+        await self.verify(session)
+        try:
+            yield time.perf_counter() - started
+        finally:
+            self.leave(session)
 
     def leave(self, session: object) -> None:
         """``session``'s verdict came back, or its generation ended."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,13 +215,8 @@ class Generation:
         record = RoundRecord()
         self.open_draft(beside=True)
         lockstep = self.lockstep if self.lockstep is not None and self.lockstep.active else None
-        if lockstep is not None:
-            await lockstep.verify(self)
-        try:
+        async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0):
             reply = await self.target.open(self.history, first_token=True)
-        finally:
-            if lockstep is not None:
-                lockstep.leave(self)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
         if reply.load is not None:
@@ -354,17 +350,11 @@ class Generation:
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
         lockstep = self.lockstep if record.lockstep else None
-        if lockstep is not None:
-            started = time.perf_counter()
-            await lockstep.verify(self)
-            record.lockstep_s += time.perf_counter() - started
-        try:
+        async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0) as waited:
+            record.lockstep_s += waited
             reply, record.reopen_s = await self.target.verify(
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
             )
-        finally:
-            if lockstep is not None:
-                lockstep.leave(self)
         record.verify_s = reply.compute_s
         if reply.load is not None:
             self.costs.target = reply.load
