@@ -4,16 +4,16 @@ Prompt lookup drafts the continuation of the latest earlier occurrence of
 the history's last n-gram (prompt lookup decoding, Saxena 2023;
 ``prompt_lookup_num_tokens`` in transformers): a few dictionary lookups on
 the history the coordinator holds anyway (:class:`NgramIndex`). Asked of a
-worker it would cost an RPC and that worker's CPU each round, match or
-not. Here the round loop looks
-each session's next draft up as soon as a round commits, so the plan of K
-knows, before any session is asked, which have a draft to offer, how long,
-and how good: the length n of the matched n-gram says far more about a
-draft's acceptance than a session's past rounds do, and many positions have
-no match at all (docs/benchmark.md#prompt-lookup-by-match). So the
-acceptance is learnt per n (:meth:`coordinator.costs.CostModel.alpha_of`),
-and a round without a match, or whose match the plan of K finds too weak
-at the load, costs what a round at K = 0 does.
+worker it would cost an RPC and that worker's CPU each round, match or not.
+Here the round loop looks each session's next draft up as soon as a round
+commits, so the plan of K knows, before any session is asked, which have a
+draft to offer, how long, and how good: the length n of the matched n-gram
+says far more about a draft's acceptance than a session's past rounds do,
+and many positions have no match at all
+(docs/benchmark.md#prompt-lookup-by-match). So the acceptance is learnt per
+n (:meth:`coordinator.costs.CostModel.alpha_of`), and a round without a
+match, or whose match the plan of K finds too weak at the load, costs what
+a round at K = 0 does.
 """
 
 from __future__ import annotations

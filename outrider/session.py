@@ -59,8 +59,8 @@ class Session:
 class SessionStore:
     """Sessions of one worker, at most ``max_sessions``, their caches drawn
     from ``pool``. All methods run on the thread of the worker's engine;
-    the metrics endpoint only reads
-    ``len``, ``cached_tokens`` and ``usage``, from its own."""
+    the metrics endpoint only reads ``len``, ``cached_tokens`` and
+    ``usage``, from its own."""
 
     def __init__(self, *, max_sessions: int, pool: BlockPool) -> None:
         self.max_sessions = max_sessions
