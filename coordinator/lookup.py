@@ -58,10 +58,6 @@ class PromptLookup:
         """An index for one session's growing history."""
         return NgramIndex(range(self.max_ngram, self.min_ngram - 1, -1))
 
-    def match(self, tokens: Sequence[int], k: int) -> Match:
-        """Up to ``k`` tokens to follow ``tokens``, and the n of their match."""
-        return self.index().match(tokens, k)
-
 
 class NgramIndex:
     """Where each n-gram of a history last ended, kept up as the history grows.

@@ -37,7 +37,7 @@ from tests.integration.harness import reference_greedy
 def test_a_match_is_what_followed_the_latest_occurrence_of_the_last_ngram(
     history, k, max_ngram, match
 ):
-    assert PromptLookup(max_ngram=max_ngram).match(history, k) == match
+    assert PromptLookup(max_ngram=max_ngram).index().match(history, k) == match
 
 
 def latest_match(history: list[int], k: int, max_ngram: int) -> Match:
