@@ -8,7 +8,11 @@ engine verifies them in one step, and neither runs beside the other. Left
 alone the sessions drift apart: the draft steps of some run beside the
 target steps of others, each slowing the other on the shared cores, and the
 engines step more often with fewer rows — where the cost model
-(coordinator/costs.py) prices one step for all.
+(coordinator/costs.py) prices one step for all. Every verify of a session
+that may draft is in a verify phase, its prompt's prefill and its rounds
+at K = 0 too: while none drafts they all join the one verify phase and
+wait for nothing, and the first session to draft waits for those in flight
+rather than draft beside them.
 
 A phase ends when every session in it has done its part (or left); the
 sessions that arrived for the next phase meanwhile start it together, and a
@@ -46,15 +50,19 @@ class Lockstep:
         self._running: set[object] = set()
         """The sessions in the current phase that have not done their part."""
         self._arrivals: dict[Phase, _Arrivals] = {"draft": _Arrivals(), "verify": _Arrivals()}
+        self._drafting: set[object] = set()
+        """The sessions in a round that drafts, from :meth:`draft` until they leave."""
 
     @property
     def active(self) -> bool:
-        """Whether some session is in a phase, or waiting for one."""
-        return bool(self._running) or any(a.sessions for a in self._arrivals.values())
+        """Whether some session drafts: is in a round that drafts."""
+        return bool(self._drafting)
 
-    async def draft(self, session: object) -> None:
-        """Before ``session`` drafts (or goes on with no drafts): waits until
-        no verify is in flight."""
+    async def draft(self, session: object, *, drafts: bool = True) -> None:
+        """Before ``session`` drafts (or, not ``drafts``, goes on with none
+        while others draft): waits until no verify is in flight."""
+        if drafts:
+            self._drafting.add(session)
         await self._enter("draft", session)
 
     async def verify(self, session: object) -> None:
@@ -76,6 +84,7 @@ class Lockstep:
 
     def leave(self, session: object) -> None:
         """``session``'s verdict came back, or its generation ended."""
+        self._drafting.discard(session)
         self._done(session)
         for arrivals in self._arrivals.values():
             arrivals.sessions.discard(session)

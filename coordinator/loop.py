@@ -209,12 +209,12 @@ class Generation:
         from the second round — or, where the two would share CPU cores,
         once the first token is streamed (:func:`generate`), so that it
         comes as fast as without a draft (``Models.draft_prefills_beside``).
-        Where other sessions' rounds run in the lockstep, the target's
-        prefill waits for a verify phase: beside their drafts, each would
-        slow the other on the shared cores."""
+        In the lockstep the target's prefill is a verify: it waits for a
+        verify phase, and a draft phase waits for it — beside drafts, each
+        would slow the other on the shared cores."""
         record = RoundRecord()
         self.open_draft(beside=True)
-        lockstep = self.lockstep if self.lockstep is not None and self.lockstep.active else None
+        lockstep = self.lockstep
         async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0):
             reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
@@ -318,9 +318,8 @@ class Generation:
             if self.lockstep is not None and (k > 0 or self.lockstep.active):
                 # (never pipelined; at K = 0 too, where others draft: its
                 # verify waits for their drafts)
-                record.lockstep = True
                 started = time.perf_counter()
-                await self.lockstep.draft(self)
+                await self.lockstep.draft(self, drafts=k > 0)
                 record.lockstep_s += time.perf_counter() - started
             if k > 0:
                 record.k = k
@@ -349,7 +348,7 @@ class Generation:
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        lockstep = self.lockstep if record.lockstep else None
+        lockstep = self.lockstep
         async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0) as waited:
             record.lockstep_s += waited
             reply, record.reopen_s = await self.target.verify(

@@ -29,8 +29,6 @@ class RoundRecord:
     """Prefilling a target session reopened after a loss."""
     verify_s: float = 0.0
     """The target worker's compute for the verdict."""
-    lockstep: bool = False
-    """The round ran in lockstep with the coordinator's other drafting rounds."""
     lockstep_s: float = 0.0
     """Waiting for the other sessions of a lockstep phase to do their part."""
     round_s: float = 0.0

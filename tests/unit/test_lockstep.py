@@ -119,11 +119,35 @@ def test_a_rounds_overhead_leaves_out_its_waits_for_the_other_sessions():
     assert record.overhead_s == pytest.approx(0.005)
 
 
-async def test_it_is_active_while_a_session_is_in_a_phase_or_waits_for_one():
+async def test_it_is_active_while_a_session_is_in_a_round_that_drafts():
     lockstep = Lockstep(max_wait_s=1.0)
-    assert not lockstep.active
+    async with lockstep.verifying("target-only"):  # a round at K = 0, none drafting
+        assert not lockstep.active
     await lockstep.draft("a")
     assert lockstep.active
+    await lockstep.draft("b", drafts=False)  # at K = 0 beside it
     await lockstep.verify("a")
     lockstep.leave("a")
     assert not lockstep.active
+    lockstep.leave("b")
+
+
+async def test_rounds_at_k0_verify_at_once_and_a_first_draft_waits_for_them():
+    lockstep = Lockstep(max_wait_s=5.0)
+    order: list[str] = []
+
+    async def verify_at_k0(name: str, seconds: float) -> None:
+        async with lockstep.verifying(name) as waited:
+            assert waited < 0.01  # none drafts: nothing to wait for
+            await asyncio.sleep(seconds)
+        order.append(f"{name} verified")
+
+    async def first_draft() -> None:
+        await asyncio.sleep(0.01)  # once both verifies are in flight
+        await lockstep.draft("drafter")
+        order.append("drafter drafts")
+        await lockstep.verify("drafter")
+        lockstep.leave("drafter")
+
+    await asyncio.gather(verify_at_k0("x", 0.05), verify_at_k0("y", 0.1), first_draft())
+    assert order == ["x verified", "y verified", "drafter drafts"]

@@ -147,8 +147,8 @@ async def opens_of_a_session_arriving_in(phase, watched, clients, tiny_target_di
 
     late: list[asyncio.Task] = []
 
-    async def entering(session):
-        await enter_phase(session)
+    async def entering(session, **kwargs):
+        await enter_phase(session, **kwargs)
         if not late:  # the first such phase: a second session arrives meanwhile
             opened.clear()
             late.append(asyncio.create_task(one((5, 6, 7))))
@@ -187,6 +187,50 @@ async def test_in_the_lockstep_a_prompt_is_prefilled_in_a_verify_phase_never_bes
     target, _ = clients
     phases = await opens_of_a_session_arriving_in("draft", target, clients, tiny_target_dir)
     assert len(phases) == 2 and phases[1] == "verify"
+
+
+async def test_in_the_lockstep_the_first_draft_phase_waits_for_a_prompt_prefilled_meanwhile(
+    clients, tiny_target_dir
+):
+    """Where the draft shares the target's cores, a session's prefill is in
+    a verify phase even while no session drafts: the first session to draft
+    waits for a prompt another session is prefilling, rather than open its
+    draft beside it."""
+    target, draft = clients
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    models = Models(tokenizer, frozenset(), await target.info(), await draft.info())
+    lockstep = Lockstep(max_wait_s=5.0)
+    events: list[str] = []
+    slow_begun = asyncio.Event()
+    target_open, draft_open = target.open, draft.open
+
+    async def opening_target(tokens, **kwargs):
+        if tuple(tokens) != (5, 6, 7):
+            return await target_open(tokens, **kwargs)
+        slow_begun.set()
+        await asyncio.sleep(0.5)  # a long prompt's prefill
+        try:
+            return await target_open(tokens, **kwargs)
+        finally:
+            events.append("slow prefill ends")
+
+    async def opening_draft(tokens, **kwargs):
+        events.append(f"draft open begins after {len(tokens)} tokens")
+        return await draft_open(tokens, **kwargs)
+
+    async def one(prompt):
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=8, num_speculative_tokens=3)
+        gen = generate(request, models, target, draft, lockstep=lockstep)
+        return [t async for delta in gen for t in delta.token_ids]
+
+    target.open, draft.open = opening_target, opening_draft
+    slow = asyncio.create_task(one((5, 6, 7)))
+    await slow_begun.wait()
+    fast = await one((1, 2, 3, 4))
+    assert await slow == reference_greedy(tiny_target_dir, [5, 6, 7], 8, eos=None)
+    assert fast == reference_greedy(tiny_target_dir, [1, 2, 3, 4], 8, eos=None)
+    assert events.index("slow prefill ends") < events.index("draft open begins after 5 tokens")
+    assert not lockstep.active
 
 
 async def test_adaptive_rounds_stay_within_the_targets_cuda_graphs(clients, tiny_target_dir):
@@ -229,9 +273,9 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     entered: list[int] = []
     draft_phase = lockstep.draft
 
-    async def tracing(session):
+    async def tracing(session, **kwargs):
         entered.append(len(session.request.prompt_ids))
-        await draft_phase(session)
+        await draft_phase(session, **kwargs)
 
     lockstep.draft = tracing
     planned: list[int] = []  # the sessions in the plan, once the short prompt drafts
