@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,8 +214,7 @@ class Generation:
         would slow the other on the shared cores."""
         record = RoundRecord()
         self.open_draft(beside=True)
-        lockstep = self.lockstep
-        async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0):
+        async with self.verifying():
             reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
@@ -236,6 +235,11 @@ class Generation:
             self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
         self.look_up()
         return delta
+
+    def verifying(self) -> AbstractAsyncContextManager[float]:
+        """The session's verify phase in the lockstep, if it is in one;
+        yields the seconds it waited for it."""
+        return self.lockstep.verifying(self) if self.lockstep is not None else nullcontext(0.0)
 
     def open_draft(self, *, beside: bool) -> None:
         """Starts the draft session's prefill beside the target's, or after
@@ -348,8 +352,7 @@ class Generation:
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        lockstep = self.lockstep
-        async with lockstep.verifying(self) if lockstep is not None else nullcontext(0.0) as waited:
+        async with self.verifying() as waited:
             record.lockstep_s += waited
             reply, record.reopen_s = await self.target.verify(
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
