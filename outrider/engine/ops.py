@@ -3,9 +3,9 @@ offer as such.
 
 * :func:`linear` — ``F.linear``, or for CPU inputs of 1 to 16 rows (a
   decode step, a verify round, a batch of draft steps) ``(W @ x.T).T`` —
-  a single row as two and 9 to 15 rows as 16 — where that was the faster
-  on this machine (:func:`tune_small_batch_linears`): the same results to
-  float rounding. Which is faster depends on the CPU and its BLAS build:
+  a single row as two and 9 to 15 rows as 16 — where that ran the model's
+  linears the faster on this machine (:func:`tune_small_batch_linears`):
+  the same results to float rounding. Which is faster depends on the CPU and its BLAS build:
   on some, the matrix–matrix path is slow for so few rows and the
   matrix–vector path reads the weights at a fraction of the memory's
   rate; on others ``F.linear`` is several times the faster
@@ -90,35 +90,54 @@ def _padded_rows(rows: int) -> int:
 
 
 def tune_small_batch_linears(weights: Iterable[object]) -> tuple[int, int]:
-    """For each shape of the CPU weight matrices among ``weights`` (others,
-    quantized ones among them, are left alone) and each count of rows from
-    1 to ``SMALL_BATCH_ROWS``, times ``F.linear`` against ``(W @ x.T).T``
-    on this thread — with its torch threads: call it where the forward
-    passes run — and makes :func:`linear` take the faster from now on.
-    Returns the products tuned and how many of them go transposed."""
+    """For each count of rows from 1 to ``SMALL_BATCH_ROWS``, times
+    ``F.linear`` against ``(W @ x.T).T`` through every CPU weight matrix
+    among ``weights`` (others, quantized ones among them, are left alone)
+    in turn — in a forward pass's order, as it reads them: from memory —
+    on this thread, with its torch threads (call it where the forward
+    passes run), and makes :func:`linear` take the faster for that count
+    from now on. Timed on one weight again and again, a product finds its
+    weight in the cache, and a choice made product by product ran the
+    forward pass slower than either path throughout, up to twice
+    (docs/benchmark.md#small-batch-linears-on-the-cpu). Returns the
+    products tuned (each shape at each count) and how many go transposed."""
+    matrices = [
+        w
+        for w in weights
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu"
+    ]
+    shapes = {(*w.shape, w.dtype) for w in matrices}
     tuned = transposed = 0
-    seen: set[tuple[int, int, int, torch.dtype]] = set()
     with torch.inference_mode():
-        for weight in weights:
-            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-                continue
-            if weight.device.type != "cpu":
-                continue
-            out_features, in_features = weight.shape
-            for rows in range(1, SMALL_BATCH_ROWS + 1):
-                key = (out_features, in_features, rows, weight.dtype)
-                if key in seen:
-                    continue
-                seen.add(key)
-                x = torch.randn(rows, in_features, dtype=weight.dtype)
-                library = _fastest_s(partial(F.linear, x, weight))
-                ours = _fastest_s(partial(_transposed_linear, x, weight, None, rows))
+        for rows in range(1, SMALL_BATCH_ROWS + 1):
+            inputs = {
+                (w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype)
+                for w in matrices
+            }
+            library = _fastest_s(partial(_through, F.linear, inputs, matrices))
+            ours = _fastest_s(
+                partial(
+                    _through, partial(_transposed_linear, bias=None, rows=rows), inputs, matrices
+                )
+            )
+            for out_features, in_features, dtype in shapes:
+                key = (out_features, in_features, rows, dtype)
                 _transposed.discard(key)
                 if ours < library:
                     _transposed.add(key)
                     transposed += 1
                 tuned += 1
     return tuned, transposed
+
+
+def _through(
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor],
+    weights: list[torch.Tensor],
+) -> None:
+    """``product`` of each of ``weights`` in turn, on the input of its width."""
+    for weight in weights:
+        product(inputs[weight.shape[1], weight.dtype], weight)
 
 
 def _fastest_s(fn: Callable[[], object]) -> float:

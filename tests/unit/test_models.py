@@ -188,21 +188,24 @@ def test_small_batch_linears_swap_every_linear_in_place():
     assert model.lm_head.weight is head  # nothing copied
 
 
-def test_tuning_times_each_shape_and_count_of_rows_once_and_keeps_the_faster(monkeypatch):
+def test_tuning_times_each_count_of_rows_through_every_weight_and_keeps_the_faster(monkeypatch):
     monkeypatch.setattr(ops, "_transposed", set())
     timed = []
 
     def fastest_s(fn):
         # The transposed path is the faster for even counts of rows.
-        library = fn.func is F.linear
-        rows = fn.args[0].shape[0]
-        timed.append((tuple(fn.args[1].shape), rows, library))
+        product, inputs, weights = fn.args
+        library = product is F.linear
+        (rows,) = {x.shape[0] for x in inputs.values()}
+        timed.append((rows, library))
+        assert [tuple(w.shape) for w in weights] == [(8, 4), (8, 4), (3, 4)]  # in turn
+        fn()  # each product runs on the input of its width
         return 1.0 if library == (rows % 2 == 0) else 0.5
 
     monkeypatch.setattr(ops, "_fastest_s", fastest_s)
     weights = [torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(3, 4), torch.zeros(8), object()]
     assert ops.tune_small_batch_linears(weights) == (32, 16)  # two shapes, 16 counts each
-    assert len(timed) == len(set(timed)) == 64
+    assert len(timed) == len(set(timed)) == 32
     assert ops._transposed == {
         (out, 4, rows, torch.float32) for out in (8, 3) for rows in range(2, 17, 2)
     }
