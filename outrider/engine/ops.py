@@ -5,10 +5,10 @@ offer as such.
   decode step, a verify round, a batch of draft steps) ``(W @ x.T).T`` —
   a single row as two and 9 to 15 rows as 16 — where that ran the model's
   linears the faster on this machine (:func:`tune_small_batch_linears`):
-  the same results to float rounding. Which is faster depends on the CPU and its BLAS build:
-  on some, the matrix–matrix path is slow for so few rows and the
-  matrix–vector path reads the weights at a fraction of the memory's
-  rate; on others ``F.linear`` is several times the faster
+  the same results to float rounding. Which is faster depends on the CPU
+  and its BLAS build: on some, the matrix–matrix path is slow for so few
+  rows and the matrix–vector path reads the weights at a fraction of the
+  memory's rate; on others ``F.linear`` is several times the faster
   (docs/benchmark.md#small-batch-linears-on-the-cpu).
 """
 
