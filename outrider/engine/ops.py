@@ -111,8 +111,8 @@ def tune_small_batch_linears(weights: Iterable[object]) -> tuple[int, int]:
     with torch.inference_mode():
         for rows in range(1, SMALL_BATCH_ROWS + 1):
             inputs = {
-                (w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype)
-                for w in matrices
+                (in_features, dtype): torch.randn(rows, in_features, dtype=dtype)
+                for _, in_features, dtype in shapes
             }
             library = _fastest_s(partial(_through, F.linear, inputs, matrices))
             ours = _fastest_s(
