@@ -357,7 +357,7 @@ class Generation:
             reply, record.reopen_s = await self.target.verify(
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
             )
-        record.verify_s = reply.compute_s
+        record.verify_s, record.queued_s = reply.compute_s, reply.queued_s
         if reply.load is not None:
             self.costs.target = reply.load
         self.stats.verify_time_s += record.reopen_s

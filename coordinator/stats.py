@@ -29,6 +29,10 @@ class RoundRecord:
     """Prefilling a target session reopened after a loss."""
     verify_s: float = 0.0
     """The target worker's compute for the verdict."""
+    queued_s: float = 0.0
+    """How long the verify waited at the target for its engine to take it:
+    behind the rest of a step of other sessions under way — their work,
+    priced in the step costs, not this round's overhead."""
     lockstep_s: float = 0.0
     """Waiting for the other sessions of a lockstep phase to do their part."""
     round_s: float = 0.0
@@ -50,10 +54,10 @@ class RoundRecord:
     @property
     def overhead_s(self) -> float:
         """Wall time outside the workers' compute and the other sessions'
-        lockstep phases (their drafts and verifies, priced as such): RPCs
-        and the coordinator."""
+        work — their lockstep phases, the steps the verify waited behind —
+        priced as such: RPCs and the coordinator."""
         compute = self.open_s + self.waited_for_draft_s + self.verify_s + self.reopen_s
-        return max(0.0, self.round_s - compute - self.lockstep_s)
+        return max(0.0, self.round_s - compute - self.lockstep_s - self.queued_s)
 
     @property
     def critical_path_s(self) -> float:
@@ -132,7 +136,7 @@ class Stats:
             self.accepted_per_position[position] += 1
         self.draft_probs_bytes += sum(q.nbytes for q in proposal.probs) if proposal else 0
         self.draft_time_s += times.open_s + times.draft_s
-        self.verify_time_s += times.verify_s
+        self.verify_time_s += times.verify_s + times.queued_s
         self.overhead_time_s += times.overhead_s
         self.overheads_s.append(times.overhead_s)
         self.critical_path_overheads_s.append(times.critical_path_s)

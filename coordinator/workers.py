@@ -57,6 +57,9 @@ class Reply(Generic[T]):
     compute_s: float
     load: EngineLoad | None = None
     """The worker's engine as it answered (None: it reported none)."""
+    queued_s: float = 0.0
+    """How long the call waited for the engine to take it: behind the rest
+    of a step of other sessions under way (the target's verify reports it)."""
 
 
 class DraftSession(Protocol):
@@ -344,7 +347,7 @@ class GrpcTargetSession(_GrpcSession):
         )
         verdict = response.verdict
         judged = Judged(proposal.prefix(verdict.num_verified), verdict_from_pb(verdict))
-        return Reply(judged, verdict.compute_s, _load(verdict))
+        return Reply(judged, verdict.compute_s, _load(verdict), verdict.queued_s)
 
 
 class GrpcWorkerClient:

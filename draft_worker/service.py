@@ -15,7 +15,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
     sessions: DraftSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
-        committed_len, compute_s = await self.engine.timed(
+        committed_len, timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
@@ -24,11 +24,11 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             sampling_from_pb(request.sampling),
         )
         return pb.DraftResponse(
-            opened=pb.SessionOpened(committed_len=committed_len, compute_s=compute_s)
+            opened=pb.SessionOpened(committed_len=committed_len, compute_s=timing.compute_s)
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:
-        proposal, compute_s = await self.engine.timed(
+        proposal, timing = await self.engine.timed(
             self.sessions.propose,
             session_id,
             request.committed_len,
@@ -38,7 +38,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
         )
         answer = replace(proposal, round_id=request.round_id)
         return pb.DraftResponse(
-            proposal=proposal_to_pb(answer, compute_s=compute_s, load=self.engine.load)
+            proposal=proposal_to_pb(answer, compute_s=timing.compute_s, load=self.engine.load)
         )
 
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:

@@ -99,12 +99,18 @@ def verify_round_to_pb(committed_len: int, proposal: Proposal) -> worker_pb2.Ver
 
 
 def verdict_to_pb(
-    verdict: Verdict, *, compute_s: float, num_verified: int, load: EngineLoad | None = None
+    verdict: Verdict,
+    *,
+    compute_s: float,
+    queued_s: float,
+    num_verified: int,
+    load: EngineLoad | None = None,
 ) -> worker_pb2.Verdict:
     return worker_pb2.Verdict(
         num_accepted=verdict.num_accepted,
         next_token_id=verdict.next_token,
         compute_s=compute_s,
+        queued_s=queued_s,
         num_verified=num_verified,
         load=load_to_pb(load),
     )

@@ -13,7 +13,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        (committed_len, first_token), compute_s = await self.engine.timed(
+        (committed_len, first_token), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
@@ -23,14 +23,14 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
         return pb.VerifyResponse(
             opened=pb.SessionOpened(
                 committed_len=committed_len,
-                compute_s=compute_s,
+                compute_s=timing.compute_s,
                 load=load_to_pb(self.engine.load),
                 first_token_id=first_token,
             )
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
-        (verdict, verified), compute_s = await self.engine.timed(
+        (verdict, verified), timing = await self.engine.timed(
             self.sessions.verify,
             session_id,
             request.committed_len,
@@ -40,7 +40,8 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
         return pb.VerifyResponse(
             verdict=verdict_to_pb(
                 verdict,
-                compute_s=compute_s,
+                compute_s=timing.compute_s,
+                queued_s=timing.queued_s,
                 num_verified=verified,
                 load=self.engine.load,
             )

@@ -40,10 +40,11 @@ class InProcessTargetClient:
         first_token: bool = False,
     ):
         session_id = uuid.uuid4().hex[:16]
-        (_, token), compute_s = await self.engine.timed(
+        (_, token), timing = await self.engine.timed(
             self.sessions.open, session_id, list(tokens), sampling, first_token
         )
-        return _InProcessTargetSession(self, session_id), Reply(token, compute_s, self.engine.load)
+        session = _InProcessTargetSession(self, session_id)
+        return session, Reply(token, timing.compute_s, self.engine.load)
 
 
 class _InProcessTargetSession:
@@ -54,14 +55,15 @@ class _InProcessTargetSession:
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
     ) -> Reply[Judged]:
-        (verdict, verified), compute_s = await self.client.engine.timed(
+        (verdict, verified), timing = await self.client.engine.timed(
             self.client.sessions.verify,
             self.session_id,
             committed_len,
             list(proposal.tokens),
             list(proposal.probs),
         )
-        return Reply(Judged(proposal.prefix(verified), verdict), compute_s, self.client.engine.load)
+        judged = Judged(proposal.prefix(verified), verdict)
+        return Reply(judged, timing.compute_s, self.client.engine.load, timing.queued_s)
 
     def failing(self) -> None:
         pass
@@ -101,7 +103,7 @@ class InProcessDraftClient:
         deadline_s: float | None = None,
     ):
         session_id = uuid.uuid4().hex[:16]
-        _, compute_s = await self.engine.timed(
+        _, timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(tokens),
@@ -109,7 +111,7 @@ class InProcessDraftClient:
             target.vocab_fingerprint,
             sampling,
         )
-        return _InProcessDraftSession(self, session_id), compute_s
+        return _InProcessDraftSession(self, session_id), timing.compute_s
 
 
 class _InProcessDraftSession:
@@ -118,7 +120,7 @@ class _InProcessDraftSession:
         self.session_id = session_id
 
     async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
-        proposal, compute_s = await self.client.engine.timed(
+        proposal, timing = await self.client.engine.timed(
             self.client.sessions.propose,
             self.session_id,
             committed_len,
@@ -126,7 +128,8 @@ class _InProcessDraftSession:
             k,
             assumed,
         )
-        return Reply(replace(proposal, round_id=round_id), compute_s, self.client.engine.load)
+        proposal = replace(proposal, round_id=round_id)
+        return Reply(proposal, timing.compute_s, self.client.engine.load)
 
     def failing(self) -> None:
         pass

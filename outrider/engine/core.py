@@ -65,6 +65,18 @@ class _Done:
     value: Any
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where a call's time at the engine went."""
+
+    compute_s: float
+    """From the engine taking the call to its end: its steps, shared with
+    other sessions, included."""
+    queued_s: float = 0.0
+    """Before the engine took it: the rest of the step under way when it
+    came, which is other sessions' work."""
+
+
 def _resume(job: Job, context: contextvars.Context, value: Logits | None) -> Feed | _Done:
     """Runs ``job`` up to its next feed (with room reserved) or its end."""
     error: BaseException | None = None
@@ -223,9 +235,9 @@ class _Fatal:
     exc: BaseException
 
 
-Reply = Callable[[bool, Any, float], None]
-"""How a call's outcome goes back: ``reply(True, result, seconds)`` or
-``reply(False, exception, 0.0)``."""
+Reply = Callable[[bool, Any, Timing | None], None]
+"""How a call's outcome goes back: ``reply(True, result, timing)`` or
+``reply(False, exception, None)``."""
 
 
 class _Call:
@@ -242,13 +254,14 @@ class _Call:
 
     def finish(self, value: Any) -> None:
         if self.reply is not None:
-            self.reply(True, value, time.perf_counter() - self.started)
+            now = time.perf_counter()
+            self.reply(True, value, Timing(now - self.started, self.started - self.queued))
 
     def fail(self, exc: BaseException) -> None:
         if self.job is not None:
             self.job.close()  # its finally blocks run; it never resumes
         if self.reply is not None:
-            self.reply(False, exc, 0.0)
+            self.reply(False, exc, None)
         else:
             log.error(
                 "engine call failed",
@@ -311,16 +324,15 @@ class Engine:
         return result
 
     @overload
-    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, float]: ...
+    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, Timing]: ...
     @overload
-    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]: ...
-    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, float]:
-        """Like :meth:`run`, and the seconds from the engine taking the call
-        to its end (its steps, shared with other sessions, included)."""
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, Timing]: ...
+    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, Timing]:
+        """Like :meth:`run`, and where its time at the engine went."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.enqueue(
-            fn, args, lambda ok, value, seconds: _post(loop, _settle, future, ok, value, seconds)
+            fn, args, lambda ok, value, timing: _post(loop, _settle, future, ok, value, timing)
         )
         return await future
 
@@ -526,12 +538,12 @@ class InlineEngine:
         return self.call(fn, *args)
 
     @overload
-    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, float]: ...
+    async def timed(self, fn: Callable[..., Job[R]], *args: object) -> tuple[R, Timing]: ...
     @overload
-    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float]: ...
-    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, float]:
+    async def timed(self, fn: Callable[..., T], *args: object) -> tuple[T, Timing]: ...
+    async def timed(self, fn: Callable[..., Any], *args: object) -> tuple[Any, Timing]:
         started = time.perf_counter()
-        return self.call(fn, *args), time.perf_counter() - started
+        return self.call(fn, *args), Timing(time.perf_counter() - started)
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         fn(*args)
@@ -559,10 +571,10 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
         pass  # the loop has closed: nobody is waiting any more
 
 
-def _settle(future: asyncio.Future, ok: bool, value: Any, seconds: float) -> None:
+def _settle(future: asyncio.Future, ok: bool, value: Any, timing: Timing | None) -> None:
     if future.done():  # the caller was cancelled meanwhile
         return
     if ok:
-        future.set_result((value, seconds))
+        future.set_result((value, timing))
     else:
         future.set_exception(value)

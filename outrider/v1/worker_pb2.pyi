@@ -186,18 +186,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified")
+    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified", "queued_s")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     compute_s: float
     load: EngineLoad
     num_verified: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ...) -> None: ...
+    queued_s: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("opened", "verdict")

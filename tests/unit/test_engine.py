@@ -357,6 +357,23 @@ async def test_sessions_whose_rounds_come_back_quickly_stay_in_one_step(llama, w
         assert rows.count(4) < len(rows) // 2, rows
 
 
+async def test_a_call_that_came_during_a_step_reports_its_wait_apart_from_its_compute(llama):
+    # The engine takes calls between steps: one that comes while a step runs
+    # waits for the rest of it, which is the other session's work, not its own.
+    slow = Slow(paged(llama), seconds=0.3)
+    engine = Engine(slow, max_tokens_per_step=64, max_rows=16)
+    try:
+        running = asyncio.ensure_future(engine.timed(greedy, slow.new_kv(), [1, 2, 3], 1))
+        await asyncio.sleep(0.05)  # the first session's step is under way
+        _, timing = await engine.timed(greedy, slow.new_kv(), [4, 5], 1)
+        _, first = await running
+    finally:
+        engine.shutdown()
+    assert first.queued_s < timing.queued_s
+    assert timing.queued_s > 0.1  # the rest of the first session's step (about 0.25 s)
+    assert 0.3 <= timing.compute_s < 0.5  # its own step (0.55 s and more with the wait)
+
+
 def returns_of_two_sessions():
     """The engine's record of returning sessions after a 100 ms forward
     pass, holding a step for at most a quarter of one; two sessions' caches."""

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from coordinator.lockstep import Lockstep
-from coordinator.stats import RoundRecord
+from coordinator.stats import RoundRecord, Stats
+from outrider.speculation import Verdict
 
 
 class Trace:
@@ -117,6 +118,19 @@ def test_a_rounds_overhead_leaves_out_its_waits_for_the_other_sessions():
     record = RoundRecord(verify_s=0.080, lockstep_s=0.300)
     record.round_s = 0.385
     assert record.overhead_s == pytest.approx(0.005)
+
+
+def test_a_rounds_overhead_leaves_out_the_step_its_verify_waited_behind():
+    # The verify came while a newcomer's 200 ms prefill ran: the engine took
+    # it after that step. The wait is that session's work, priced as a step;
+    # counted as this round's overhead it would make every round look dearer.
+    record = RoundRecord(verify_s=0.045, queued_s=0.200)
+    record.round_s = 0.250
+    assert record.overhead_s == pytest.approx(0.005)
+    stats = Stats(accepted_per_position=[])
+    stats.record_round(None, Verdict(num_accepted=0, next_token=1), record, streamed=1)
+    assert stats.verify_time_s == pytest.approx(0.245)  # the time at the target, all of it
+    assert stats.overhead_time_s == pytest.approx(0.005)
 
 
 async def test_it_is_active_while_a_session_is_in_a_round_that_drafts():
