@@ -190,16 +190,21 @@ class Stack:
         service.stderr.pass_on()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for service in reversed(self.services):
-            if service.process.poll() is None:
-                service.process.send_signal(signal.SIGTERM)
+        """Stops the coordinators, then the workers: a worker that stops
+        first cuts the coordinators' calls to it (gRPC logs their GOAWAY)."""
         deadline = time.monotonic() + grace_s
-        for service in self.services:
-            try:
-                service.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(service.process.pid, signal.SIGKILL)
-                service.process.wait()
+        coordinators = [s for s in self.services if s.name == "coordinator"]
+        workers = [s for s in self.services if s.name != "coordinator"]
+        for group in (coordinators, workers):
+            for service in group:
+                if service.process.poll() is None:
+                    service.process.send_signal(signal.SIGTERM)
+            for service in group:
+                try:
+                    service.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(service.process.pid, signal.SIGKILL)
+                    service.process.wait()
         self.services.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
