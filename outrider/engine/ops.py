@@ -27,7 +27,7 @@ SMALL_BATCH_ROWS = 16
 """Linears whose flattened input has 1 to this many rows may take the ``W @ x.T`` path."""
 
 TUNING_REPEATS = 3
-"""Timed calls of each path per shape and count of rows (the fastest counts)."""
+"""Timed calls of each path per count of rows, taken in turn (the fastest counts)."""
 
 _transposed: set[tuple[int, int, int, torch.dtype]] = set()
 """``(out features, in features, rows, dtype)`` of the products this
@@ -114,11 +114,11 @@ def tune_small_batch_linears(weights: Iterable[object]) -> tuple[int, int]:
                 (in_features, dtype): torch.randn(rows, in_features, dtype=dtype)
                 for _, in_features, dtype in shapes
             }
-            library = _fastest_s(partial(_through, F.linear, inputs, matrices))
-            ours = _fastest_s(
+            library, ours = _fastest_in_turn(
+                partial(_through, F.linear, inputs, matrices),
                 partial(
                     _through, partial(_transposed_linear, bias=None, rows=rows), inputs, matrices
-                )
+                ),
             )
             for out_features, in_features, dtype in shapes:
                 key = (out_features, in_features, rows, dtype)
@@ -140,14 +140,18 @@ def _through(
         product(inputs[weight.shape[1], weight.dtype], weight)
 
 
-def _fastest_s(fn: Callable[[], object]) -> float:
-    """The fastest of :data:`TUNING_REPEATS` calls of ``fn``, after one untimed."""
-    fn()
-    fastest = float("inf")
-    for _ in range(TUNING_REPEATS):
-        started = time.perf_counter()
+def _fastest_in_turn(*fns: Callable[[], object]) -> list[float]:
+    """The fastest of :data:`TUNING_REPEATS` calls of each of ``fns``, after
+    one untimed, called in turn: a spell of the machine running slow (some
+    other process's work) falls on every one of them, not on one alone."""
+    for fn in fns:
         fn()
-        fastest = min(fastest, time.perf_counter() - started)
+    fastest = [float("inf")] * len(fns)
+    for _ in range(TUNING_REPEATS):
+        for i, fn in enumerate(fns):
+            started = time.perf_counter()
+            fn()
+            fastest[i] = min(fastest[i], time.perf_counter() - started)
     return fastest
 
 
