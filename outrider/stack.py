@@ -280,14 +280,15 @@ def start_shared_target_stack(
     """
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-")))
     try:
-        # The workers start side by side, then the coordinators (which need the workers' ports).
-        target = stack.launch("target", target_args)
+        # The workers start one after another — a worker's start measures the
+        # machine (on the CPU its small-batch linears are timed, and a worker
+        # starting beside it slowed one path or the other) — then the
+        # coordinators, side by side (they need the workers' ports).
+        target = stack.start("target", target_args, timeout_s=timeout_s)
         draft_workers = {
-            label: stack.launch("draft", args, label=f"draft-{label}")
+            label: stack.start("draft", args, timeout_s=timeout_s, label=f"draft-{label}")
             for label, args in drafts.items()
         }
-        for service in [target, *draft_workers.values()]:
-            stack.wait_ready(service, timeout_s)
         draft_flags: dict[str | None, list[str]] = {
             **{label: ["--draft", draft.address] for label, draft in draft_workers.items()},
             **{label: list(flags) for label, flags in coordinator_drafts.items()},
