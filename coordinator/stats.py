@@ -61,8 +61,10 @@ class RoundRecord:
 
     @property
     def critical_path_s(self) -> float:
-        """Wall time beyond the target's verify: waiting for drafts, RPCs, the coordinator."""
-        return self.round_s - self.verify_s
+        """Wall time beyond the target's verify — its compute and its wait
+        behind other sessions' steps, as :attr:`Stats.verify_time_s` counts
+        it: waiting for drafts, RPCs, the coordinator."""
+        return self.round_s - self.verify_s - self.queued_s
 
 
 @dataclass

@@ -131,6 +131,7 @@ def test_a_rounds_overhead_leaves_out_the_step_its_verify_waited_behind():
     stats.record_round(None, Verdict(num_accepted=0, next_token=1), record, streamed=1)
     assert stats.verify_time_s == pytest.approx(0.245)  # the time at the target, all of it
     assert stats.overhead_time_s == pytest.approx(0.005)
+    assert record.critical_path_s == pytest.approx(0.005)  # no drafts to wait for
 
 
 async def test_it_is_active_while_a_session_is_in_a_round_that_drafts():
