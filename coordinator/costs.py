@@ -276,9 +276,13 @@ class CostModel:
             self.draft is not None
             and bool(self.draft.curve)
             and time.perf_counter() - self.draft_at >= DRAFT_STALE_S
-            and len(self.sessions) == 1
-            and self.target.rows_per_step <= 1
+            and self.alone
         )
+
+    @property
+    def alone(self) -> bool:
+        """Whether one adaptive session runs, alone in the target's steps."""
+        return len(self.sessions) <= 1 and self.target.rows_per_step <= 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A target session opened on ``tokens`` tokens in ``seconds``."""

@@ -260,21 +260,36 @@ class Generation:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
+        if self.drafts and not self.drafts.begun and self.draft_waits():
+            return 0
         k = self.policy.choose(room)
         if self.drafts and not self.drafts.begun and not self.draft_opens(k, history_len, beside):
             return 0
         return k
+
+    def draft_waits(self) -> bool:
+        """Whether a draft never opened waits, without a plan, for others to
+        draft: on cores shared with the draft (in the lockstep), beside
+        other sessions none of which drafts. There K = 0's points of the
+        target's surface are measured at every step, and drafting's (the
+        verifies of drafts, the draft's steps) only while some session
+        drafts: a plan that compares them compares the machine now with
+        the machine then, and a shared machine's speed moves by more than
+        drafting gains beside others (docs/design.md#adaptive-k). A session
+        alone has no others to slow, and measures what it opens."""
+        return self.lockstep is not None and not self.lockstep.active and not self.costs.alone
 
     def draft_opens(self, k: int, history_len: int, beside: bool) -> bool:
         """Whether a draft never opened opens for a round of ``k`` drafts:
         where its prefill pays (``CostModel.draft_prefill_pays``). Where it
         does not, it will only pay less as the tokens to come run out: the
         session drafts no more (:meth:`target_only`). On cores shared with
-        the draft (in the lockstep) only once others draft: until then a
-        round of its costs only its row, and it asks again each round.
-        Beside drafting sessions it cannot wait — it would wait in their
-        phases, a token a phase, or its steps would run beside their drafts
-        — so it joins them or drafts no more."""
+        the draft (in the lockstep) a session that waits (:meth:`draft_waits`)
+        is not asked, and one alone asks again each round while it does
+        not pay: a round of its costs only its row. Beside drafting
+        sessions it cannot wait — it would wait in their phases, a token a
+        phase, or its steps would run beside their drafts — so it joins
+        them or drafts no more."""
         others_draft = self.lockstep is not None and self.lockstep.active
         tokens_left = self.max_len - history_len
         if k > 0 and self.costs.draft_prefill_pays(

@@ -361,3 +361,47 @@ async def test_on_shared_cores_a_draft_that_would_not_pay_is_asked_again_once_ot
     idle = generation(lockstep)
     assert idle.choose_k(4) == 0 and idle.policy is None and idle.lockstep is None
     assert len(asked) == 2  # (a round of no drafts has no prefill to price)
+
+
+async def test_on_shared_cores_beside_others_a_draft_opens_only_to_join_drafting_sessions(
+    clients, tiny_target_dir, monkeypatch
+):
+    """Where the draft shares the target's cores, sessions beside each other
+    none of which drafts open no draft and plan nothing: K = 0's points are
+    measured at every step, drafting's only while some session drafts, so
+    a plan would weigh the machine now against the machine then. Once one
+    drafts they are asked to join it; a session alone is asked at once."""
+    target, draft = clients
+    models = Models(
+        AutoTokenizer.from_pretrained(tiny_target_dir),
+        frozenset(),
+        await target.info(),
+        await draft.info(),
+    )
+    asked: list[bool] = []
+    chosen: list[int] = []
+
+    def gate(self, tokens, tokens_left, *, beside=False, others_draft=False):
+        asked.append(others_draft)
+        return True
+
+    monkeypatch.setattr(CostModel, "draft_prefill_pays", gate)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, limit: chosen.append(id(self)) or 3)
+    request = GenerationRequest(
+        prompt_ids=(1, 2, 3), max_new_tokens=24, num_speculative_tokens=4, adaptive=True
+    )
+    costs, lockstep = CostModel(), Lockstep(max_wait_s=5.0)
+    first, second = (
+        Generation(request, models, target, draft, costs, Recovery(), lockstep) for _ in range(2)
+    )
+    assert [first.choose_k(4), second.choose_k(4)] == [0, 0]
+    assert not asked and not chosen and not first.drafts.begun
+    assert first.policy is not None and first.lockstep is lockstep  # (they wait in the plan)
+    await lockstep.draft(object())  # another session drafts
+    assert [first.choose_k(5), second.choose_k(5)] == [3, 3] and asked == [True, True]
+    first.target_only()
+    second.target_only()
+
+    alone = Generation(request, models, target, draft, costs, Recovery(), Lockstep(5.0))
+    assert costs.alone and alone.choose_k(4) == 3 and asked[-1] is False
+    alone.target_only()
