@@ -120,6 +120,19 @@ def test_a_batch_summary_counts_every_stream_over_the_batch_wall_time():
     assert row["mean_acceptance_length"] == approx4((5 + 7) / 7)
 
 
+def test_the_k_chosen_and_the_drafts_verified_count_every_batch_of_a_repeat():
+    # The median batch ran at K = 0; another drafted: the policy chose both.
+    idle = stream(range(4), 0.1, rounds=4, rounds_by_k=(4,))
+    drafting = stream(
+        range(4), 0.1, rounds=2, rounds_by_k=(0, 0, 2), draft_tokens=3, proposed_tokens=4
+    )
+    median = Batch(1, (idle,), 1.0, repeats=(Batch(1, (drafting,), 2.0, index=1),))
+    row = summarize_batch(median)
+    assert row["k_distribution"] == {"0": 0.6667, "2": 0.3333}  # (rounded to 4 places)
+    assert row["verified_fraction"] == pytest.approx(3 / 4)
+    assert row["tokens_per_s"] == pytest.approx(4.0)  # (the median batch's)
+
+
 def test_speedup_is_against_concurrency_1_of_the_same_configuration():
     runs = with_speedups(
         [{"concurrency": 1, "tokens_per_s": 10.0}, {"concurrency": 8, "tokens_per_s": 45.0}]

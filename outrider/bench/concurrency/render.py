@@ -79,7 +79,7 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
         "(Outrider streams a chunk per round, Hugging Face a token per step); "
         "ITL/token = gap ÷ tokens in the chunk; client-side, p50/p99 over the batch.",
         "K chosen = the share of rounds that asked the draft for each K (0: target-only); "
-        "verified = draft tokens the target verified ÷ proposed.",
+        "verified = draft tokens the target verified ÷ proposed; both over every batch.",
         f"mismatch = requests whose tokens differ from {reference} "
         "/ from the same configuration at N=1.",
     ]

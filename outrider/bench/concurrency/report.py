@@ -29,8 +29,9 @@ DEFINITIONS = {
     "itl_per_token": "each chunk gap / tokens in that chunk",
     "percentiles": "linear interpolation between order statistics (numpy's default)",
     "k_distribution": "Outrider: the share of rounds that asked the draft for each K "
-    "(K = 0: target-only), as the speculation policy chose",
-    "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed",
+    "(K = 0: target-only), as the speculation policy chose; with --repeat, over every batch",
+    "verified_fraction": "Outrider: draft tokens the target verified / draft tokens proposed; "
+    "with --repeat, over every batch",
     "vs_target_only": "tokens_per_s / tokens_per_s of outrider-k0 at the same concurrency",
     "vs_target_only_paired": "with --repeat R > 1: the median over r of batch r's tokens_per_s "
     "/ outrider-k0's batch r's at the same concurrency (each pair ran in the same rotation, "
@@ -83,15 +84,19 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
     rounds = sum(s.rounds for s in streams)
     drafted = sum(s.draft_tokens for s in streams)
     accepted = sum(s.accepted_tokens for s in streams)
-    proposed = sum(s.proposed_tokens for s in streams)
+    every = sorted((batch, *batch.repeats), key=lambda b: b.index)
+    # What the policy chose, over every batch: one batch's would hide the
+    # others' (the median batch at K = 0 where the others drafted).
+    every_stream = [s for b in every for s in b.streams]
+    verified = sum(s.draft_tokens for s in every_stream)
+    proposed = sum(s.proposed_tokens for s in every_stream)
     by_k: list[int] = []
-    for s in streams:
+    for s in every_stream:
         by_k += [0] * (len(s.rounds_by_k) - len(by_k))
         for k, n in enumerate(s.rounds_by_k):
             by_k[k] += n
     repeats = {}
     if batch.repeats:
-        every = sorted((batch, *batch.repeats), key=lambda b: b.index)
         repeats = {
             "tokens_per_s_repeats": [round_or_none(b.tokens_per_s) for b in every],
             "ttft_ms_p50_repeats": [
@@ -116,7 +121,7 @@ def summarize_batch(batch: Batch) -> dict[str, Any]:
         "k_distribution": {str(k): round(n / sum(by_k), 4) for k, n in enumerate(by_k) if n}
         if sum(by_k)
         else None,
-        "verified_fraction": round_or_none(drafted / proposed if proposed else None),
+        "verified_fraction": round_or_none(verified / proposed if proposed else None),
         **repeats,
     }
 
