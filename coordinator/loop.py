@@ -260,10 +260,11 @@ class Generation:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
-        if self.drafts and not self.drafts.begun and self.draft_waits():
+        unopened = self.drafts is not None and not self.drafts.begun
+        if unopened and self.draft_waits():
             return 0
         k = self.policy.choose(room)
-        if self.drafts and not self.drafts.begun and not self.draft_opens(k, history_len, beside):
+        if unopened and not self.draft_opens(k, history_len, beside):
             return 0
         return k
 

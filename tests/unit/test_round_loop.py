@@ -48,6 +48,13 @@ async def run(request, models, target, draft):
     return [delta async for delta in generate(request, models, target, draft)]
 
 
+async def drafting_models(clients, tiny_target_dir) -> Models:
+    """The models of the in-process target and its draft (on the same cores)."""
+    target, draft = clients
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    return Models(tokenizer, frozenset(), await target.info(), await draft.info())
+
+
 @pytest.mark.parametrize("k", [0, 3])
 async def test_in_process_loop_matches_target_only(clients, tiny_target_dir, k):
     target, draft = clients
@@ -127,8 +134,7 @@ async def opens_of_a_session_arriving_in(phase, watched, clients, tiny_target_di
     lockstep's phase as each of ``watched``'s opens began; both sessions
     give the target's tokens, and leave no phase or cache behind."""
     target, draft = clients
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    models = Models(tokenizer, frozenset(), await target.info(), await draft.info())
+    models = await drafting_models(clients, tiny_target_dir)
     assert models.draft_competes and not models.draft_prefills_beside
     lockstep = Lockstep(max_wait_s=5.0)
     phases: list[str] = []
@@ -197,8 +203,7 @@ async def test_in_the_lockstep_the_first_draft_phase_waits_for_a_prompt_prefille
     waits for a prompt another session is prefilling, rather than open its
     draft beside it."""
     target, draft = clients
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    models = Models(tokenizer, frozenset(), await target.info(), await draft.info())
+    models = await drafting_models(clients, tiny_target_dir)
     lockstep = Lockstep(max_wait_s=5.0)
     events: list[str] = []
     slow_begun = asyncio.Event()
@@ -257,10 +262,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     drafts, and its rounds never wait for the other's draft phases (one
     token a phase); both give the target's tokens."""
     target, draft = clients
-    info = await target.info()
-    models = Models(
-        AutoTokenizer.from_pretrained(tiny_target_dir), frozenset(), info, await draft.info()
-    )
+    models = await drafting_models(clients, tiny_target_dir)
     assert models.draft_competes
     short, long = (1, 2, 3, 4), (5, 6, 7, 8, 9, 10)
     monkeypatch.setattr(
@@ -322,12 +324,7 @@ async def test_on_shared_cores_a_draft_that_would_not_pay_is_asked_again_once_ot
     (``others_draft``), and otherwise it drafts no more. Apart from the
     target (no lockstep), the first refusal is final."""
     target, draft = clients
-    models = Models(
-        AutoTokenizer.from_pretrained(tiny_target_dir),
-        frozenset(),
-        await target.info(),
-        await draft.info(),
-    )
+    models = await drafting_models(clients, tiny_target_dir)
     asked: list[bool] = []
 
     def gate(self, tokens, tokens_left, *, beside=False, others_draft=False):
@@ -372,12 +369,7 @@ async def test_on_shared_cores_beside_others_a_draft_opens_only_to_join_drafting
     a plan would weigh the machine now against the machine then. Once one
     drafts they are asked to join it; a session alone is asked at once."""
     target, draft = clients
-    models = Models(
-        AutoTokenizer.from_pretrained(tiny_target_dir),
-        frozenset(),
-        await target.info(),
-        await draft.info(),
-    )
+    models = await drafting_models(clients, tiny_target_dir)
     asked: list[bool] = []
     chosen: list[int] = []
 
