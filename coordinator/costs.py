@@ -293,6 +293,10 @@ class CostModel:
         """Per-token acceptance over every session's recent drafting rounds."""
         return self.accepted / self.judged if self.judged else None
 
+    def judged_on(self, evidence: int) -> float:
+        """Judged drafts drafted on ``evidence`` (decayed, as :meth:`alpha_of`'s)."""
+        return self.by_evidence.get(evidence, (0.0, 0.0))[1]
+
     def alpha_of(self, evidence: int, prior_weight: float) -> float:
         """Per-token acceptance of the drafts drafted on ``evidence``: every
         session's recent rounds on it, drawn toward :attr:`alpha` (0.5 before

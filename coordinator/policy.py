@@ -6,9 +6,11 @@ While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
 session drafts one token to look again, and after each look that changed
 nothing it waits twice as long — unless its first draft would not pay even
 at a far better α (halfway to 1) — its α^1 would not beat what one more
-draft token costs — when looking again cannot change the answer. A probe
-is not free under load: its row of two tokens slows the step of every
-session in it.
+draft token costs — when looking again cannot change the answer, or its
+α is the deployment's record of drafts on the same evidence (prompt
+lookup's), which every session's drafting rounds keep. A probe is not
+free under load: its row of two tokens slows the step of every session in
+it.
 """
 
 from __future__ import annotations
@@ -124,13 +126,21 @@ class AdaptiveK:
         if k > 0:
             self.rounds_at_zero, self.probe_wait = 0, self.probe_every
             return k
-        if 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
-            return 0  # its first draft would not pay even at a far better α
+        if self.alpha_known or 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
+            return 0  # a look would teach nothing, or not pay even at a far better α
         self.rounds_at_zero += 1
         if self.rounds_at_zero < self.probe_wait:
             return 0
         self.rounds_at_zero, self.probe_wait = 0, 2 * self.probe_wait
         return 1
+
+    @property
+    def alpha_known(self) -> bool:
+        """Whether its α is known without looking: its drafts rest on
+        evidence (:meth:`offer`) that the deployment's drafts have been
+        judged on, :data:`PRIOR_TOKENS` of them at least — every session's
+        drafting rounds keep that record, where a probe would add a token."""
+        return self.evidence is not None and self.costs.judged_on(self.evidence) >= PRIOR_TOKENS
 
     @property
     def exploring(self) -> bool:

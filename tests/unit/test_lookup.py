@@ -108,6 +108,25 @@ def test_the_plan_drafts_on_strong_matches_and_not_on_weak_ones_or_none():
     assert sessions[1].choose(limit=100) == 5
 
 
+def test_a_session_drafting_on_recorded_evidence_does_not_probe():
+    # Under load a weak match does not pay. Where the deployment's drafts on
+    # it have a record, a probe would teach nothing that record does not: the
+    # session stays at K = 0. On evidence nothing was drafted on yet, it looks.
+    costs = cpu_like(rows=4)
+    for _ in range(20):
+        costs.observe(
+            num_drafts=1, num_accepted=0, evidence=1, draft_s=0.0, overhead_s=0.0, drafted=False
+        )
+    recorded, unrecorded = AdaptiveK(8, costs), AdaptiveK(8, costs)
+    recorded.offer(1, 8)
+    unrecorded.offer(2, 8)
+    for policy in (recorded, unrecorded):
+        policy.k_last = 0
+    choices = [(recorded.choose(limit=100), unrecorded.choose(limit=100)) for _ in range(64)]
+    assert {r for r, _ in choices} == {0}
+    assert [i for i, (_, u) in enumerate(choices) if u] == [7, 23, 55]
+
+
 @pytest.fixture
 async def target(tiny_target_dir):
     engine = EngineConfig(dtype="float64", threads=1)
