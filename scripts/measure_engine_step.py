@@ -10,10 +10,11 @@ session holding ``--context`` cached tokens) it times, median of
 * ``engine`` — the worker's runner (``outrider.engine``): all rows in one
   forward pass over the paged cache;
 * ``graph`` — the same step replayed from a captured CUDA graph (CUDA only);
-* with ``--linears`` (CPU), the engine's step with every small-batch linear
-  on ``F.linear`` and every one as ``(W @ x.T).T``, each call of the three
-  taking turns (``outrider/engine/ops.py`` chose one per shape and rows at
-  start, as a worker does),
+* with ``--linears`` (CPU), the engine's step with every linear on
+  ``F.linear``, with every small batch as ``(W @ x.T).T``, and with every
+  one on oneDNN's packed weights, each call of the four taking turns
+  (``outrider/engine/ops.py`` chose one per count of rows at start, as a
+  worker does),
 
 and prints each also as a multiple of transformers' single-token step.
 The model is a real one (default: the default model, fetched by ``outrider
@@ -65,12 +66,13 @@ def load(model: str, dtype: torch.dtype, device: torch.device, overrides: dict) 
 
 def timed_in_turn(fn, repeats: int) -> dict[str, float]:
     """Median milliseconds of ``fn`` with the linears as tuned, all on
-    ``F.linear`` and all transposed, each call of the three in turn (after
-    two warm-up calls each)."""
+    ``F.linear``, all transposed and all packed, each call of the four in
+    turn (after two warm-up calls each)."""
     paths = {
         "engine_ms": contextlib.nullcontext,
-        "f_linear_ms": lambda: ops.small_batch_path(transposed=False),
-        "transposed_ms": lambda: ops.small_batch_path(transposed=True),
+        "f_linear_ms": lambda: ops.linear_path("library"),
+        "transposed_ms": lambda: ops.linear_path("transposed"),
+        "packed_ms": lambda: ops.linear_path("packed"),
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
     for i in range(repeats + 2):
@@ -181,8 +183,8 @@ def main() -> int:
     parser.add_argument(
         "--linears",
         action="store_true",
-        help="CPU: also the engine's step with every small-batch linear on F.linear, and "
-        "with every one transposed, taking turns with the tuned choice",
+        help="CPU: also the engine's step with every linear on F.linear, with every small "
+        "batch transposed and with every one packed, taking turns with the tuned choice",
     )
     parser.add_argument("--json", type=Path, help="also write the table as JSON")
     args = parser.parse_args()
@@ -219,7 +221,7 @@ def main() -> int:
         results = []
         for rows, tokens in tqdm(shapes, desc="shapes", unit="shape"):
             row = {"shape": f"{rows}x{tokens}", "hf_ms": None, "engine_ms": None, "graph_ms": None}
-            row |= {"f_linear_ms": None, "transposed_ms": None}
+            row |= {"f_linear_ms": None, "transposed_ms": None, "packed_ms": None}
             if not args.no_hf or (rows, tokens) == (1, 1):
                 row["hf_ms"] = rows * (
                     unit
@@ -243,7 +245,11 @@ def main() -> int:
     )
     columns = {"hf_ms": "hf (rows calls)", "engine_ms": "engine", "graph_ms": "engine graph"}
     if any(row["f_linear_ms"] is not None for row in results):
-        columns |= {"f_linear_ms": "engine F.linear", "transposed_ms": "engine W @ x.T"}
+        columns |= {
+            "f_linear_ms": "engine F.linear",
+            "transposed_ms": "engine W @ x.T",
+            "packed_ms": "engine packed",
+        }
     print(f"{'rows×tokens':>12} " + " ".join(f"{title:>16}" for title in columns.values()))
     for row in results:
         cells = [

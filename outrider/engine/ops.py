@@ -1,61 +1,85 @@
 """Tensor operations of the engine's forward passes that torch does not
 offer as such.
 
-* :func:`linear` — ``F.linear``, or for CPU inputs of 1 to 16 rows (a
-  decode step, a verify round, a batch of draft steps) ``(W @ x.T).T`` —
-  a single row as two and 9 to 15 rows as 16 — where that ran the model's
-  linears the faster on this machine (:func:`tune_small_batch_linears`):
-  the same results to float rounding. Which is faster depends on the CPU
-  and its BLAS build: on some, the matrix–matrix path is slow for so few
-  rows and the matrix–vector path reads the weights at a fraction of the
-  memory's rate; on others ``F.linear`` is several times the faster
-  (docs/benchmark.md#small-batch-linears-on-the-cpu).
+* :func:`linear` — ``F.linear``; or, for CPU inputs, whichever of three
+  ways to compute it ran the model's linears the fastest on this machine
+  at each count of rows (:func:`tune_linears`): ``F.linear`` itself,
+  ``(W @ x.T).T`` for 1 to 16 rows (a decode step, a verify round, a batch
+  of draft steps) — a single row as two and 9 to 15 rows as 16 — or
+  oneDNN's product with the weight packed once in its blocked layout
+  (what ``torch.compile`` emits for a CPU linear), the same results to
+  float rounding. Which is fastest depends on the CPU and its BLAS build:
+  on some, the matrix–matrix path is slow for so few rows and the
+  matrix–vector path reads the weights at a fraction of the memory's rate;
+  on others ``F.linear`` is several times the faster; on an AMD EPYC the
+  BLAS took twice as long for 8 rows as for 2 where the packed product
+  took about as long for 16 (docs/benchmark.md#small-batch-linears-on-the-cpu).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Path = Literal["library", "transposed", "packed"]
+"""How :func:`linear` computes a product: ``F.linear``, ``(W @ x.T).T``,
+or oneDNN's product on the weight packed in its layout."""
+
 SMALL_BATCH_ROWS = 16
-"""Linears whose flattened input has 1 to this many rows may take the ``W @ x.T`` path."""
+"""Each count of rows from 1 to this one is tuned apart; ``(W @ x.T).T``
+is a path for these counts only."""
+
+LARGE_BATCH_ROWS = 64
+"""The count of rows timed for every count past :data:`SMALL_BATCH_ROWS`
+(a prompt's prefill, a verify of many rows)."""
 
 TUNING_REPEATS = 3
 """Timed calls of each path per count of rows, taken in turn (the fastest counts)."""
 
-_transposed: set[tuple[int, int, int, torch.dtype]] = set()
-"""``(out features, in features, rows, dtype)`` of the products this
-process computes as ``W @ x.T``: those where it beat ``F.linear`` here."""
-_forced: bool | None = None
-"""Every small batch transposed (True) or not (False), whatever was tuned
-(:func:`small_batch_path`); None: as tuned."""
+_paths: dict[tuple[int, int, int, torch.dtype], Path] = {}
+"""``(out features, in features, rows, dtype)`` → the path that computed
+such products the fastest here, ``rows`` past :data:`SMALL_BATCH_ROWS`
+counted as one more; a product not in it takes ``F.linear``."""
+_packs: dict[int, torch.Tensor] = {}
+"""``id`` of a weight → the weight packed for oneDNN, while the weight lives."""
+_forced: Path | None = None
+"""Every product on the CPU by this path where it can take it, whatever was
+tuned (:func:`linear_path`); None: as tuned."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for CPU inputs of 1 to ``SMALL_BATCH_ROWS`` rows
-    that :func:`tune_small_batch_linears` found faster as ``(W @ x.T).T``."""
+    """``F.linear``, computed on the CPU by the path :func:`tune_linears`
+    found the fastest for its shape and count of rows."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features if in_features else 0
-    if 1 <= rows <= SMALL_BATCH_ROWS and x.device.type == "cpu":
-        key = (out_features, in_features, rows, weight.dtype)
-        if key in _transposed if _forced is None else _forced:
-            return _transposed_linear(x, weight, bias, rows)
+    if rows == 0 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    path = _forced or _paths.get(
+        (out_features, in_features, min(rows, SMALL_BATCH_ROWS + 1), weight.dtype), "library"
+    )
+    if path == "transposed" and rows <= SMALL_BATCH_ROWS:
+        return _transposed_linear(x, weight, bias, rows)
+    if path == "packed" and (packed := _packs.get(id(weight))) is not None:
+        return _packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
 @contextmanager
-def small_batch_path(transposed: bool) -> Iterator[None]:
-    """Within it, every small batch on the CPU is computed as ``(W @ x.T).T``
-    (``transposed``) or by ``F.linear``, whatever was tuned: to measure or
-    test one path on any machine."""
+def linear_path(path: Path) -> Iterator[None]:
+    """Within it, every product on the CPU takes ``path`` where it can
+    (``transposed``: 1 to :data:`SMALL_BATCH_ROWS` rows; ``packed``: a
+    tuned weight), whatever was tuned: to measure or test one path on any
+    machine."""
     global _forced
-    before, _forced = _forced, transposed
+    before, _forced = _forced, path
     try:
         yield
     finally:
@@ -89,45 +113,88 @@ def _padded_rows(rows: int) -> int:
     return SMALL_BATCH_ROWS if rows > 8 else rows
 
 
-def tune_small_batch_linears(weights: Iterable[object]) -> tuple[int, int]:
-    """For each count of rows from 1 to ``SMALL_BATCH_ROWS``, times
-    ``F.linear`` against ``(W @ x.T).T`` through every CPU weight matrix
-    among ``weights`` (others, quantized ones among them, are left alone)
-    in turn — in a forward pass's order, as it reads them: from memory —
-    on this thread, with its torch threads (call it where the forward
-    passes run), and makes :func:`linear` take the faster for that count
-    from now on. Timed on one weight again and again, a product finds its
-    weight in the cache, and a choice made product by product ran the
-    forward pass slower than either path throughout, up to twice
-    (docs/benchmark.md#small-batch-linears-on-the-cpu). Returns the
-    products tuned (each shape at each count) and how many go transposed."""
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` by oneDNN on a weight :func:`_pack` packed."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` packed in oneDNN's blocked layout, for any count of rows;
+    None where this torch or this CPU has no oneDNN product for its dtype."""
+    if not torch.backends.mkldnn.is_available() or weight.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+    ):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        _packed_linear(weight.new_zeros(1, weight.shape[1]), packed, None)
+    except (AttributeError, RuntimeError):  # (an older torch; bfloat16 on a CPU without it)
+        return None
+    return packed
+
+
+def tune_linears(weights: Iterable[object]) -> dict[Path, int]:
+    """For each count of rows from 1 to ``SMALL_BATCH_ROWS``, and at
+    :data:`LARGE_BATCH_ROWS` for every count past it, times ``F.linear``,
+    ``(W @ x.T).T`` (up to ``SMALL_BATCH_ROWS``) and oneDNN's product on
+    packed weights through every CPU weight matrix among ``weights``
+    (others, quantized ones among them, are left alone) in turn — in a
+    forward pass's order, as it reads them: from memory — on this thread,
+    with its torch threads (call it where the forward passes run), and
+    makes :func:`linear` take the fastest for that count from now on. Timed
+    on one weight again and again, a product finds its weight in the cache,
+    and a choice made product by product ran the forward pass slower than
+    either path throughout, up to twice
+    (docs/benchmark.md#small-batch-linears-on-the-cpu). The packed weights
+    are kept where that path won somewhere: a second copy of each weight,
+    beside the one the other paths read. Returns how many products (each
+    shape at each count) go each way."""
     matrices = [
         w
         for w in weights
         if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu"
     ]
     shapes = {(*w.shape, w.dtype) for w in matrices}
-    tuned = transposed = 0
+    packs = {id(w): packed for w in matrices if (packed := _pack(w)) is not None}
+    counts: dict[Path, int] = {"library": 0, "transposed": 0, "packed": 0}
     with torch.inference_mode():
-        for rows in range(1, SMALL_BATCH_ROWS + 1):
+        for rows in [*range(1, SMALL_BATCH_ROWS + 1), LARGE_BATCH_ROWS]:
             inputs = {
                 (in_features, dtype): torch.randn(rows, in_features, dtype=dtype)
                 for _, in_features, dtype in shapes
             }
-            library, ours = _fastest_in_turn(
-                partial(_through, F.linear, inputs, matrices),
-                partial(
-                    _through, partial(_transposed_linear, bias=None, rows=rows), inputs, matrices
-                ),
+            candidates: dict[Path, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+                "library": F.linear
+            }
+            if rows <= SMALL_BATCH_ROWS:
+                candidates["transposed"] = partial(_transposed_linear, bias=None, rows=rows)
+            if packs:
+                candidates["packed"] = partial(_packed_or_library, packs)
+            seconds = _fastest_in_turn(
+                *(partial(_through, product, inputs, matrices) for product in candidates.values())
             )
+            fastest = list(candidates)[seconds.index(min(seconds))]
             for out_features, in_features, dtype in shapes:
-                key = (out_features, in_features, rows, dtype)
-                _transposed.discard(key)
-                if ours < library:
-                    _transposed.add(key)
-                    transposed += 1
-                tuned += 1
-    return tuned, transposed
+                key = (out_features, in_features, min(rows, SMALL_BATCH_ROWS + 1), dtype)
+                _paths[key] = fastest
+                counts[fastest] += 1
+    if counts["packed"]:
+        for w in matrices:
+            if id(w) in packs:
+                _packs[id(w)] = packs[id(w)]
+                weakref.finalize(w, _packs.pop, id(w), None)
+    return counts
+
+
+def _packed_or_library(
+    packs: dict[int, torch.Tensor], x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """The packed product where ``packs`` holds ``weight`` packed, else ``F.linear``."""
+    packed = packs.get(id(weight))
+    return F.linear(x, weight) if packed is None else _packed_linear(x, packed, None)
 
 
 def _through(
@@ -164,7 +231,7 @@ class SmallBatchLinear(nn.Linear):
 
 def use_small_batch_linears(model: nn.Module) -> None:
     """Make every plain ``nn.Linear`` in ``model`` a :class:`SmallBatchLinear`, in place
-    (:func:`tune_small_batch_linears` then chooses their paths).
+    (:func:`tune_linears` then chooses their paths).
 
     Only the class changes: weights are not copied. Subclasses of ``nn.Linear``
     (quantized or otherwise customised layers) are left alone.

@@ -288,16 +288,16 @@ class FallbackRunner:
 
 
 def tune_linears(weights: Iterable[object]) -> None:
-    """:func:`outrider.engine.ops.tune_small_batch_linears` of ``weights``,
-    logged — to be called on the engine's thread, which runs with the
-    engine's torch threads."""
+    """:func:`outrider.engine.ops.tune_linears` of ``weights``, logged — to
+    be called on the engine's thread, which runs with the engine's torch
+    threads."""
     started = time.perf_counter()
-    tuned, transposed = ops.tune_small_batch_linears(weights)
-    if tuned:
+    paths = ops.tune_linears(weights)
+    if any(paths.values()):
         log.info(
-            "small-batch linears tuned",
-            products=tuned,
-            transposed=transposed,
+            "linears tuned",
+            products=sum(paths.values()),
+            **paths,
             seconds=round(time.perf_counter() - started, 2),
         )
 

