@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from typing import Literal
 
 import torch
@@ -123,17 +123,24 @@ def _packed_linear(
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` packed in oneDNN's blocked layout, for any count of rows;
     None where this torch or this CPU has no oneDNN product for its dtype."""
-    if not torch.backends.mkldnn.is_available() or weight.dtype not in (
-        torch.float32,
-        torch.bfloat16,
-    ):
+    if not _packs_dtype(weight.dtype):
         return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+@cache
+def _packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether this torch and this CPU compute oneDNN's product on packed
+    weights of ``dtype``: one small product, tried once."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
     try:
+        weight = torch.ones(8, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        _packed_linear(weight.new_zeros(1, weight.shape[1]), packed, None)
+        _packed_linear(weight.new_ones(1, 8), packed, None)
     except (AttributeError, RuntimeError):  # (an older torch; bfloat16 on a CPU without it)
-        return None
-    return packed
+        return False
+    return True
 
 
 def tune_linears(weights: Iterable[object]) -> dict[Path, int]:
