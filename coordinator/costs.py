@@ -28,20 +28,20 @@ and the goodput of an assignment of K_i to the sessions is
     G = Σ_i E_i(K_i) / C.
 
 :class:`CostModel.plan` maximises G over the coordinator's adaptive
-sessions, the others in the engines' steps held as the engines last saw
-them. A session's tokens are worth the most in order (α_i ≥ α_i² ≥ …), so
-the drafts of every session are sorted by what each adds, α_i^j, and the
-best assignment is the best prefix of that order: its cost is a sum of
-increments along it (a token, a draft row, or a new draft step), so every
-prefix is priced in one pass. A draft token is drafted while its α_i^j
-beats what it adds to everyone's round. On a GPU c is nearly flat up to a
-few hundred tokens, so drafting is almost free at low load and K shrinks
-as T grows; on a CPU c is linear from the first token, so under load
-drafting pays only where α is high and drafts are cheap — K = 0 when it
-does not pay at all. A session alone is priced exactly as
-E(K) / (o + K·(d(1) + w_d) + c(K + 1; 1) + w), its own best rate. Among assignments of
-the same goodput (within :data:`TIE`), the shortest round wins: every
-session gets its tokens soonest.
+sessions on one target replica (:class:`CostModels`), the others in the
+engines' steps held as the engines last saw them. A session's tokens are
+worth the most in order (α_i ≥ α_i² ≥ …), so the drafts of every session
+are sorted by what each adds, α_i^j, and the best assignment is the best
+prefix of that order: its cost is a sum of increments along it (a token,
+a draft row, or a new draft step), so every prefix is priced in one pass.
+A draft token is drafted while its α_i^j beats what it adds to everyone's
+round. On a GPU c is nearly flat up to a few hundred tokens, so drafting
+is almost free at low load and K shrinks as T grows; on a CPU c is linear
+from the first token, so under load drafting pays only where α is high and
+drafts are cheap — K = 0 when it does not pay at all. A session alone is
+priced exactly as E(K) / (o + K·(d(1) + w_d) + c(K + 1; 1) + w), its own
+best rate. Among assignments of the same goodput (within :data:`TIE`), the
+shortest round wins: every session gets its tokens soonest.
 
 Pipelined (docs/design.md#pipelined-rounds), the draft drafts the next
 round — K + 1 steps, its guess of the bonus token first — while the target
@@ -168,11 +168,53 @@ class Plan:
 
 
 @dataclass
+class Acceptance:
+    """What every session's drafting rounds had accepted (decayed sums, by
+    :data:`DEPLOYMENT_DECAY` a round): a property of the draft and target
+    models, the same on every replica."""
+
+    accepted: float = 0.0
+    judged: float = 0.0
+    """Accepted drafts, and those plus the rejected ones."""
+    by_evidence: dict[int, list[float]] = field(default_factory=dict)
+    """The same sums, [accepted, judged], by the evidence the drafter had
+    for its drafts before drafting them (prompt lookup: the n of its match)."""
+
+    def observe(self, num_drafts: int, num_accepted: int, evidence: int | None = None) -> None:
+        """A round accepted ``num_accepted`` of ``num_drafts`` drafted on ``evidence``."""
+        judged = num_accepted + (num_accepted < num_drafts)
+        self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
+        self.judged = DEPLOYMENT_DECAY * self.judged + judged
+        if evidence is not None:
+            sums = self.by_evidence.setdefault(evidence, [0.0, 0.0])
+            sums[0] = DEPLOYMENT_DECAY * sums[0] + num_accepted
+            sums[1] = DEPLOYMENT_DECAY * sums[1] + judged
+
+    @property
+    def alpha(self) -> float | None:
+        """Per-token acceptance over every session's recent drafting rounds."""
+        return self.accepted / self.judged if self.judged else None
+
+    def judged_on(self, evidence: int) -> float:
+        """Judged drafts drafted on ``evidence`` (decayed, as :meth:`alpha_of`'s)."""
+        return self.by_evidence.get(evidence, (0.0, 0.0))[1]
+
+    def alpha_of(self, evidence: int, prior_weight: float) -> float:
+        """Per-token acceptance of the drafts drafted on ``evidence``: every
+        session's recent rounds on it, drawn toward :attr:`alpha` (0.5 before
+        any) by ``prior_weight`` judged drafts."""
+        prior = 0.5 if self.alpha is None else self.alpha
+        accepted, judged = self.by_evidence.get(evidence, (0.0, 0.0))
+        return (accepted + prior_weight * prior) / (judged + prior_weight)
+
+
+@dataclass
 class CostModel:
     """What rounds cost and what they commit, shared by a coordinator's
-    sessions: the engines' step curves and load as they last reported them,
-    and what the coordinator measures itself (its overhead, the deployment's
-    acceptance). It plans the K of its adaptive sessions together."""
+    sessions on one target replica: the engines' step curves and load as
+    they last reported them, and what the coordinator measures itself (its
+    overhead; the deployment's acceptance, shared with the other replicas'
+    models). It plans the K of its adaptive sessions together."""
 
     decay: float = 0.9
     planning_share: float = PLANNING_SHARE
@@ -200,13 +242,9 @@ class CostModel:
     waited behind other sessions' steps, which is those sessions' work —
     already priced in the step costs — not a cost of this round that more
     drafts would spread."""
-    accepted: float = field(init=False, default=0.0)
-    judged: float = field(init=False, default=0.0)
-    """Over every session's drafting rounds (decayed sums): accepted drafts,
-    and those plus the rejected ones."""
-    by_evidence: dict[int, list[float]] = field(init=False, default_factory=dict)
-    """The same sums, [accepted, judged], by the evidence the drafter had
-    for its drafts before drafting them (prompt lookup: the n of its match)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """What the drafts had accepted: the models', the same on every replica
+    (:class:`CostModels` shares it)."""
     sessions: dict[int, AdaptiveK] = field(init=False, default_factory=dict)
     """The adaptive sessions running now, planned together."""
     _version: int = field(init=False, default=0)
@@ -240,13 +278,7 @@ class CostModel:
         took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
         (drafted on ``evidence``, if the drafter has any: :meth:`alpha_of`)."""
         if num_drafts and num_accepted is not None:
-            judged = num_accepted + (num_accepted < num_drafts)
-            self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
-            self.judged = DEPLOYMENT_DECAY * self.judged + judged
-            if evidence is not None:
-                sums = self.by_evidence.setdefault(evidence, [0.0, 0.0])
-                sums[0] = DEPLOYMENT_DECAY * sums[0] + num_accepted
-                sums[1] = DEPLOYMENT_DECAY * sums[1] + judged
+            self.acceptance.observe(num_drafts, num_accepted, evidence)
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
@@ -287,23 +319,6 @@ class CostModel:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A target session opened on ``tokens`` tokens in ``seconds``."""
         self.prefill_per_token.update(seconds / max(1, tokens))
-
-    @property
-    def alpha(self) -> float | None:
-        """Per-token acceptance over every session's recent drafting rounds."""
-        return self.accepted / self.judged if self.judged else None
-
-    def judged_on(self, evidence: int) -> float:
-        """Judged drafts drafted on ``evidence`` (decayed, as :meth:`alpha_of`'s)."""
-        return self.by_evidence.get(evidence, (0.0, 0.0))[1]
-
-    def alpha_of(self, evidence: int, prior_weight: float) -> float:
-        """Per-token acceptance of the drafts drafted on ``evidence``: every
-        session's recent rounds on it, drawn toward :attr:`alpha` (0.5 before
-        any) by ``prior_weight`` judged drafts."""
-        prior = 0.5 if self.alpha is None else self.alpha
-        accepted, judged = self.by_evidence.get(evidence, (0.0, 0.0))
-        return (accepted + prior_weight * prior) / (judged + prior_weight)
 
     # --- costs -----------------------------------------------------------------
 
@@ -595,6 +610,36 @@ class CostModel:
                 steps[0] = decode
         # Every row of the step waits for the engine's work on all of them.
         return np.maximum.accumulate(steps) + self.target.work_per_row_s * base.rows
+
+
+class CostModels:
+    """A coordinator's cost models, one for each target replica its sessions
+    run on: sessions share steps only with those on the same engine, and
+    each engine reports its own costs and load. What the drafts had
+    accepted is shared (:class:`Acceptance`). The draft's costs are those
+    of whichever draft replica answered a model's sessions last."""
+
+    def __init__(self, planning_share: float = PLANNING_SHARE) -> None:
+        self.acceptance = Acceptance()
+        self.planning_share = planning_share
+        self._by_replica: dict[str, CostModel] = {}
+        """Target replica's address → its model, the last one used last."""
+
+    def of(self, replica: str) -> CostModel:
+        """The model of the sessions on the target replica at ``replica``."""
+        costs = self._by_replica.pop(replica, None)
+        if costs is None:
+            costs = CostModel(planning_share=self.planning_share, acceptance=self.acceptance)
+        self._by_replica[replica] = costs
+        return costs
+
+    def likeliest(self) -> CostModel:
+        """The model of a session yet to open: that of the replica with the
+        most sessions, the last used among as many — before any session
+        opened, one for every session until it opens."""
+        if not self._by_replica:
+            return self.of("")
+        return max(reversed(self._by_replica.values()), key=lambda costs: len(costs.sessions))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.costs import CostModel
+from coordinator.costs import CostModels
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import NO_MATCH, PromptLookup
 from coordinator.policy import AdaptiveK, adaptive_k_max
@@ -99,7 +99,7 @@ async def generate(
     models: Models,
     target: TargetClient,
     draft: DraftClient | PromptLookup | None,
-    costs: CostModel | None = None,
+    costs: CostModels | None = None,
     recovery: Recovery = Recovery(),
     lockstep: Lockstep | None = None,
 ) -> AsyncIterator[Delta]:
@@ -108,7 +108,7 @@ async def generate(
     ``lockstep``: the coordinator's, for rounds where draft and target
     share CPU cores (:mod:`coordinator.lockstep`)."""
     generation = Generation(
-        request, models, target, draft, costs or CostModel(), recovery, lockstep
+        request, models, target, draft, costs or CostModels(), recovery, lockstep
     )
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
@@ -138,12 +138,14 @@ class Generation:
         models: Models,
         target: TargetClient,
         draft: DraftClient | PromptLookup | None,
-        costs: CostModel,
+        costs: CostModels,
         recovery: Recovery,
         lockstep: Lockstep | None = None,
     ) -> None:
         self.request = request
-        self.costs = costs
+        self.cost_models = costs
+        self.costs = costs.likeliest()
+        """The cost model of the target replica the session runs on."""
         self.recovery = recovery
         self.started = time.perf_counter()
         self.history = list(request.prompt_ids)
@@ -166,7 +168,9 @@ class Generation:
             pipeline=request.pipeline and k_max > 0 and self.lookup is None,
         )
         self.policy = (
-            AdaptiveK(k_max, costs, pipeline=self.stats.pipeline) if self.stats.adaptive else None
+            AdaptiveK(k_max, self.costs, pipeline=self.stats.pipeline)
+            if self.stats.adaptive
+            else None
         )
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
@@ -186,7 +190,9 @@ class Generation:
             request_id=request.request_id,
             sampling=request.sampling,
             attempts=recovery.target_attempts,
-            open_deadline_s=lambda tokens: recovery.open_deadline_s(costs.prefill_cost(tokens)),
+            open_deadline_s=lambda tokens: recovery.open_deadline_s(
+                self.costs.prefill_cost(tokens)
+            ),
         )
         self.drafts = (
             DraftLink(
@@ -218,6 +224,7 @@ class Generation:
             reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
+        self.placed()
         if reply.load is not None:
             self.costs.target = reply.load
         self.costs.observe_prefill(len(self.history), reply.compute_s)
@@ -235,6 +242,14 @@ class Generation:
             self.policy.observe(num_drafts=0, num_accepted=0)  # its row in the target's steps
         self.look_up()
         return delta
+
+    def placed(self) -> None:
+        """Takes the cost model of the target replica the session runs on,
+        after an open: the session is planned with the sessions there."""
+        assert self.target.session is not None  # (open)
+        self.costs = self.cost_models.of(self.target.session.address)
+        if self.policy is not None:
+            self.policy.move(self.costs)
 
     def verifying(self) -> AbstractAsyncContextManager[float]:
         """The session's verify phase in the lockstep, if it is in one;
@@ -374,6 +389,7 @@ class Generation:
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
             )
         record.verify_s, record.queued_s = reply.compute_s, reply.queued_s
+        self.placed()  # (reopened, maybe on another replica)
         if reply.load is not None:
             self.costs.target = reply.load
         self.stats.verify_time_s += record.reopen_s

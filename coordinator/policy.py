@@ -1,5 +1,6 @@
 """Adaptive K: how many tokens each session drafts next round — its K in the
-plan of its coordinator's cost model (:mod:`coordinator.costs`), within
+plan of the cost model of the target replica it runs on
+(:mod:`coordinator.costs`), within
 the target's CUDA graphs.
 
 While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
@@ -52,7 +53,8 @@ def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
 @dataclass
 class AdaptiveK:
     """The adaptive K of one session: its acceptance estimate, and its K
-    from its cost model's plan of every adaptive session (``close`` leaves it)."""
+    from its cost model's plan of every adaptive session on its target
+    replica (``close`` leaves it, :meth:`move` changes it)."""
 
     k_max: int
     costs: CostModel
@@ -85,6 +87,14 @@ class AdaptiveK:
     def close(self) -> None:
         self.costs.leave(self)
 
+    def move(self, costs: CostModel) -> None:
+        """The session runs on the engine ``costs`` models now: it is planned
+        with the sessions there."""
+        if costs is not self.costs:
+            self.costs.leave(self)
+            self.costs = costs
+            costs.join(self)
+
     def offer(self, evidence: int, tokens: int) -> None:
         """The drafter has ``tokens`` drafts for the next round, on ``evidence``."""
         if (evidence, tokens) != (self.evidence, self.offered):
@@ -104,8 +114,8 @@ class AdaptiveK:
         drafts on evidence, what every session's drafts on the same evidence
         had: that says more of the next drafts than the session's past does."""
         if self.evidence is not None:
-            return self.costs.alpha_of(self.evidence, PRIOR_TOKENS)
-        prior = self.costs.alpha
+            return self.costs.acceptance.alpha_of(self.evidence, PRIOR_TOKENS)
+        prior = self.costs.acceptance.alpha
         prior = 0.5 if prior is None else prior
         weight = PRIOR_TOKENS_MAX if prior >= 1.0 else 1.0 / (1.0 - prior)
         weight = min(max(weight, PRIOR_TOKENS), PRIOR_TOKENS_MAX)
@@ -140,7 +150,9 @@ class AdaptiveK:
         evidence (:meth:`offer`) that the deployment's drafts have been
         judged on, :data:`PRIOR_TOKENS` of them at least — every session's
         drafting rounds keep that record, where a probe would add a token."""
-        return self.evidence is not None and self.costs.judged_on(self.evidence) >= PRIOR_TOKENS
+        if self.evidence is None:
+            return False
+        return self.costs.acceptance.judged_on(self.evidence) >= PRIOR_TOKENS
 
     @property
     def exploring(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from coordinator.costs import CostModel
+from coordinator.costs import CostModels
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
 from coordinator.loop import Delta, GenerationRequest, Models, generate
@@ -41,8 +41,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.draft_info = draft_info
         self.recovery = recovery
         self.metrics = metrics
-        # Round costs are the deployment's: every session teaches adaptive K.
-        self.costs = CostModel()
+        # Round costs are each target replica's, taught by every session on it.
+        self.costs = CostModels()
         self.lockstep = Lockstep(max_wait_s=recovery.draft_deadline_s)
         self.requests = RequestBuilder(models, policy, drafts=draft is not None)
 

@@ -99,6 +99,9 @@ class Judged:
 
 
 class TargetSession(Protocol):
+    address: str
+    """The worker replica's."""
+
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
     ) -> Reply[Judged]:

@@ -51,6 +51,7 @@ class _InProcessTargetSession:
     def __init__(self, client: InProcessTargetClient, session_id: str) -> None:
         self.client = client
         self.session_id = session_id
+        self.address = f"in-process:{id(client.engine):x}"
 
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None

@@ -6,7 +6,14 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.costs import DRAFT_STALE_S, PLAN_ERROR, TIE, CostModel, expected_tokens
+from coordinator.costs import (
+    DRAFT_STALE_S,
+    PLAN_ERROR,
+    TIE,
+    CostModel,
+    CostModels,
+    expected_tokens,
+)
 from coordinator.policy import LEARNING_K, AdaptiveK, adaptive_k_max
 from outrider.load import WINDOW, EngineLoad
 
@@ -232,7 +239,7 @@ def test_acceptance_estimate_follows_the_rounds_drawn_toward_the_deployments():
     lucky = AdaptiveK(4, costs)
     for _ in range(20):
         lucky.observe(num_drafts=4, num_accepted=4)
-    assert costs.alpha < lucky.alpha < 1.0 and lucky.alpha > 0.8
+    assert costs.acceptance.alpha < lucky.alpha < 1.0 and lucky.alpha > 0.8
 
 
 def test_where_the_deployment_rarely_sees_a_rejection_one_does_not_sink_a_session():
@@ -240,12 +247,12 @@ def test_where_the_deployment_rarely_sees_a_rejection_one_does_not_sink_a_sessio
     # round of 12 drafts that lost its sixth leaves the session near α₀
     # (eight judged drafts of prior took it to 0.92, and K from 12 to 1).
     costs = CostModel(planning_share=math.inf)
-    costs.accepted, costs.judged = 98.0, 100.0
+    costs.acceptance.accepted, costs.acceptance.judged = 98.0, 100.0
     policy = AdaptiveK(16, costs)
     policy.observe(num_drafts=12, num_accepted=5)
     assert 0.95 < policy.alpha < 0.98
     # Where rejections are common the prior is eight judged drafts still.
-    costs.accepted, costs.judged = 50.0, 100.0
+    costs.acceptance.accepted, costs.acceptance.judged = 50.0, 100.0
     assert policy.alpha == (5 + 8 * 0.5) / (6 + 8)
 
 
@@ -258,7 +265,7 @@ def test_a_new_session_starts_from_the_acceptance_the_deployment_has_seen():
     assert fresh.alpha == 0.5 and fresh.choose(limit=100) < 4
     fresh.close()
     costs.observe(num_drafts=4, draft_s=1.2, overhead_s=0.01, drafted=True, num_accepted=4)
-    assert costs.alpha == 1.0
+    assert costs.acceptance.alpha == 1.0
     informed = AdaptiveK(4, costs)
     informed.k_last = 0
     assert informed.choose(limit=100) == 4
@@ -479,3 +486,22 @@ def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
     clock[0] += 0.010
     assert costs.plan() is not stale and costs._planned_at[0] == 3
     alone.close()
+
+
+def test_a_session_yet_to_open_is_planned_with_the_busiest_replica():
+    """Before its target session opens, a session is planned where most
+    sessions run (the last used replica among as many): before any opened,
+    with every other such session."""
+    costs = CostModels(planning_share=math.inf)
+    waiting = [AdaptiveK(4, costs.likeliest()) for _ in range(2)]
+    assert waiting[0].costs is waiting[1].costs is costs.likeliest()
+    for session in waiting:
+        session.move(costs.of("a"))
+    assert not costs.of("").sessions and len(costs.of("a").sessions) == 2
+    busy = costs.of("a")
+    assert costs.of("b") is not busy and costs.likeliest() is busy
+    waiting[0].move(costs.of("b"))
+    assert costs.likeliest() is costs.of("b")  # as many: the last used
+    waiting[1].close()
+    assert costs.likeliest() is costs.of("b") and not busy.sessions
+    assert busy.acceptance is costs.of("b").acceptance

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.costs import CostModel
+from coordinator.costs import CostModel, CostModels
 from coordinator.lockstep import Lockstep
 from coordinator.loop import Generation, GenerationRequest, Models, generate
 from coordinator.policy import AdaptiveK
@@ -20,6 +20,7 @@ from outrider.config import (
     ServiceConfig,
     TargetWorkerConfig,
 )
+from outrider.errors import Unavailable
 from outrider.worker import start_engine
 from target_worker.main import build_sessions as build_target_sessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
@@ -271,7 +272,8 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     # Every round would draft, but for the gate (the plan's K, from the
     # costs these workers happen to show, could be 0 in a first round).
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, limit: min(self.k_max, limit))
-    costs, lockstep = CostModel(), Lockstep(max_wait_s=5.0)
+    costs, lockstep = CostModels(), Lockstep(max_wait_s=5.0)
+    on_target = f"in-process:{id(target.engine):x}"  # (its sessions' replica)
     entered: list[int] = []
     draft_phase = lockstep.draft
 
@@ -295,7 +297,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
             if prompt == short and len(deltas) == 2:  # (a drafting round's)
                 short_drafts.set()
             if prompt == long and len(deltas) > 1:  # (it leaves once its first token is out)
-                planned.append(len(costs.sessions))
+                planned.append(len(costs.of(on_target).sessions))
         return deltas
 
     drafting, target_only = await asyncio.gather(one(short), one(long))
@@ -307,7 +309,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     assert target_only[-1].stats.rounds == 24  # a token a round
     assert set(entered) == {len(short)}  # only the drafting session's rounds in the lockstep
     assert max(planned) <= 1  # a session that will not draft is planned no more
-    assert not costs.sessions and not lockstep.active
+    assert not costs.of(on_target).sessions and not lockstep.active
     await target.engine.run(lambda: None)
     await draft.engine.run(lambda: None)
     assert len(target.sessions.store) == 0 and len(draft.sessions.store) == 0
@@ -339,7 +341,7 @@ async def test_on_shared_cores_a_draft_that_would_not_pay_is_asked_again_once_ot
     )
 
     def generation(lockstep):
-        return Generation(request, models, target, draft, CostModel(), Recovery(), lockstep)
+        return Generation(request, models, target, draft, CostModels(), Recovery(), lockstep)
 
     apart = generation(None)
     assert apart.choose_k(4) == 0 and apart.policy is None and apart.drafts is None
@@ -382,7 +384,7 @@ async def test_on_shared_cores_beside_others_a_draft_opens_only_to_join_drafting
     request = GenerationRequest(
         prompt_ids=(1, 2, 3), max_new_tokens=24, num_speculative_tokens=4, adaptive=True
     )
-    costs, lockstep = CostModel(), Lockstep(max_wait_s=5.0)
+    costs, lockstep = CostModels(), Lockstep(max_wait_s=5.0)
     first, second = (
         Generation(request, models, target, draft, costs, Recovery(), lockstep) for _ in range(2)
     )
@@ -395,5 +397,67 @@ async def test_on_shared_cores_beside_others_a_draft_opens_only_to_join_drafting
     second.target_only()
 
     alone = Generation(request, models, target, draft, costs, Recovery(), Lockstep(5.0))
-    assert costs.alone and alone.choose_k(4) == 3 and asked[-1] is False
+    assert alone.costs.alone and alone.choose_k(4) == 3 and asked[-1] is False
     alone.target_only()
+
+
+class TwoReplicas:
+    """The in-process target as two replicas, ``a`` and ``b``: each open goes
+    to the other, and a session on ``a`` is lost at its third verify."""
+
+    def __init__(self, target: InProcessTargetClient) -> None:
+        self.target = target
+        self.opens = 0
+
+    async def info(self, timeout_s: float = 10.0):
+        return await self.target.info(timeout_s)
+
+    async def open(self, tokens, **kwargs):
+        session, reply = await self.target.open(tokens, **kwargs)
+        session.address = "ab"[self.opens % 2]
+        self.opens += 1
+        if session.address == "a":
+            verify, verifies = session.verify, [0]
+
+            async def failing_verify(*args, **kwargs):
+                verifies[0] += 1
+                if verifies[0] == 3:
+                    raise Unavailable("replica a is gone")
+                return await verify(*args, **kwargs)
+
+            session.verify = failing_verify
+        return session, reply
+
+
+async def test_a_session_is_planned_with_the_sessions_on_its_target_replica(
+    clients, tiny_target_dir, monkeypatch
+):
+    """Sessions share steps only with those on their target replica: a
+    session's K is planned in that replica's cost model, and one reopened on
+    another replica moves to its model. What the drafts had accepted is the
+    models', shared by every replica's."""
+    target, draft = clients
+    models = await drafting_models(clients, tiny_target_dir)
+    costs = CostModels()
+    planned_on: list[CostModel] = []
+    choose = AdaptiveK.choose
+
+    def recording(self, limit):
+        planned_on.append(self.costs)
+        assert id(self) in self.costs.sessions
+        return choose(self, limit)
+
+    monkeypatch.setattr(AdaptiveK, "choose", recording)
+    request = GenerationRequest(
+        prompt_ids=(1, 2, 3), max_new_tokens=16, num_speculative_tokens=3, adaptive=True
+    )
+    deltas = [d async for d in generate(request, models, TwoReplicas(target), draft, costs)]
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == reference_greedy(tiny_target_dir, [1, 2, 3], 16, eos=None)
+    on_a, on_b = costs.of("a"), costs.of("b")
+    assert on_a is not on_b and on_a.acceptance is on_b.acceptance is costs.acceptance
+    after_open = [c for c in planned_on if c is not costs.of("")]
+    assert after_open[0] is on_a and after_open[-1] is on_b
+    assert after_open == sorted(after_open, key=lambda c: c is on_b)  # a, then b for good
+    assert on_a.target.steps and on_b.target.steps  # each taught by its replica's answers
+    assert not on_a.sessions and not on_b.sessions
