@@ -8,7 +8,11 @@ With per-token acceptance α and K drafts, a round commits
 
     E(K) = (1 − α^(K+1)) / (1 − α)          (E = K + 1 when α = 1)
 
-tokens (Leviathan et al. 2023); its j-th draft adds α^j of them. Sessions
+tokens (Leviathan et al. 2023); its j-th draft adds α^j of them — in
+general S(j), the chance that it and every draft before it are accepted,
+which for drafts copied from the history (prompt lookup) is measured
+depth by depth: they come in runs, the first often rejected and the
+fourth almost never once the third was (:meth:`Acceptance.survival_of`). Sessions
 share steps: the target verifies every session's round in one forward pass
 of T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R);
 the draft drafts in steps of every session drafting, n_j rows of a token at
@@ -30,18 +34,19 @@ and the goodput of an assignment of K_i to the sessions is
 :class:`CostModel.plan` maximises G over the coordinator's adaptive
 sessions on one target replica (:class:`CostModels`), the others in the
 engines' steps held as the engines last saw them. A session's tokens are
-worth the most in order (α_i ≥ α_i² ≥ …), so the drafts of every session
-are sorted by what each adds, α_i^j, and the best assignment is the best
-prefix of that order: its cost is a sum of increments along it (a token,
-a draft row, or a new draft step), so every prefix is priced in one pass.
-A draft token is drafted while its α_i^j beats what it adds to everyone's
-round. On a GPU c is nearly flat up to a few hundred tokens, so drafting
-is almost free at low load and K shrinks as T grows; on a CPU c is linear
-from the first token, so under load drafting pays only where α is high and
-drafts are cheap — K = 0 when it does not pay at all. A session alone is
-priced exactly as E(K) / (o + K·(d(1) + w_d) + c(K + 1; 1) + w), its own
-best rate. Among assignments of the same goodput (within :data:`TIE`), the
-shortest round wins: every session gets its tokens soonest.
+worth the most in order (S_i(1) ≥ S_i(2) ≥ …), so the drafts of every
+session are sorted by what each adds, S_i(j), and the best assignment is
+the best prefix of that order: its cost is a sum of increments along it (a
+token, a draft row, or a new draft step), so every prefix is priced in one
+pass. A draft token is drafted while its S_i(j) beats what it adds to
+everyone's round. On a GPU c is nearly flat up to a few hundred tokens, so
+drafting is almost free at low load and K shrinks as T grows; on a CPU c
+is linear from the first token, so under load drafting pays only where α
+is high and drafts are cheap — K = 0 when it does not pay at all. A
+session alone is priced exactly as E(K) / (o + K·(d(1) + w_d) + c(K + 1; 1)
++ w), its own best rate. Among assignments of the same goodput (within
+:data:`TIE`), the shortest round wins: every session gets its tokens
+soonest.
 
 Pipelined (docs/design.md#pipelined-rounds), the draft drafts the next
 round — K + 1 steps, its guess of the bonus token first — while the target
@@ -162,7 +167,7 @@ class Plan:
     goodput: float
     """Tokens per second of the whole step (its own sessions and the others)."""
     price: float
-    """What one more draft token would have to add (its α^j) to pay for itself."""
+    """What one more draft token would have to add (its S(j)) to pay for itself."""
     target_only: float
     """The goodput with every one of these sessions at K = 0."""
 
@@ -176,9 +181,10 @@ class Acceptance:
     accepted: float = 0.0
     judged: float = 0.0
     """Accepted drafts, and those plus the rejected ones."""
-    by_evidence: dict[int, list[float]] = field(default_factory=dict)
-    """The same sums, [accepted, judged], by the evidence the drafter had
-    for its drafts before drafting them (prompt lookup: the n of its match)."""
+    by_evidence: dict[int, Depths] = field(default_factory=dict)
+    """The drafts judged and accepted at each depth, by the evidence the
+    drafter had for them before drafting them (prompt lookup: the n of its
+    match)."""
 
     def observe(self, num_drafts: int, num_accepted: int, evidence: int | None = None) -> None:
         """A round accepted ``num_accepted`` of ``num_drafts`` drafted on ``evidence``."""
@@ -186,9 +192,7 @@ class Acceptance:
         self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
         self.judged = DEPLOYMENT_DECAY * self.judged + judged
         if evidence is not None:
-            sums = self.by_evidence.setdefault(evidence, [0.0, 0.0])
-            sums[0] = DEPLOYMENT_DECAY * sums[0] + num_accepted
-            sums[1] = DEPLOYMENT_DECAY * sums[1] + judged
+            self.by_evidence.setdefault(evidence, Depths()).observe(num_drafts, num_accepted)
 
     @property
     def alpha(self) -> float | None:
@@ -196,16 +200,50 @@ class Acceptance:
         return self.accepted / self.judged if self.judged else None
 
     def judged_on(self, evidence: int) -> float:
-        """Judged drafts drafted on ``evidence`` (decayed, as :meth:`alpha_of`'s)."""
-        return self.by_evidence.get(evidence, (0.0, 0.0))[1]
+        """Rounds whose first draft, drafted on ``evidence``, was judged (decayed)."""
+        depths = self.by_evidence.get(evidence)
+        return depths.judged[0] if depths else 0.0
 
-    def alpha_of(self, evidence: int, prior_weight: float) -> float:
-        """Per-token acceptance of the drafts drafted on ``evidence``: every
-        session's recent rounds on it, drawn toward :attr:`alpha` (0.5 before
-        any) by ``prior_weight`` judged drafts."""
-        prior = 0.5 if self.alpha is None else self.alpha
-        accepted, judged = self.by_evidence.get(evidence, (0.0, 0.0))
-        return (accepted + prior_weight * prior) / (judged + prior_weight)
+    def survival_of(self, evidence: int, k: int, prior_weight: float) -> np.ndarray:
+        """The chance that the j-th draft drafted on ``evidence`` and every
+        one before it are accepted, for j = 1 .. ``k``: the product of each
+        depth's acceptance once the drafts before it were, as every
+        session's recent rounds on that evidence had it, each drawn by
+        ``prior_weight`` judged drafts toward the depth's before it — the
+        first toward :attr:`alpha` (0.5 before any). Drafts copied from
+        the history come in runs, the first often rejected and a later one
+        rarely once those before it were: no per-token rate prices both
+        (docs/design.md#adaptive-k)."""
+        depths = self.by_evidence.get(evidence, Depths())
+        conditional = 0.5 if self.alpha is None else self.alpha
+        survival = np.empty(k)
+        for j in range(k):
+            judged = depths.judged[j] if j < len(depths.judged) else 0.0
+            accepted = depths.accepted[j] if j < len(depths.accepted) else 0.0
+            conditional = (accepted + prior_weight * conditional) / (judged + prior_weight)
+            survival[j] = conditional * (survival[j - 1] if j else 1.0)
+        return survival
+
+
+@dataclass
+class Depths:
+    """Drafts on one evidence by depth (decayed sums, by
+    :data:`DEPLOYMENT_DECAY` a round on it): at each depth j (from 0), the
+    rounds that judged their j-th draft — drafted it, and accepted every
+    one before it — and those that accepted it."""
+
+    judged: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A round accepted ``num_accepted`` of its ``num_drafts`` drafts."""
+        missing = num_drafts - len(self.judged)
+        self.judged.extend([0.0] * missing)
+        self.accepted.extend([0.0] * missing)
+        judged = min(num_accepted + 1, num_drafts)  # the accepted, and the first rejected
+        for j in range(len(self.judged)):
+            self.judged[j] = DEPLOYMENT_DECAY * self.judged[j] + (j < judged)
+            self.accepted[j] = DEPLOYMENT_DECAY * self.accepted[j] + (j < num_accepted)
 
 
 @dataclass
@@ -276,7 +314,7 @@ class CostModel:
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
         took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
-        (drafted on ``evidence``, if the drafter has any: :meth:`alpha_of`)."""
+        (drafted on ``evidence``, if the drafter has any: :meth:`Acceptance.survival_of`)."""
         if num_drafts and num_accepted is not None:
             self.acceptance.observe(num_drafts, num_accepted, evidence)
         steps = num_drafts if draft_steps is None else draft_steps
@@ -483,12 +521,12 @@ class CostModel:
             pipelined=any(s.pipeline for s in sessions),
         )
 
-        # Every draft token of every session, best first: (session, depth, α^depth),
-        # and what it adds to the draft: a row in the step at its depth, or a
-        # step of its own where there was none.
+        # Every draft token of every session, best first: (session, depth, what
+        # it adds to the tokens committed), and what it adds to the draft: a
+        # row in the step at its depth, or a step of its own where there was none.
         owner = np.repeat(np.arange(n), k_max)
         depth = np.concatenate([np.arange(1, k + 1) for k in k_max]) if k_max.sum() else owner
-        gain = alphas[owner] ** depth
+        gain = np.concatenate([s.gains(k) for s, k in zip(sessions, k_max, strict=True)])
         order = np.lexsort((owner, depth, -gain))
         # (Less than TIE of a token each: the plan without them is as good.)
         order = order[gain[order] >= TIE]

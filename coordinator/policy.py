@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from coordinator.costs import CostModel
 from outrider.load import WINDOW
 
@@ -111,16 +113,27 @@ class AdaptiveK:
         """Its per-token acceptance: its own rounds', drawn toward what every
         session of the deployment has seen (its drafter's typical α; 0.5
         before any) by one run of its drafts (:data:`PRIOR_TOKENS_MAX`). For
-        drafts on evidence, what every session's drafts on the same evidence
-        had: that says more of the next drafts than the session's past does."""
+        drafts on evidence, the acceptance of the first draft that every
+        session's drafts on the same evidence had: that says more of the
+        next drafts than the session's past does (:meth:`gains`)."""
         if self.evidence is not None:
-            return self.costs.acceptance.alpha_of(self.evidence, PRIOR_TOKENS)
+            return float(self.gains(1)[0])
         prior = self.costs.acceptance.alpha
         prior = 0.5 if prior is None else prior
         weight = PRIOR_TOKENS_MAX if prior >= 1.0 else 1.0 / (1.0 - prior)
         weight = min(max(weight, PRIOR_TOKENS), PRIOR_TOKENS_MAX)
         judged = self.accepted + self.rejected + weight
         return (self.accepted + weight * prior) / judged
+
+    def gains(self, k: int) -> np.ndarray:
+        """What each of its next ``k`` drafts adds to the tokens its round
+        commits: the chance that it and every draft before it are accepted,
+        α^j — or, for drafts on evidence, what every session's drafts on
+        the same evidence had at each depth
+        (:meth:`coordinator.costs.Acceptance.survival_of`)."""
+        if self.evidence is not None:
+            return self.costs.acceptance.survival_of(self.evidence, k, PRIOR_TOKENS)
+        return self.alpha ** np.arange(1, k + 1)
 
     def choose(self, limit: int) -> int:
         """K for the next round, at most ``limit`` (the room left)."""

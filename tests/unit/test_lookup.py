@@ -3,12 +3,13 @@ each session's match offers, and the round loop drafting by it."""
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from coordinator.costs import CostModel
+from coordinator.costs import DEPLOYMENT_DECAY, Acceptance, CostModel, Depths
 from coordinator.lookup import Match, PromptLookup
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.policy import AdaptiveK
@@ -125,6 +126,67 @@ def test_a_session_drafting_on_recorded_evidence_does_not_probe():
     choices = [(recorded.choose(limit=100), unrecorded.choose(limit=100)) for _ in range(64)]
     assert {r for r, _ in choices} == {0}
     assert [i for i, (_, u) in enumerate(choices) if u] == [7, 23, 55]
+
+
+def test_drafts_on_evidence_are_judged_depth_by_depth():
+    """A draft at depth j is judged where every one before it was accepted:
+    a round of 4 drafts that accepted 2 judged the first three."""
+    depths = Depths()
+    depths.observe(num_drafts=4, num_accepted=2)
+    assert depths.judged == [1.0, 1.0, 1.0, 0.0] and depths.accepted == [1.0, 1.0, 0.0, 0.0]
+    depths.observe(num_drafts=2, num_accepted=2)
+    decay = DEPLOYMENT_DECAY
+    assert depths.judged == [decay + 1, decay + 1, decay, 0.0]
+    assert depths.accepted == [decay + 1, decay + 1, 0.0, 0.0]
+
+
+def test_drafts_that_come_in_runs_are_priced_by_depth_not_by_a_per_token_rate():
+    """Of drafts copied from the history, the first is often rejected and
+    the later ones almost never once it was not: here 7 rounds in 10 reject
+    the first of 4, and 3 accept all. S(j) stays near 0.3 to the fourth,
+    and beyond it the last depth's acceptance carries on; a per-token rate
+    (0.63) prices the first at twice that and the fourth at half."""
+    acceptance = Acceptance()
+    for i in range(400):
+        acceptance.observe(num_drafts=4, num_accepted=4 if i % 10 < 3 else 0, evidence=2)
+    survival = acceptance.survival_of(2, 6, prior_weight=8.0)
+    alpha = acceptance.alpha
+    assert alpha == pytest.approx(12 / 19, abs=0.02)
+    assert survival[0] == pytest.approx(0.3, abs=0.03) and alpha > 1.9 * survival[0]
+    assert survival[-1] > 0.8 * survival[0] and alpha**4 < 0.6 * survival[3]
+    assert np.all(np.diff(survival) <= 0)
+    # Nothing drafted on it yet: the deployment's per-token rate, depth by depth.
+    assert acceptance.survival_of(1, 2, prior_weight=8.0) == pytest.approx([alpha, alpha**2])
+    assert acceptance.judged_on(2) > 90 and acceptance.judged_on(1) == 0
+
+
+def test_the_plan_of_a_session_drafting_runs_follows_its_depths():
+    """A session alone whose match's drafts come in runs (every other round
+    accepts all 8, the others none): each K's goodput is
+    (1 + Σ S(j)) / c(K + 1), and the plan drafts all 8 — the best of them
+    — where a per-token rate (0.89) would stop at 5."""
+    costs = CostModel(decay=0.0, planning_share=math.inf)
+    counts = [float(1 << i) for i in range(11)]
+    costs.target = EngineLoad(tuple((1.0, t, 0.02 + 0.008 * t) for t in counts), 1.0, 1.0, 1)
+    for i in range(400):
+        costs.observe(
+            num_drafts=8,
+            num_accepted=8 if i % 2 else 0,
+            evidence=2,
+            draft_s=0.0,
+            overhead_s=0.0,
+            drafted=False,
+        )
+    policy = AdaptiveK(8, costs)
+    policy.k_last = 0
+    policy.offer(2, 8)
+
+    def best(gains):
+        step = costs.target.step_costs(np.arange(1.0, 10.0), 1.0)
+        return int(np.argmax([(1 + gains[:k].sum()) / step[k] for k in range(9)]))
+
+    assert best(costs.acceptance.alpha ** np.arange(1, 9)) == 5
+    assert best(policy.gains(8)) == 8 and policy.choose(limit=100) == 8
 
 
 @pytest.fixture
