@@ -31,8 +31,9 @@ HumanEval's code prompts included. A row's ``category`` names its category,
 else the file's stem does (``HumanEval_prompts.jsonl`` → ``humaneval``).
 
 Configurations run interleaved — for each prompt, every configuration in
-turn, the order rotated from prompt to prompt — so that machine noise hits
-all alike; one untimed warm-up request per configuration comes first. With
+turn, the order rotated or reversed from prompt to prompt — so that
+machine noise hits all alike; one untimed warm-up request per
+configuration comes first. With
 ``--repeat R`` each prompt goes round R times, and each configuration's
 request of median wall time on it is the one reported.
 tokens/s = generated tokens ÷ wall time of the requests (client-side for

@@ -106,11 +106,11 @@ def add_bench_parser(commands) -> None:
     bench.add_argument(
         "--repeat", type=int, default=1, metavar="R",
         help="run every configuration R times on each prompt (with --concurrency: R batches at "
-        "each N), the order rotated each time, and report the median: of each prompt, the "
-        "request of median wall time; with --concurrency, the batch of median tokens/s, and "
-        "the median ratio to outrider-k0's batch of the same rotation. Every output is "
-        "checked; ratios between configurations then hold against the machine's drift "
-        "(default: 1)",
+        "each N), the order rotated or reversed each time, and report the median: of each "
+        "prompt, the request of median wall time; with --concurrency, the batch of median "
+        "tokens/s, and the median ratio to outrider-k0's batch of the same rotation. Every "
+        "output is checked; ratios between configurations then hold against the machine's "
+        "drift (default: 1)",
     )  # fmt: skip
     bench.add_argument(
         "--coordinators", type=int, default=1, metavar="N",

@@ -21,10 +21,14 @@ C = TypeVar("C", bound=_Named)
 
 
 def interleaved_order(configs: Sequence[C], index: int) -> list[C]:
-    """Every configuration once, the starting one rotated by ``index`` (the
-    prompt's, or the concurrency's)."""
-    shift = index % len(configs) if configs else 0
-    return [*configs[shift:], *configs[:shift]]
+    """Every configuration once, for the ``index``-th turn: the starting one
+    rotated every other turn, and the order reversed on the turns between —
+    so that no configuration always runs at the same place in a turn, nor
+    always after the same one (what a batch leaves behind, in the caches
+    or a worker's memory, falls on the next)."""
+    shift = (index // 2) % len(configs) if configs else 0
+    order = [*configs[shift:], *configs[:shift]]
+    return order[::-1] if index % 2 else order
 
 
 def run_interleaved(
@@ -36,8 +40,9 @@ def run_interleaved(
     progress: bool = True,
 ) -> dict[str, list[Measurement]]:
     """For each prompt, every configuration in turn, ``repeat`` times (the
-    order rotated each time); the results by configuration, in prompt order,
-    each the median of its ``repeat`` requests."""
+    order rotated or reversed each time: :func:`interleaved_order`); the
+    results by configuration, in prompt order, each the median of its
+    ``repeat`` requests."""
     from tqdm import tqdm
 
     results: dict[str, list[Measurement]] = {c.name: [] for c in configs}

@@ -332,7 +332,9 @@ def test_no_bound_without_time_split():
     assert analytic_bound(aggregate([m(10, 1.0, 10)]), k0) is None
 
 
-def test_interleaved_order_rotates():
+def test_interleaved_order_rotates_and_reverses():
     configs = [Config(n, "hf", lambda p, k: None) for n in "abc"]
     assert [c.name for c in interleaved_order(configs, 0)] == ["a", "b", "c"]
-    assert [c.name for c in interleaved_order(configs, 4)] == ["b", "c", "a"]
+    assert [c.name for c in interleaved_order(configs, 1)] == ["c", "b", "a"]
+    assert [c.name for c in interleaved_order(configs, 4)] == ["c", "a", "b"]
+    assert [c.name for c in interleaved_order(configs, 5)] == ["b", "a", "c"]

@@ -3,8 +3,8 @@
 For each concurrency N of the list (1 always runs: it is the reference for
 the outputs and for the speedup) and each configuration in turn — the order
 rotated from N to N, after one untimed warm-up request per configuration —
-one *batch* (``--repeat R``: R of them, the order rotated each time, and the
-one of median tokens/s reported, with the range of all R):
+one *batch* (``--repeat R``: R of them, the order rotated or reversed each
+time, and the one of median tokens/s reported, with the range of all R):
 
 * **Requests.** With P prompts a batch sends max(N, P) requests; request j
   asks prompt j mod P, so every prompt is asked at least once and, with more

@@ -26,7 +26,7 @@ def run_concurrency(
     progress: bool = True,
 ) -> tuple[list[LoadConfig], dict[str, dict[int, Batch]], dict[str, str]]:
     """For each concurrency N, every configuration in turn (the order rotated
-    from N to N), ``repeat`` times (rotated again each time): each
+    from N to N), ``repeat`` times (rotated or reversed each time): each
     configuration's batch at N is the median of its ``repeat``, so that a few
     seconds of a slower machine weigh on no one configuration's figure.
 
