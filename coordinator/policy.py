@@ -1,7 +1,6 @@
 """Adaptive K: how many tokens each session drafts next round — its K in the
 plan of the cost model of the target replica it runs on
-(:mod:`coordinator.costs`), within
-the target's CUDA graphs.
+(:mod:`coordinator.costs`), within the target's CUDA graphs.
 
 While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
 session drafts one token to look again, and after each look that changed
@@ -161,8 +160,8 @@ class AdaptiveK:
     def alpha_known(self) -> bool:
         """Whether its α is known without looking: its drafts rest on
         evidence (:meth:`offer`) that the deployment's drafts have been
-        judged on, :data:`PRIOR_TOKENS` of them at least — every session's
-        drafting rounds keep that record, where a probe would add a token."""
+        judged on, in :data:`PRIOR_TOKENS` rounds at least — every session's
+        drafting rounds keep that record, where a probe would add one."""
         if self.evidence is None:
             return False
         return self.costs.acceptance.judged_on(self.evidence) >= PRIOR_TOKENS
