@@ -10,16 +10,16 @@ With per-token acceptance α and K drafts, a round commits
 
 tokens (Leviathan et al. 2023); its j-th draft adds α^j of them — in
 general S(j), the chance that it and every draft before it are accepted,
-which for drafts copied from the history (prompt lookup) is measured
-depth by depth: they come in runs, the first often rejected and the
-fourth almost never once the third was (:meth:`Acceptance.survival_of`). Sessions
+which for drafts copied from the history (prompt lookup) is measured depth
+by depth: they come in runs, the first often rejected and the fourth
+almost never once the third was (:mod:`coordinator.acceptance`). Sessions
 share steps: the target verifies every session's round in one forward pass
 of T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R);
-the draft drafts in steps of every session drafting, n_j rows of a token at
-the j-th draft of a round, each costing d(n_j). Both costs are measured by
-the engines themselves, by rows and tokens, and reported with every answer
-(``outrider.load``), each with the engine's own work between its forward
-passes (answering, starting and scheduling calls), w a row for the
+the draft drafts in steps of every session drafting, n_j rows of a token
+at the j-th draft of a round, each costing d(n_j). Both costs are measured
+by the engines themselves, by rows and tokens, and reported with every
+answer (``outrider.load``), each with the engine's own work between its
+forward passes (answering, starting and scheduling calls), w a row for the
 target and w_d for the draft, which every row of a step waits for: w·R of
 a target step, whatever the K in it, is most of a round where a step is a
 few milliseconds of GPU time and tens of rows. The coordinator adds its
@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from coordinator.acceptance import Acceptance
 from outrider.load import DECODE_TOKENS_PER_ROW, WINDOW, EngineLoad
 from outrider.logging import get_logger
 
@@ -98,9 +99,6 @@ steps — none for a session alone, whose plan met its rounds: where
 drafting gains a few percent, the prefill of a draft that gains nothing
 is a loss, and sessions that draft slow those beside them that do not
 (docs/design.md#adaptive-k)."""
-DEPLOYMENT_DECAY = 0.99
-"""Weight of older rounds in the deployment's acceptance (per round of
-any session): it is every session's prior, so it forgets slowly."""
 
 
 def expected_tokens(alpha: float, k: float) -> float:
@@ -173,80 +171,6 @@ class Plan:
 
 
 @dataclass
-class Acceptance:
-    """What every session's drafting rounds had accepted (decayed sums, by
-    :data:`DEPLOYMENT_DECAY` a round): a property of the draft and target
-    models, the same on every replica."""
-
-    accepted: float = 0.0
-    judged: float = 0.0
-    """Accepted drafts, and those plus the rejected ones."""
-    by_evidence: dict[int, Depths] = field(default_factory=dict)
-    """The drafts judged and accepted at each depth, by the evidence the
-    drafter had for them before drafting them (prompt lookup: the n of its
-    match)."""
-
-    def observe(self, num_drafts: int, num_accepted: int, evidence: int | None = None) -> None:
-        """A round accepted ``num_accepted`` of ``num_drafts`` drafted on ``evidence``."""
-        judged = num_accepted + (num_accepted < num_drafts)
-        self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
-        self.judged = DEPLOYMENT_DECAY * self.judged + judged
-        if evidence is not None:
-            self.by_evidence.setdefault(evidence, Depths()).observe(num_drafts, num_accepted)
-
-    @property
-    def alpha(self) -> float | None:
-        """Per-token acceptance over every session's recent drafting rounds."""
-        return self.accepted / self.judged if self.judged else None
-
-    def judged_on(self, evidence: int) -> float:
-        """Rounds whose first draft, drafted on ``evidence``, was judged (decayed)."""
-        depths = self.by_evidence.get(evidence)
-        return depths.judged[0] if depths else 0.0
-
-    def survival_of(self, evidence: int, k: int, prior_weight: float) -> np.ndarray:
-        """The chance that the j-th draft drafted on ``evidence`` and every
-        one before it are accepted, for j = 1 .. ``k``: the product of each
-        depth's acceptance once the drafts before it were, as every
-        session's recent rounds on that evidence had it, each drawn by
-        ``prior_weight`` judged drafts toward the depth's before it — the
-        first toward :attr:`alpha` (0.5 before any). Drafts copied from
-        the history come in runs, the first often rejected and a later one
-        rarely once those before it were: no per-token rate prices both
-        (docs/design.md#adaptive-k)."""
-        depths = self.by_evidence.get(evidence, Depths())
-        conditional = 0.5 if self.alpha is None else self.alpha
-        survival = np.empty(k)
-        for j in range(k):
-            judged = depths.judged[j] if j < len(depths.judged) else 0.0
-            accepted = depths.accepted[j] if j < len(depths.accepted) else 0.0
-            conditional = (accepted + prior_weight * conditional) / (judged + prior_weight)
-            survival[j] = conditional * (survival[j - 1] if j else 1.0)
-        return survival
-
-
-@dataclass
-class Depths:
-    """Drafts on one evidence by depth (decayed sums, by
-    :data:`DEPLOYMENT_DECAY` a round on it): at each depth j (from 0), the
-    rounds that judged their j-th draft — drafted it, and accepted every
-    one before it — and those that accepted it."""
-
-    judged: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """A round accepted ``num_accepted`` of its ``num_drafts`` drafts."""
-        missing = num_drafts - len(self.judged)
-        self.judged.extend([0.0] * missing)
-        self.accepted.extend([0.0] * missing)
-        judged = min(num_accepted + 1, num_drafts)  # the accepted, and the first rejected
-        for j in range(len(self.judged)):
-            self.judged[j] = DEPLOYMENT_DECAY * self.judged[j] + (j < judged)
-            self.accepted[j] = DEPLOYMENT_DECAY * self.accepted[j] + (j < num_accepted)
-
-
-@dataclass
 class CostModel:
     """What rounds cost and what they commit, shared by a coordinator's
     sessions on one target replica: the engines' step curves and load as
@@ -314,7 +238,7 @@ class CostModel:
     ) -> None:
         """One round: ``draft_steps`` (default ``num_drafts``) draft steps
         took ``draft_s``; the target accepted ``num_accepted`` of ``num_drafts``
-        (drafted on ``evidence``, if the drafter has any: :meth:`Acceptance.survival_of`)."""
+        (drafted on ``evidence``, if the drafter has any: :meth:`Acceptance.observe`)."""
         if num_drafts and num_accepted is not None:
             self.acceptance.observe(num_drafts, num_accepted, evidence)
         steps = num_drafts if draft_steps is None else draft_steps
@@ -654,7 +578,7 @@ class CostModels:
     """A coordinator's cost models, one for each target replica its sessions
     run on: sessions share steps only with those on the same engine, and
     each engine reports its own costs and load. What the drafts had
-    accepted is shared (:class:`Acceptance`). The draft's costs are those
+    accepted is shared (:class:`coordinator.acceptance.Acceptance`). The draft's costs are those
     of whichever draft replica answered a model's sessions last."""
 
     def __init__(self, planning_share: float = PLANNING_SHARE) -> None:

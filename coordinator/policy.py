@@ -129,7 +129,7 @@ class AdaptiveK:
         commits: the chance that it and every draft before it are accepted,
         α^j — or, for drafts on evidence, what every session's drafts on
         the same evidence had at each depth
-        (:meth:`coordinator.costs.Acceptance.survival_of`)."""
+        (:meth:`coordinator.acceptance.Acceptance.survival_of`)."""
         if self.evidence is not None:
             return self.costs.acceptance.survival_of(self.evidence, k, PRIOR_TOKENS)
         return self.alpha ** np.arange(1, k + 1)

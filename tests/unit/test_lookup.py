@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from coordinator.costs import DEPLOYMENT_DECAY, Acceptance, CostModel, Depths
+from coordinator.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
+from coordinator.costs import CostModel
 from coordinator.lookup import Match, PromptLookup
 from coordinator.loop import GenerationRequest, Models, generate
 from coordinator.policy import AdaptiveK
