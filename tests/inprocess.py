@@ -23,6 +23,8 @@ class InProcessTargetClient:
     def __init__(self, sessions: TargetSessions, engine: Engine | InlineEngine) -> None:
         self.sessions = sessions
         self.engine = engine
+        self.address = f"in-process:{id(engine):x}"
+        """Its sessions' replica, as a worker's address names it."""
 
     async def info(self, timeout_s: float = 10.0) -> WorkerInfo:
         i = self.sessions.info
@@ -51,7 +53,7 @@ class _InProcessTargetSession:
     def __init__(self, client: InProcessTargetClient, session_id: str) -> None:
         self.client = client
         self.session_id = session_id
-        self.address = f"in-process:{id(client.engine):x}"
+        self.address = client.address
 
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None

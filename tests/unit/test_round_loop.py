@@ -273,7 +273,7 @@ async def test_a_session_whose_draft_would_not_pay_runs_target_only_outside_the_
     # costs these workers happen to show, could be 0 in a first round).
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, limit: min(self.k_max, limit))
     costs, lockstep = CostModels(), Lockstep(max_wait_s=5.0)
-    on_target = f"in-process:{id(target.engine):x}"  # (its sessions' replica)
+    on_target = target.address  # (its sessions' replica)
     entered: list[int] = []
     draft_phase = lockstep.draft
 
