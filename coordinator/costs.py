@@ -88,6 +88,9 @@ PLANNING_SHARE = 0.1
 again only once this share of the time since the last has passed its
 computing. A plan of tens of sessions takes about as long as a GPU step
 of a small target, on the core that runs every session's rounds."""
+MAX_IDLE_MODELS = 16
+"""Cost models of target replicas with no adaptive session kept, the most
+recently used (:class:`CostModels`)."""
 PLAN_ERROR = 0.1
 """How far a plan's goodput may be off what its rounds then make, with
 many sessions beside the one deciding: the engines' step times drift by
@@ -578,12 +581,21 @@ class CostModels:
     """A coordinator's cost models, one for each target replica its sessions
     run on: sessions share steps only with those on the same engine, and
     each engine reports its own costs and load. What the drafts had
-    accepted is shared (:class:`coordinator.acceptance.Acceptance`). The draft's costs are those
-    of whichever draft replica answered a model's sessions last."""
+    accepted is shared (:class:`coordinator.acceptance.Acceptance`). The
+    draft's costs are those of whichever draft replica answered a model's
+    sessions last.
 
-    def __init__(self, planning_share: float = PLANNING_SHARE) -> None:
+    Replicas come and go (under Kubernetes each new pod has a new address):
+    past ``max_idle`` models that no adaptive session is planned with, the
+    least recently used is forgotten. A replica whose model was forgotten
+    measures its costs again, as a new one does."""
+
+    def __init__(
+        self, planning_share: float = PLANNING_SHARE, max_idle: int = MAX_IDLE_MODELS
+    ) -> None:
         self.acceptance = Acceptance()
         self.planning_share = planning_share
+        self.max_idle = max_idle
         self._by_replica: dict[str, CostModel] = {}
         """Target replica's address → its model, the last one used last."""
 
@@ -593,7 +605,15 @@ class CostModels:
         if costs is None:
             costs = CostModel(planning_share=self.planning_share, acceptance=self.acceptance)
         self._by_replica[replica] = costs
+        self._forget_idle()
         return costs
+
+    def _forget_idle(self) -> None:
+        """Forgets the least recently used models no session is planned
+        with, past ``max_idle`` of them."""
+        idle = [replica for replica, costs in self._by_replica.items() if not costs.sessions]
+        for replica in idle[: max(0, len(idle) - self.max_idle)]:
+            del self._by_replica[replica]
 
     def likeliest(self) -> CostModel:
         """The model of a session yet to open: that of the replica with the

@@ -505,3 +505,18 @@ def test_a_session_yet_to_open_is_planned_with_the_busiest_replica():
     waiting[1].close()
     assert costs.likeliest() is costs.of("b") and not busy.sessions
     assert busy.acceptance is costs.of("b").acceptance
+
+
+def test_models_of_replicas_gone_idle_are_forgotten_least_recently_used_first():
+    """Pods come and go with new addresses: past ``max_idle`` models with no
+    session planned, the least recently used is forgotten; a model a session
+    is planned with never is, however long unused."""
+    costs = CostModels(planning_share=math.inf, max_idle=2)
+    planned = AdaptiveK(4, costs.of("pinned"))
+    first = costs.of("pod-0")
+    for pod in range(1, 6):
+        costs.of(f"pod-{pod}")
+    assert planned.costs is costs.of("pinned")
+    assert costs.of("pod-0") is not first  # forgotten: measured again
+    assert list(costs._by_replica) == ["pod-5", "pinned", "pod-0"]
+    planned.close()
