@@ -33,6 +33,7 @@ from coordinator.stats import RoundRecord, Stats
 from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.detokenize import Decoder, TextStream
+from outrider.load import EngineLoad
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
@@ -224,9 +225,7 @@ class Generation:
             reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
-        self.placed()
-        if reply.load is not None:
-            self.costs.target = reply.load
+        self.placed(reply.load)
         self.costs.observe_prefill(len(self.history), reply.compute_s)
         verdict = Verdict(num_accepted=0, next_token=reply.value)
         delta = self.commit(None, verdict)
@@ -243,13 +242,17 @@ class Generation:
         self.look_up()
         return delta
 
-    def placed(self) -> None:
-        """Takes the cost model of the target replica the session runs on,
-        after an open: the session is planned with the sessions there."""
+    def placed(self, load: EngineLoad | None) -> None:
+        """After the target's answer: takes the cost model of the target
+        replica the session runs on (reopened, maybe on another), where it
+        is planned with the sessions there, and the ``load`` that replica
+        reported with its answer, if any."""
         assert self.target.session is not None  # (open)
         self.costs = self.cost_models.of(self.target.session.address)
         if self.policy is not None:
             self.policy.move(self.costs)
+        if load is not None:
+            self.costs.target = load
 
     def verifying(self) -> AbstractAsyncContextManager[float]:
         """The session's verify phase in the lockstep, if it is in one;
@@ -389,9 +392,7 @@ class Generation:
                 self.history, drafts, self.recovery.verify_deadline_s(expected_s)
             )
         record.verify_s, record.queued_s = reply.compute_s, reply.queued_s
-        self.placed()  # (reopened, maybe on another replica)
-        if reply.load is not None:
-            self.costs.target = reply.load
+        self.placed(reply.load)
         self.stats.verify_time_s += record.reopen_s
         return reply.value
 
