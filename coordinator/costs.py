@@ -601,16 +601,18 @@ class CostModels:
 
     def of(self, replica: str) -> CostModel:
         """The model of the sessions on the target replica at ``replica``."""
-        costs = self._by_replica.pop(replica, None)
-        if costs is None:
-            costs = CostModel(planning_share=self.planning_share, acceptance=self.acceptance)
+        if (costs := self._by_replica.pop(replica, None)) is not None:
+            self._by_replica[replica] = costs  # (the last used, last)
+            return costs
+        costs = CostModel(planning_share=self.planning_share, acceptance=self.acceptance)
         self._by_replica[replica] = costs
         self._forget_idle()
         return costs
 
     def _forget_idle(self) -> None:
         """Forgets the least recently used models no session is planned
-        with, past ``max_idle`` of them."""
+        with, past ``max_idle`` of them: once a model is added, the only
+        time the map grows — not at every round's lookup."""
         idle = [replica for replica, costs in self._by_replica.items() if not costs.sessions]
         for replica in idle[: max(0, len(idle) - self.max_idle)]:
             del self._by_replica[replica]
