@@ -1,15 +1,19 @@
 """Pipeline efficiency by simulation: draft and target share two cores
 here, so their forward passes are paced to fixed costs instead (target
-20 ms a verify, draft 4 ms a token, K = 4, a draft identical to the target):
-pipelined rounds must run at least 1.6× as fast as synchronous ones, and
-within 10% of the analytic bound (docs/design.md#cost-model),
+40 ms a verify, draft 8 ms a token, K = 4, a draft identical to the target):
+pipelined rounds must run within 10% of the analytic bound
+(docs/design.md#cost-model),
 
     T_hit = t_rpc + max(t_verify, (K + 1)·t_draft)     E = K + 1
 
 whose costs are measured apart from the pipelined runs (t_verify and t_rpc
-in target-only rounds, t_draft in synchronous ones). Synchronous and
-pipelined runs alternate, three each, and the medians are compared, so a
-noisy moment of the machine weighs on both."""
+in target-only rounds, t_draft in synchronous ones), and make at least
+three quarters of the gain over synchronous rounds that the bound
+promises. Both are ratios of one run: a slower machine, whose own work
+around the paced passes is larger, lowers the bound and the synchronous
+rate with it. Synchronous and pipelined runs alternate, three each, and
+the medians are compared, so a noisy moment of the machine weighs on
+both."""
 
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from outrider.client import AsyncClient
 from tests.integration.harness import running_stack
 
 K = 4
-TARGET_STEP_S = 0.020
-DRAFT_STEP_S = 0.004
+TARGET_STEP_S = 0.040
+DRAFT_STEP_S = 0.008
 MAX_NEW = 120
 NO_EOS = -1
 
@@ -65,12 +69,13 @@ async def test_pipelined_rounds_reach_the_bound_with_paced_workers(
     pipelined_tps = statistics.median(steady_tokens_per_s(p) for p in pipelined)
     sync_tps = statistics.median(steady_tokens_per_s(s) for s in sync)
     speedup, achieved = pipelined_tps / sync_tps, pipelined_tps / bound
+    gain = (pipelined_tps - sync_tps) / (bound - sync_tps)
     print(
         f"\npipelined {pipelined_tps:.1f} tok/s, synchronous {sync_tps:.1f}: {speedup:.2f}x; "
         f"bound {bound:.1f} tok/s (t_verify {1000 * t_verify:.2f} ms, "
         f"t_draft {1000 * t_draft:.2f} ms, t_rpc {1000 * t_rpc:.2f} ms): "
-        f"achieved/bound {achieved:.3f}; critical-path overhead p50 "
+        f"achieved/bound {achieved:.3f}, of its gain {gain:.2f}; critical-path overhead p50 "
         f"{1000 * statistics.median(p.critical_path_overhead_s_p50 for p in pipelined):.2f} ms"
     )
-    assert speedup >= 1.6
     assert achieved >= 0.9
+    assert gain >= 0.75
