@@ -97,11 +97,21 @@ def add_bench_parser(commands) -> None:
     bench.add_argument(
         "--concurrency", metavar="LIST",
         help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always "
-        "runs), N streams at once, max(N, prompts) requests, stream s sending requests s, s+N, ... "
+        "runs, as the reference for outputs and speedup: one batch, unless listed, then --repeat "
+        "like the others), N streams at once, max(N, prompts) requests, stream s sending requests "
+        "s, s+N, ... "
         "in turn. Reports per configuration and N total tokens/s, speedup over N=1, TTFT and "
         "inter-token latency p50/p99 (per chunk: Outrider streams a chunk per round; and per "
         "token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
         "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--configs", metavar="GLOBS",
+        help="run only the configurations whose names match one of these comma-separated "
+        "shell-style globs (e.g. 'outrider-*-adaptive'), and the references hf-generate (unless "
+        "--no-hf) and outrider-k0 (default: all); with --concurrency 8 --repeat R, a check of "
+        "one configuration against outrider-k0 in pairs of batches, the order alternating "
+        "(ABBA)",
     )  # fmt: skip
     bench.add_argument(
         "--repeat", type=int, default=1, metavar="R",

@@ -21,14 +21,14 @@ from outrider.bench.concurrency.render import render as concurrency_render
 from outrider.bench.concurrency.report import build_report as build_concurrency_report
 from outrider.bench.concurrency.run import run_concurrency
 from outrider.bench.concurrency.services import Replicas, outrider_load_configs
-from outrider.bench.configs import Drafter, parse_drafter, parse_k_list
+from outrider.bench.configs import Drafter, parse_config_globs, parse_drafter, parse_k_list
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import HuggingFace
 from outrider.bench.plot import plot, pyplot
 from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompts, prompt_file
 from outrider.bench.render import render
 from outrider.bench.report import build_report
-from outrider.bench.runner import run_interleaved, warm_up, without_ignored_options
+from outrider.bench.runner import run_interleaved, selected, warm_up, without_ignored_options
 
 DEFAULT_DRAFTERS = ("prompt-lookup", "int4")
 
@@ -50,6 +50,12 @@ class BenchOptions:
     ignore_eos: bool = False
     concurrency: tuple[int, ...] = ()
     """Empty: the sequential bench; else the concurrency levels (1 among them)."""
+    reference_once: bool = False
+    """N = 1 runs once, whatever ``repeat``: it was not listed, and runs only as
+    the reference for outputs and speedup."""
+    configs: tuple[str, ...] = ()
+    """Globs of configuration names to run besides the references
+    (``hf-generate``, ``outrider-k0``); empty: every configuration."""
     coordinators: int = 1
     repeat: int = 1
     """Batches of each configuration at each concurrency; the median is reported."""
@@ -165,6 +171,7 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.ks)
         configs = [generate, *configs, *assisted]
+    configs = selected(configs, options.configs)
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
     configs = without_ignored_options(configs, warm)
     results = run_interleaved(
@@ -186,11 +193,12 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
     configs, batches, not_run = run_concurrency(
-        configs,
+        selected(configs, options.configs),
         prompts,
         options.concurrency,
         options.max_new_tokens,
         repeat=options.repeat,
+        once=(1,) if options.reference_once else (),
         progress=options.progress,
     )
     return build_concurrency_report(configs, prompts, batches, not_run, meta)
@@ -234,8 +242,9 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
 
 
 def parse_concurrency_list(raw: str) -> list[int]:
-    """``1,8,32,64`` → [1, 8, 32, 64]; 1 is always among them (the reference
-    for outputs and speedup)."""
+    """``64,8,32`` → [8, 32, 64]: the levels listed, sorted (the run adds
+    N = 1, the reference for outputs and speedup, where it is not among
+    them)."""
     try:
         levels = {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
@@ -246,7 +255,7 @@ def parse_concurrency_list(raw: str) -> list[int]:
         raise ValueError(
             f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1"
         )
-    return sorted(levels | {1})
+    return sorted(levels)
 
 
 def options_from_args(args: Any) -> BenchOptions:
@@ -273,6 +282,7 @@ def options_from_args(args: Any) -> BenchOptions:
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
         parse_drafter(d, target_model=None)
+    levels = parse_concurrency_list(args.concurrency) if args.concurrency else []
     return BenchOptions(
         prompt_files=files,
         limit=args.limit,
@@ -286,7 +296,9 @@ def options_from_args(args: Any) -> BenchOptions:
         dtype=args.dtype,
         device=args.device,
         ignore_eos=args.ignore_eos,
-        concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
+        concurrency=tuple(sorted({1, *levels})) if levels else (),
+        reference_once=bool(levels) and 1 not in levels,
+        configs=parse_config_globs(args.configs) if args.configs else (),
         coordinators=args.coordinators,
         repeat=args.repeat,
         threads=args.threads or os.cpu_count() or 1,

@@ -116,3 +116,15 @@ def parse_k_list(raw: str) -> list[int]:
             f"--k {raw!r}: give one or more K of at least 1 (K=0 always runs as outrider-k0)"
         )
     return ks
+
+
+def parse_config_globs(raw: str) -> tuple[str, ...]:
+    """``--configs``: comma-separated names or shell-style globs
+    (``outrider-*-adaptive``)."""
+    globs = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not globs:
+        raise ValueError(
+            f"--configs {raw!r}: give configuration names or globs, "
+            "comma-separated, e.g. 'outrider-*-adaptive'"
+        )
+    return globs

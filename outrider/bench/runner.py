@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from outrider.bench.configs import Config
+from outrider.bench.configs import BASELINE, TARGET_ONLY, Config
 from outrider.bench.measurements import Measurement, median_measurement
 from outrider.bench.prompts import Prompt
 
@@ -98,6 +99,28 @@ def failure_detail(exc: BaseException) -> str:
 IGNORED_BECAUSE = {"adaptive": "K was fixed", "pipeline": "the rounds were not pipelined"}
 """The options a configuration may ask for and a coordinator may ignore, and
 what its statistics then say."""
+
+
+def selected(configs: Sequence[C], globs: Sequence[str]) -> list[C]:
+    """The configurations whose names match one of ``globs`` (shell-style, as
+    ``--configs`` gives them), and the references whatever they say:
+    ``hf-generate`` and ``outrider-k0``, against which the others' outputs
+    and ratios are taken. No globs: all of them. A glob that matches no
+    configuration is an error that lists those there are."""
+    if not globs:
+        return list(configs)
+    names = [c.name for c in configs]
+    for glob in globs:
+        if not fnmatch.filter(names, glob):
+            raise ValueError(
+                f"--configs {glob!r} matches no configuration of this run; "
+                f"it has {', '.join(names)}"
+            )
+    return [
+        c
+        for c in configs
+        if c.name in (BASELINE, TARGET_ONLY) or any(fnmatch.fnmatchcase(c.name, g) for g in globs)
+    ]
 
 
 def without_ignored_options(configs: Sequence[C], warm: Mapping[str, Any]) -> list[C]:

@@ -118,3 +118,37 @@ def test_bench_concurrency_runs_every_configuration_at_every_concurrency(
     assert report["mismatches"] == []
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "per configuration and concurrency" in out.stdout and "MISMATCH" not in out.stdout
+
+
+def test_bench_configs_checks_one_configuration_against_target_only_in_pairs(
+    tiny_target_dir: Path, tmp_path: Path
+):
+    """`--configs` with `--repeat 2` at `--concurrency 2`: only the configuration
+    named and `outrider-k0` run; N = 1, not listed, runs one batch each, as the
+    reference; N = 2 runs two, and the report pairs them."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "One two three, one two three, one two"}) + "\n")
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "outrider", "bench",
+            "--prompts", str(prompts), "--target-model", str(tiny_target_dir), "--dtype", "float64",
+            "--max-new-tokens", "8", "--drafters", "prompt-lookup", "--no-hf", "--threads", "1",
+            "--concurrency", "2", "--configs", "outrider-*-adaptive", "--repeat", "2",
+            "--ignore-eos", "--device", "cpu", "--json", str(tmp_path / "bench.json"),
+            "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [c["name"] for c in report["configs"]] == [
+        "outrider-k0",
+        "outrider-prompt-lookup-adaptive",
+    ]
+    for config in report["configs"]:
+        one, two = config["runs"]
+        assert (one["concurrency"], two["concurrency"]) == (1, 2)
+        assert "tokens_per_s_repeats" not in one and len(two["tokens_per_s_repeats"]) == 2
+    assert report["configs"][1]["runs"][1]["vs_target_only_paired"] > 0
+    assert report["mismatches"] == []

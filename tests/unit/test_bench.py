@@ -21,7 +21,7 @@ from outrider.bench.plot import plot
 from outrider.bench.prompts import PROMPT_SETS, Prompt, category_of_file, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import REQUIRED_CONFIG_KEYS, build_report
-from outrider.bench.runner import run_interleaved, without_ignored_options
+from outrider.bench.runner import run_interleaved, selected, without_ignored_options
 from tests.bench_numbers import approx4, m, stats
 
 # --- prompts -----------------------------------------------------------------------
@@ -203,6 +203,39 @@ def test_a_pipelined_configuration_whose_coordinator_did_not_pipeline_is_left_ou
     )
 
 
+def test_configs_select_by_glob_and_always_keep_the_references():
+    names = [
+        "hf-generate", "outrider-k0", "outrider-int4-k4", "outrider-int4-adaptive",
+        "outrider-prompt-lookup-k4", "outrider-prompt-lookup-adaptive", "hf-assisted-int4-k4",
+    ]  # fmt: skip
+    configs = [Config(name, "outrider", None) for name in names]
+    assert selected(configs, ()) == configs
+
+    def chosen(*globs):
+        return [c.name for c in selected(configs, globs)]
+
+    assert chosen("outrider-*-adaptive") == [
+        "hf-generate", "outrider-k0", "outrider-int4-adaptive", "outrider-prompt-lookup-adaptive"
+    ]  # fmt: skip
+    assert chosen("outrider-int4-k4", "hf-assisted-*") == [
+        "hf-generate", "outrider-k0", "outrider-int4-k4", "hf-assisted-int4-k4"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--configs 'outrider-bf16-\*' matches no configuration"):
+        chosen("outrider-int4-k4", "outrider-bf16-*")
+
+
+def test_configs_flag_parses_to_globs(tmp_path, capsys):
+    from outrider.cli import build_parser, main
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    args = build_parser().parse_args(
+        ["bench", "--prompts", str(prompts), "--configs", " outrider-*-adaptive, outrider-int4-k8"]
+    )
+    assert options_from_args(args).configs == ("outrider-*-adaptive", "outrider-int4-k8")
+    assert main(["bench", "--prompts", str(prompts), "--configs", " , "]) == 1
+    assert "--configs ' , ': give configuration names or globs" in capsys.readouterr().err
+
+
 def test_bench_has_help_naming_every_flag():
     out = subprocess.run(
         [sys.executable, "-m", "outrider", "bench", "--help"],
@@ -215,7 +248,7 @@ def test_bench_has_help_naming_every_flag():
         "--prompts", "--limit", "--max-new-tokens", "--k", "--drafters", "--no-hf", "--no-adaptive",
         "--no-pipelined", "--json", "--plot", "--threads", "--target-model", "--dtype", "--device",
         "--ignore-eos",
-        "--concurrency", "--coordinators", "--no-progress", "--log-level",
+        "--concurrency", "--coordinators", "--no-progress", "--log-level", "--configs", "--repeat",
     ):  # fmt: skip
         assert flag in out.stdout
 

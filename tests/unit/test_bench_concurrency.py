@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider.bench.command import parse_concurrency_list
+from outrider.bench.command import options_from_args, parse_concurrency_list
 from outrider.bench.concurrency.plot import plot as plot_concurrency
 from outrider.bench.concurrency.render import render as render_concurrency
 from outrider.bench.concurrency.report import (
@@ -331,12 +331,36 @@ def test_an_adaptive_configuration_whose_coordinator_fixed_k_is_left_out(capsys)
 # --- concurrency: flags ----------------------------------------------------------------------
 
 
-def test_concurrency_list_parses_and_always_holds_1():
-    assert parse_concurrency_list("64,8,32") == [1, 8, 32, 64]
+def test_concurrency_list_parses_and_the_run_always_holds_1():
+    from outrider.cli import build_parser
+
+    assert parse_concurrency_list("64,8,32") == [8, 32, 64]
     assert parse_concurrency_list("1") == [1]
     for bad in ("0", "eight", ""):
         with pytest.raises(ValueError, match="--concurrency"):
             parse_concurrency_list(bad)
+
+    def options(levels: str):
+        return options_from_args(build_parser().parse_args(["bench", "--concurrency", levels]))
+
+    # Not listed, N = 1 runs once, as the reference; listed, --repeat times.
+    assert (options("8,4").concurrency, options("8,4").reference_once) == ((1, 4, 8), True)
+    assert (options("1,8").concurrency, options("1,8").reference_once) == ((1, 8), False)
+
+
+def test_a_level_run_once_takes_one_batch_whatever_the_repeat():
+    calls: list = []
+    configs = [fake_config("outrider-k0", calls), fake_config("a", calls)]
+    _, batches, _ = run_concurrency(
+        configs, [Prompt("q:1", "c", "a")], [1, 2], 32, repeat=4, once=(1,), progress=False
+    )
+    timed = [(name, n) for name, n, _, tokens in calls if tokens == 32]
+    assert timed.count(("a", 1)) == 1 and timed.count(("outrider-k0", 1)) == 1
+    # (at N = 2 the two alternate in pairs, each order as often: k0 a, a k0, a k0, k0 a)
+    assert [name for name, n in timed if n == 2] == [
+        "outrider-k0", "a", "a", "outrider-k0", "a", "outrider-k0", "outrider-k0", "a"
+    ]  # fmt: skip
+    assert not batches["a"][1].repeats and len(batches["a"][2].repeats) == 3
 
 
 def test_coordinator_replicas_need_concurrency(tmp_path, capsys):

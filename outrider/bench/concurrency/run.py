@@ -23,12 +23,15 @@ def run_concurrency(
     max_new_tokens: int,
     *,
     repeat: int = 1,
+    once: Sequence[int] = (),
     progress: bool = True,
 ) -> tuple[list[LoadConfig], dict[str, dict[int, Batch]], dict[str, str]]:
     """For each concurrency N, every configuration in turn (the order rotated
     from N to N), ``repeat`` times (rotated or reversed each time): each
     configuration's batch at N is the median of its ``repeat``, so that a few
-    seconds of a slower machine weigh on no one configuration's figure.
+    seconds of a slower machine weigh on no one configuration's figure. The
+    levels of ``once`` run one batch each: N = 1 where it runs only as the
+    reference for the outputs.
 
     Before the timed batches of an N, each configuration runs the same
     requests for a few tokens, untimed: the first batch of a shape pays
@@ -51,7 +54,8 @@ def run_concurrency(
     configs = without_ignored_options(configs, {c.name: warm[c.name].streams[0] for c in configs})
 
     runs: dict[str, dict[int, list[Batch]]] = {c.name: {} for c in configs}
-    total = repeat * len(configs) * sum(len(batch_requests(prompts, n)) for n in levels)
+    repeats = {n: 1 if n in once else repeat for n in levels}
+    total = len(configs) * sum(repeats[n] * len(batch_requests(prompts, n)) for n in levels)
     with tqdm(total=total, desc="bench", unit="request", disable=not progress) as bar:
         for i, n in enumerate(levels):
             requests = batch_requests(prompts, n)
@@ -59,7 +63,7 @@ def run_concurrency(
                 if config.name not in not_run:
                     bar.set_postfix_str(f"warm-up {config.name} N={n}")
                     _run_batch(config, requests, n, min(max_new_tokens, WARM_UP_TOKENS), not_run)
-            for r in range(repeat):
+            for r in range(repeats[n]):
                 for config in interleaved_order(configs, i * repeat + r):
                     if config.name in not_run:
                         bar.update(len(requests))
