@@ -298,7 +298,7 @@ def options_from_args(args: Any) -> BenchOptions:
         ignore_eos=args.ignore_eos,
         concurrency=tuple(sorted({1, *levels})) if levels else (),
         reference_once=bool(levels) and 1 not in levels,
-        configs=parse_config_globs(args.configs) if args.configs else (),
+        configs=parse_config_globs(args.configs) if args.configs is not None else (),
         coordinators=args.coordinators,
         repeat=args.repeat,
         threads=args.threads or os.cpu_count() or 1,
