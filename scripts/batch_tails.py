@@ -107,15 +107,14 @@ def main() -> None:
             f"| {b['tokens_per_s']:.1f} | {b['full_s']:.2f} | {b['full_tokens_per_s']:.1f} "
             f"| {b['tail_s']:.2f} |"
         )
-    for drafted, label in ((False, "no draft"), (True, "drafted")):
-        group = [b for b in found if (b["drafting_rounds"] > 0) == drafted]
-        if group:
-            print(
-                f"{label}: {len(group)} batches, mean tok/s "
-                f"{statistics.mean(b['tokens_per_s'] for b in group):.1f}, while all busy "
-                f"{statistics.mean(b['full_tokens_per_s'] for b in group):.1f}, "
-                f"tail {statistics.mean(b['tail_s'] for b in group):.2f} s"
-            )
+    for n, drafted in sorted({(b["streams"], b["drafting_rounds"] > 0) for b in found}):
+        group = [b for b in found if (b["streams"], b["drafting_rounds"] > 0) == (n, drafted)]
+        print(
+            f"N={n}, {'drafted' if drafted else 'no draft'}: {len(group)} batches, mean tok/s "
+            f"{statistics.mean(b['tokens_per_s'] for b in group):.1f}, while all busy "
+            f"{statistics.mean(b['full_tokens_per_s'] for b in group):.1f}, "
+            f"tail {statistics.mean(b['tail_s'] for b in group):.2f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -49,4 +49,4 @@ def test_a_batch_whose_streams_end_apart_has_a_tail(tmp_path):
     row = out.splitlines()[2].split("|")[1:-1]
     # Until 4 s, a, b and c, each its first token and three more: 12 tokens.
     assert [cell.strip() for cell in row] == ["2", "2", "8.50", "1.9", "4.00", "3.0", "4.50"]
-    assert "drafted: 1 batches" in out
+    assert "N=2, drafted: 1 batches" in out
