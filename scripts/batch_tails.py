@@ -40,8 +40,8 @@ def events(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if event.get("event") in ("round", "first round", "generation finished"):
-            event["t"] = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00"))
-            event["t"] = event["t"].timestamp()
+            stamp = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00"))
+            event["t"] = stamp.timestamp()
             found.append(event)
     return sorted(found, key=lambda e: e["t"])
 

@@ -49,10 +49,8 @@ class BenchOptions:
     device: str = "auto"
     ignore_eos: bool = False
     concurrency: tuple[int, ...] = ()
-    """Empty: the sequential bench; else the concurrency levels (1 among them)."""
-    reference_once: bool = False
-    """N = 1 runs once, whatever ``repeat``: it was not listed, and runs only as
-    the reference for outputs and speedup."""
+    """Empty: the sequential bench; else the concurrency levels listed (the
+    run adds N = 1: :attr:`levels`)."""
     configs: tuple[str, ...] = ()
     """Globs of configuration names to run besides the references
     (``hf-generate``, ``outrider-k0``); empty: every configuration."""
@@ -67,6 +65,18 @@ class BenchOptions:
     plot_path: Path | None = None
     progress: bool = True
     log_level: str = "warning"
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """The concurrency levels that run: those listed, and 1, the
+        reference for outputs and speedup."""
+        return tuple(sorted({1, *self.concurrency})) if self.concurrency else ()
+
+    @property
+    def reference_once(self) -> bool:
+        """N = 1 runs once, whatever ``repeat``: it was not listed, and runs
+        only as the reference."""
+        return bool(self.concurrency) and 1 not in self.concurrency
 
 
 def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
@@ -145,7 +155,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     report["elapsed_s"] = round(time.time() - started, 1)
     if options.concurrency:
         concurrency_render(report, out)
-        runs = f"{len(report['configs'])} configurations × {len(options.concurrency)} concurrencies"
+        runs = f"{len(report['configs'])} configurations × {len(options.levels)} concurrencies"
     else:
         render(report, out)
         runs = f"{len(report['configs'])} configurations"
@@ -195,7 +205,7 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
     configs, batches, not_run = run_concurrency(
         selected(configs, options.configs),
         prompts,
-        options.concurrency,
+        options.levels,
         options.max_new_tokens,
         repeat=options.repeat,
         once=(1,) if options.reference_once else (),
@@ -212,7 +222,7 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
 
     title = f"{Path(model_dir).name}, {prompts} prompts × {options.max_new_tokens} tokens"
     if options.concurrency:
-        title += f", N = {','.join(map(str, options.concurrency))}"
+        title += f", N = {','.join(map(str, options.levels))}"
     meta = {
         "title": title,
         "command": shlex.join(["outrider", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
@@ -282,7 +292,6 @@ def options_from_args(args: Any) -> BenchOptions:
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
     for d in drafters:
         parse_drafter(d, target_model=None)
-    levels = parse_concurrency_list(args.concurrency) if args.concurrency else []
     return BenchOptions(
         prompt_files=files,
         limit=args.limit,
@@ -296,8 +305,7 @@ def options_from_args(args: Any) -> BenchOptions:
         dtype=args.dtype,
         device=args.device,
         ignore_eos=args.ignore_eos,
-        concurrency=tuple(sorted({1, *levels})) if levels else (),
-        reference_once=bool(levels) and 1 not in levels,
+        concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
         configs=parse_config_globs(args.configs) if args.configs is not None else (),
         coordinators=args.coordinators,
         repeat=args.repeat,

@@ -111,7 +111,7 @@ def selected(configs: Sequence[C], globs: Sequence[str]) -> list[C]:
         return list(configs)
     names = [c.name for c in configs]
     for glob in globs:
-        if not fnmatch.filter(names, glob):
+        if not any(fnmatch.fnmatchcase(name, glob) for name in names):
             raise ValueError(
                 f"--configs {glob!r} matches no configuration of this run; "
                 f"it has {', '.join(names)}"

@@ -344,8 +344,8 @@ def test_concurrency_list_parses_and_the_run_always_holds_1():
         return options_from_args(build_parser().parse_args(["bench", "--concurrency", levels]))
 
     # Not listed, N = 1 runs once, as the reference; listed, --repeat times.
-    assert (options("8,4").concurrency, options("8,4").reference_once) == ((1, 4, 8), True)
-    assert (options("1,8").concurrency, options("1,8").reference_once) == ((1, 8), False)
+    assert (options("8,4").levels, options("8,4").reference_once) == ((1, 4, 8), True)
+    assert (options("1,8").levels, options("1,8").reference_once) == ((1, 8), False)
 
 
 def test_a_level_run_once_takes_one_batch_whatever_the_repeat():
