@@ -1,10 +1,10 @@
 """Where a concurrency batch's time goes: while every stream runs, and after.
 
 ``outrider bench --concurrency`` times a batch from its first request to
-its last stream's end, each stream sending the same number of requests.
-Where speculation speeds some streams more than others, those end first
-and the batch finishes on fewer rows: a tail in which the target steps
-for fewer sessions than N. This reads the services' debug log of such a
+its last stream's end. Where speculation speeds some requests more than
+others, once the queue is empty the streams of fast ones end first and the
+batch finishes on fewer rows: a tail in which the target steps for fewer
+sessions than N. This reads the services' debug log of such a
 run (the bench's stderr with ``--log-level debug``) and prints, for each
 batch of N > 1 streams: its wall time and tokens/s; the time until the
 first stream of the last wave ended (every stream busy) and the tokens/s

@@ -98,9 +98,9 @@ def add_bench_parser(commands) -> None:
         "--concurrency", metavar="LIST",
         help="throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always "
         "runs, as the reference for outputs and speedup: one batch, unless listed, then --repeat "
-        "like the others), N streams at once, max(N, prompts) requests, stream s sending requests "
-        "s, s+N, ... "
-        "in turn. Reports per configuration and N total tokens/s, speedup over N=1, TTFT and "
+        "like the others), N streams at once, max(N, prompts) requests, taken in order from one "
+        "queue, each stream sending its next as soon as its previous has ended. Reports per "
+        "configuration and N total tokens/s, speedup over N=1, TTFT and "
         "inter-token latency p50/p99 (per chunk: Outrider streams a chunk per round; and per "
         "token). Peers: hf-generate on left-padded batches of N and transformers' continuous "
         "batching (hf-generate-batch); no assisted generation (it takes one sequence at a time)",

@@ -58,6 +58,47 @@ def test_closed_loop_sends_each_later_request_when_an_earlier_one_ends():
     ]
 
 
+def test_outrider_streams_take_requests_from_one_queue(monkeypatch):
+    # Two streams on two replicas (stream s on replica s), four requests of which the first is
+    # slow: while it runs, the other stream takes the three fast ones in turn.
+    import types
+
+    import outrider.client
+    from outrider.bench.concurrency.services import Replicas
+
+    served: dict[str, list[str]] = {"a": [], "b": []}
+
+    class FakeClient:
+        def __init__(self, address):
+            self.address = address
+
+        async def model_info(self):
+            return None
+
+        async def close(self):
+            pass
+
+        async def stream(self, messages, **_):
+            import asyncio
+
+            text = messages[0]["content"]
+            served[self.address].append(text)
+            await asyncio.sleep(0.5 if text == "slow" else 0.01)
+            stats = types.SimpleNamespace(
+                rounds=1, draft_tokens=0, accepted_tokens=0, adaptive=False, pipeline=False,
+                rounds_by_k=(1,), proposed_tokens=0,
+            )  # fmt: skip
+            yield types.SimpleNamespace(token_ids=[len(text)], stats=stats)
+
+    monkeypatch.setattr(outrider.client, "AsyncClient", FakeClient)
+    requests = [Prompt(f"q:{i}", "c", t) for i, t in enumerate(["slow", "f1", "f2", "f3"])]
+    ended: list[int] = []
+    batch = Replicas(["a", "b"]).run(requests, 2, 8, ended.append, k=0)
+    assert served == {"a": ["slow"], "b": ["f1", "f2", "f3"]}
+    assert [s.token_ids for s in batch.streams] == [(4,), (2,), (2,), (2,)]  # in request order
+    assert sum(ended) == 4
+
+
 def test_stream_times_come_from_its_chunks():
     s = stream_from_arrivals(
         [1, 2, 3, 4, 5, 6], 10.0, [(10.5, 1), (10.6, 0), (10.8, 3), (11.3, 2)], rounds=3

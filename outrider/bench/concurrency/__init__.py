@@ -8,9 +8,10 @@ time, and the one of median tokens/s reported, with the range of all R):
 
 * **Requests.** With P prompts a batch sends max(N, P) requests; request j
   asks prompt j mod P, so every prompt is asked at least once and, with more
-  streams than prompts, prompts repeat. N streams run at once, closed loop:
-  stream s sends requests s, s + N, s + 2N, …, each as soon as its previous
-  one has ended.
+  streams than prompts, prompts repeat. N streams run at once, closed loop,
+  taking the requests in order from one queue: the first N at once, and each
+  later one as soon as a stream's previous request has ended (as vLLM's
+  benchmark does under ``--max-concurrency``).
 * **Outrider** (``outrider-k0``, ``outrider-<drafter>-k<K>``,
   ``outrider-<drafter>-adaptive``, and those two ``-pipelined``): N streaming
   clients (the asyncio SDK, one task a stream) in the bench process, spread

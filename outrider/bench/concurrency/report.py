@@ -15,7 +15,7 @@ from outrider.bench.report import first_difference, ratio, round_or_none
 
 DEFINITIONS = {
     "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; "
-    "stream s sends requests s, s+N, ... in turn",
+    "N streams take them in order from one queue, each its next as soon as its previous ended",
     "tokens_per_s": "all streams' generated tokens / wall time of the batch "
     "(first request sent -> last stream ended); with --repeat, of the batch of median "
     "tokens_per_s, whose figures are the run's",

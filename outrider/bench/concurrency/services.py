@@ -1,5 +1,5 @@
-"""Outrider at concurrency N: N streaming clients, spread round-robin over a
-drafter's coordinator replicas."""
+"""Outrider at concurrency N: N streaming clients taking requests from one
+queue, spread round-robin over a drafter's coordinator replicas."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class Replicas:
         adaptive: bool = False,
         pipeline: bool = False,
     ) -> Batch:
-        """N streams at once; stream s sends requests s, s + N, … and uses
-        replica s mod replicas."""
+        """N streams at once, taking the requests in order from one queue, each
+        as soon as its previous one has ended; stream s uses replica s mod replicas."""
         return asyncio.run(
             self._run(
                 requests,
@@ -56,10 +56,11 @@ class Replicas:
             # Connect every channel before the clock starts.
             await asyncio.gather(*(client.model_info() for client in clients))
             streams: dict[int, Stream] = {}
+            queue = iter(range(len(requests)))  # one event loop: no two streams take the same j
 
             async def stream(s: int) -> None:
                 client = clients[s % len(clients)]
-                for j in range(s, len(requests), concurrency):
+                for j in queue:
                     streams[j] = await self._request(
                         client,
                         requests[j],

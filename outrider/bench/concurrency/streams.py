@@ -14,7 +14,7 @@ from outrider.bench.prompts import Prompt
 def batch_requests(prompts: Sequence[Prompt], concurrency: int) -> list[Prompt]:
     """The requests of a batch at concurrency N: max(N, P) of them, request j asking prompt j mod P.
 
-    Stream s sends requests s, s + N, s + 2N, … one after the other.
+    N streams take them in order from one queue, each its next as soon as its previous has ended.
     """
     return [prompts[j % len(prompts)] for j in range(max(concurrency, len(prompts)))]
 
