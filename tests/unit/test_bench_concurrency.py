@@ -3,12 +3,15 @@ streams, percentiles, speedups, mismatches, and the run with fake configurations
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import types
 from pathlib import Path
 
 import pytest
 
+import outrider.client
 from outrider.bench.command import options_from_args, parse_concurrency_list
 from outrider.bench.concurrency.plot import plot as plot_concurrency
 from outrider.bench.concurrency.render import render as render_concurrency
@@ -20,6 +23,7 @@ from outrider.bench.concurrency.report import (
 )
 from outrider.bench.concurrency.report import build_report as build_concurrency_report
 from outrider.bench.concurrency.run import run_concurrency
+from outrider.bench.concurrency.services import Replicas
 from outrider.bench.concurrency.streams import (
     Batch,
     LoadConfig,
@@ -61,11 +65,6 @@ def test_closed_loop_sends_each_later_request_when_an_earlier_one_ends():
 def test_outrider_streams_take_requests_from_one_queue(monkeypatch):
     # Two streams on two replicas (stream s on replica s), four requests of which the first is
     # slow: while it runs, the other stream takes the three fast ones in turn.
-    import types
-
-    import outrider.client
-    from outrider.bench.concurrency.services import Replicas
-
     served: dict[str, list[str]] = {"a": [], "b": []}
 
     class FakeClient:
@@ -79,8 +78,6 @@ def test_outrider_streams_take_requests_from_one_queue(monkeypatch):
             pass
 
         async def stream(self, messages, **_):
-            import asyncio
-
             text = messages[0]["content"]
             served[self.address].append(text)
             await asyncio.sleep(0.5 if text == "slow" else 0.01)
