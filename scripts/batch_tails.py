@@ -25,6 +25,7 @@ import json
 import statistics
 from collections import defaultdict
 from datetime import datetime
+from itertools import groupby
 from pathlib import Path
 
 
@@ -107,8 +108,12 @@ def main() -> None:
             f"| {b['tokens_per_s']:.1f} | {b['full_s']:.2f} | {b['full_tokens_per_s']:.1f} "
             f"| {b['tail_s']:.2f} |"
         )
-    for n, drafted in sorted({(b["streams"], b["drafting_rounds"] > 0) for b in found}):
-        group = [b for b in found if (b["streams"], b["drafting_rounds"] > 0) == (n, drafted)]
+
+    def kind(b: dict) -> tuple[int, bool]:
+        return b["streams"], b["drafting_rounds"] > 0
+
+    for (n, drafted), members in groupby(sorted(found, key=kind), key=kind):
+        group = list(members)
         print(
             f"N={n}, {'drafted' if drafted else 'no draft'}: {len(group)} batches, mean tok/s "
             f"{statistics.mean(b['tokens_per_s'] for b in group):.1f}, while all busy "
