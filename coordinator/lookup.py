@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.workers import WorkerInfo
+from coordinator.workers.protocol import WorkerInfo
 
 DRAFTER = "prompt-lookup"
 

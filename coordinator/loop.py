@@ -28,9 +28,10 @@ from coordinator.costs import CostModels
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import NO_MATCH, PromptLookup
 from coordinator.policy import AdaptiveK, adaptive_k_max
-from coordinator.recovery import DraftLink, TargetLink
 from coordinator.stats import RoundRecord, Stats
-from coordinator.workers import DraftClient, Judged, TargetClient, WorkerInfo
+from coordinator.workers.draft_link import DraftLink
+from coordinator.workers.protocol import DraftClient, Judged, TargetClient, WorkerInfo
+from coordinator.workers.target_link import TargetLink
 from outrider.config import Recovery
 from outrider.detokenize import Decoder, TextStream
 from outrider.load import EngineLoad

@@ -10,7 +10,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
 from coordinator.requests import SpeculationPolicy
 from coordinator.service import CoordinatorService
-from coordinator.workers import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient, WorkerInfo
+from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient
+from coordinator.workers.protocol import WorkerInfo
 from outrider import models
 from outrider.config import CoordinatorConfig, http_port_file
 from outrider.errors import Unavailable

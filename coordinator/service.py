@@ -13,7 +13,7 @@ from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.requests import ChatMessage, RequestBuilder, RequestParams, SpeculationPolicy
 from coordinator.stats import Stats
-from coordinator.workers import DraftClient, TargetClient, WorkerInfo
+from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.sampling_params import Verification
 from outrider.v1 import coordinator_pb2 as pb

@@ -271,7 +271,8 @@ class DraftWorkerConfig:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How the round loop rides out worker loss (``coordinator.recovery``)."""
+    """How the round loop rides out worker loss (``coordinator.workers.draft_link``,
+    ``target_link``)."""
 
     draft_deadline_s: float = 5.0
     """a draft worker that has not answered a round within this many seconds is skipped: the

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
-from coordinator.workers import Judged, Reply, WorkerInfo
+from coordinator.workers.protocol import Judged, Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions
 from outrider.engine import Engine, InlineEngine
 from outrider.sampling import SamplingParams

@@ -19,7 +19,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
 from coordinator.requests import SpeculationPolicy
 from coordinator.service import CoordinatorService
-from coordinator.workers import GrpcDraftClient, GrpcTargetClient
+from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
 from draft_worker.sessions import DraftSessions
 from outrider.config import (

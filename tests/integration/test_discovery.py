@@ -23,8 +23,8 @@ import kmock
 import pytest
 from kubernetes import client as k8s
 
-from coordinator.replicas import Replicas
-from coordinator.workers import GrpcTargetClient
+from coordinator.workers.grpc_client import GrpcTargetClient
+from coordinator.workers.replicas import Replicas
 from outrider.client import AsyncClient
 from outrider.config import Recovery
 from outrider.errors import Unavailable

@@ -63,7 +63,7 @@ import target_worker.sessions as target_sessions_module
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
 from coordinator.loop import GenerationRequest, Models, generate
-from coordinator.workers import WorkerInfo
+from coordinator.workers.protocol import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.config import Recovery
 from outrider.drafters import ModelDrafter

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.replicas import Replicas
+from coordinator.workers.replicas import Replicas
 from outrider.client import AsyncClient
 from outrider.rpc import start_server
 from outrider.security import ClientTls, ServerTls, load_tokens

@@ -13,7 +13,7 @@ from itertools import pairwise
 import grpc
 import pytest
 
-from coordinator.recovery import DraftLink
+from coordinator.workers.draft_link import DraftLink
 from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient
 from outrider.config import Recovery

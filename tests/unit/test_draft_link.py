@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import structlog.testing
 
-from coordinator.recovery import DraftLink
-from coordinator.workers import Reply, WorkerInfo
+from coordinator.workers.draft_link import DraftLink
+from coordinator.workers.protocol import Reply, WorkerInfo
 from outrider.errors import Unavailable
 from outrider.sampling import SamplingParams
 from outrider.speculation import Proposal

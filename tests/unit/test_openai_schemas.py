@@ -12,7 +12,7 @@ from coordinator.openai.generation import speculative_decoding
 from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
 from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationPolicy
 from coordinator.stats import Stats
-from coordinator.workers import WorkerInfo
+from coordinator.workers.protocol import WorkerInfo
 from outrider import errors
 
 CHAT = [{"role": "user", "content": "Hi"}]

@@ -7,7 +7,7 @@ import pytest
 from coordinator.loop import Models, Stats
 from coordinator.requests import SpeculationPolicy
 from coordinator.service import CoordinatorService, stats_to_pb
-from coordinator.workers import WorkerInfo
+from coordinator.workers.protocol import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 
 TARGET = WorkerInfo(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.main import check_pairing
-from coordinator.workers import WorkerInfo
+from coordinator.workers.protocol import WorkerInfo
 from outrider import startup
 from outrider.startup import StartupError
 

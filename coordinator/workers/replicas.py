@@ -7,15 +7,16 @@ least-loaded replica that takes sessions, one that has not just failed first.
 
 Members are the static ``HOST:PORT`` addresses (fixed) and the endpoints of
 each ``k8s://`` address, which a watch of the Service's EndpointSlices keeps
-in step (``coordinator.discovery``):
+in step (``coordinator.workers.discovery``):
 
 * a new endpoint joins (its channel connects lazily);
 * one that turns not ready drains: it gets no new sessions, its open streams
   go on (the pod may be finishing them while it terminates);
 * one that disappears (its pod is deleted) is dropped and its channel closed,
-  so its streams fail at once and recovery (``coordinator.recovery``) takes
-  over: the target session is reopened on another replica from the history,
-  the draft goes on at K = 0 until it can be reopened.
+  so its streams fail at once and recovery takes over
+  (``coordinator.workers.draft_link``, ``target_link``): the target session
+  is reopened on another replica from the history, the draft goes on at
+  K = 0 until it can be reopened.
 
 Every replica is asked what it serves before its first session; one whose
 vocabulary differs from the first replica's is refused (logged) and never
@@ -35,8 +36,8 @@ from typing import Any
 
 import grpc
 
-from coordinator import discovery
-from coordinator.discovery import EndpointSliceWatch, ServiceRef
+from coordinator.workers import discovery
+from coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
 from outrider.errors import Unavailable
 from outrider.load import EngineLoad
 from outrider.logging import get_logger

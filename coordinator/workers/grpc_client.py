@@ -1,27 +1,26 @@
-"""How the coordinator talks to its workers.
-
-The round loop sees only the small protocols below; this module implements
-them over gRPC (one bidirectional stream per session). The test suite has an
-in-process implementation (``tests/inprocess.py``) that calls the workers'
-engines directly, so the whole speculative loop also runs in one process —
-the same loop code either way.
+"""The worker protocols (``coordinator.workers.protocol``) over gRPC: one
+bidirectional stream per session, and a busy worker told from a frozen one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
-from coordinator.replicas import Replica, Replicas
+from coordinator.workers.protocol import (
+    Judged,
+    Reply,
+    WorkerInfo,
+)
+from coordinator.workers.replicas import Replica, Replicas
 from outrider.errors import SessionExpired, Unavailable
 from outrider.load import EngineLoad
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import Proposal, Verdict
+from outrider.speculation import Proposal
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
@@ -34,126 +33,6 @@ from outrider.wire import (
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    model: str
-    drafter: str
-    vocab_size: int
-    vocab_fingerprint: str
-    max_context: int
-    device: str = ""
-    dtype: str = ""
-    graphed_tokens_per_row: int = 0
-    """The most tokens a row may feed in a step replayed from a CUDA graph (0: none is)."""
-
-
-@dataclass(frozen=True)
-class Reply(Generic[T]):
-    """A worker's answer and the compute it took there (its engine's steps,
-    shared with other sessions, included)."""
-
-    value: T
-    compute_s: float
-    load: EngineLoad | None = None
-    """The worker's engine as it answered (None: it reported none)."""
-    queued_s: float = 0.0
-    """How long the call waited for the engine to take it: behind the rest
-    of a step of other sessions under way (the target's verify reports it)."""
-
-
-class DraftSession(Protocol):
-    async def propose(
-        self,
-        committed_len: int,
-        new_tokens: Sequence[int],
-        k: int,
-        assumed: Sequence[int] | None = None,
-        round_id: int = 0,
-    ) -> Reply[Proposal]:
-        """Syncs the new committed tokens and proposes up to k drafts after
-        the history; given ``assumed`` drafts (even none), a speculation:
-        a guess of the bonus token after them, then the drafts after that."""
-        ...
-
-    def failing(self) -> None:
-        """Says the session's worker stopped answering: new sessions go to
-        other replicas for a while."""
-
-    def close(self) -> None:
-        """Ends the session, its generation finished (in the background)."""
-
-    def cancel(self) -> None:
-        """Cuts the session (its generation failed or was cancelled, or the
-        worker stopped answering)."""
-
-
-@dataclass(frozen=True)
-class Judged:
-    """A verify's outcome: the proposal as the target verified it (all of
-    it, or a prefix of its drafts when its step had no room for the rest),
-    and the verdict on it."""
-
-    proposal: Proposal
-    verdict: Verdict
-
-
-class TargetSession(Protocol):
-    address: str
-    """The worker replica's."""
-
-    async def verify(
-        self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
-    ) -> Reply[Judged]:
-        """The verdict on ``proposal``; TimeoutError when the worker gives
-        none within ``deadline_s`` and its engine is not at work (frozen: a
-        busy worker is waited for)."""
-        ...
-
-    def failing(self) -> None:
-        """Says the session's worker stopped answering: new sessions go to
-        other replicas for a while."""
-
-    def close(self) -> None:
-        """Ends the session, its generation finished (in the background)."""
-
-    def cancel(self) -> None:
-        """Cuts the session (its generation failed or was cancelled, or the
-        worker stopped answering)."""
-
-
-class DraftClient(Protocol):
-    async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
-
-    async def open(
-        self,
-        tokens: Sequence[int],
-        *,
-        request_id: str,
-        target: WorkerInfo,
-        sampling: SamplingParams,
-        deadline_s: float | None = None,
-    ) -> tuple[DraftSession, float]: ...
-
-
-class TargetClient(Protocol):
-    async def info(self, timeout_s: float = 10.0) -> WorkerInfo: ...
-
-    async def open(
-        self,
-        tokens: Sequence[int],
-        *,
-        request_id: str,
-        sampling: SamplingParams,
-        deadline_s: float | None = None,
-        first_token: bool = False,
-    ) -> tuple[TargetSession, Reply[int | None]]:
-        """A session on the history ``tokens`` (prefilled); with
-        ``first_token``, the token that follows it, drawn and committed."""
-        ...
-
-
-# --- gRPC ------------------------------------------------------------------
 
 PROBE_S = 0.5
 """Longest wait for a worker to say whether its engine is stepping."""
