@@ -8,7 +8,7 @@ engine verifies them in one step, and neither runs beside the other. Left
 alone the sessions drift apart: the draft steps of some run beside the
 target steps of others, each slowing the other on the shared cores, and the
 engines step more often with fewer rows — where the cost model
-(coordinator/costs.py) prices one step for all. Every verify of a session
+(coordinator/adaptive/) prices one step for all. Every verify of a session
 that may draft is in a verify phase, its prompt's prefill and its rounds
 at K = 0 too: while none drafts they all join the one verify phase and
 wait for nothing, and the first session to draft waits for those in flight

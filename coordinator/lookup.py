@@ -10,10 +10,11 @@ commits, so the plan of K knows, before any session is asked, which have a
 draft to offer, how long, and how good: the length n of the matched n-gram
 says far more about a draft's acceptance than a session's past rounds do,
 and many positions have no match at all
-(docs/benchmark.md#prompt-lookup-by-match). So the acceptance is learnt per
-n, depth by depth (:meth:`coordinator.acceptance.Acceptance.survival_of`), and
-a round without a match, or whose match the plan of K finds too weak at
-the load, costs what a round at K = 0 does.
+(docs/benchmark.md#prompt-lookup-by-match). So the acceptance is learnt
+per n, depth by depth
+(:meth:`coordinator.adaptive.acceptance.Acceptance.survival_of`), and a
+round without a match, or whose match the plan of K finds too weak at the
+load, costs what a round at K = 0 does.
 """
 
 from __future__ import annotations

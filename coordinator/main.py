@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.lookup import PromptLookup
-from coordinator.loop import Models, eos_token_ids
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
-from coordinator.requests import SpeculationPolicy
+from coordinator.requests import SpeculationDefaults
+from coordinator.served_models import Models, eos_token_ids
 from coordinator.service import CoordinatorService
 from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient
 from coordinator.workers.protocol import WorkerInfo
@@ -43,7 +43,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     )
     lookup = PromptLookup(max_ngram=config.max_ngram) if config.prompt_lookup else None
     draft = workers or lookup
-    policy = SpeculationPolicy(
+    policy = SpeculationDefaults(
         default_k=config.default_k if draft else 0,
         max_k=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,

@@ -49,7 +49,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from coordinator.loop import Delta
+from coordinator.round_loop import Delta
 from coordinator.stats import Stats
 from outrider.metrics import PREFIX
 

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.loop import GenerationRequest, Models
+from coordinator.served_models import Models
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.sampling_params import SamplingParams, Verification
@@ -33,7 +33,27 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "verificati
 
 
 @dataclass(frozen=True)
-class SpeculationPolicy:
+class GenerationRequest:
+    """A validated request, in token space."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    num_speculative_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    adaptive: bool = False
+    """Choose K per round (up to num_speculative_tokens)."""
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = ""
+    pipeline: bool = False
+    """Draft round i + 1 while the target verifies round i."""
+
+
+@dataclass(frozen=True)
+class SpeculationDefaults:
+    """What a request that leaves speculation unset gets: this server's flags."""
+
     default_k: int
     max_k: int
     default_max_new_tokens: int
@@ -96,7 +116,7 @@ class RequestBuilder:
     """Validates :class:`RequestParams` against the served model and the
     speculation policy of this coordinator (``drafts``: it has a draft worker)."""
 
-    def __init__(self, models: Models, policy: SpeculationPolicy, *, drafts: bool) -> None:
+    def __init__(self, models: Models, policy: SpeculationDefaults, *, drafts: bool) -> None:
         self.models = models
         self.policy = policy
         self.drafts = drafts

@@ -6,12 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from coordinator.costs import CostModels
+from coordinator.adaptive.cost_model import CostModels
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
-from coordinator.loop import Delta, GenerationRequest, Models, generate
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.requests import ChatMessage, RequestBuilder, RequestParams, SpeculationPolicy
+from coordinator.requests import (
+    ChatMessage,
+    GenerationRequest,
+    RequestBuilder,
+    RequestParams,
+    SpeculationDefaults,
+)
+from coordinator.round_loop import Delta, generate
+from coordinator.served_models import Models
 from coordinator.stats import Stats
 from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
@@ -29,7 +36,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         models: Models,
         target: TargetClient,
         draft: DraftClient | PromptLookup | None,
-        policy: SpeculationPolicy,
+        policy: SpeculationDefaults,
         draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),
         metrics: CoordinatorMetrics | None = None,

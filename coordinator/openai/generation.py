@@ -27,7 +27,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from coordinator.loop import Delta
+from coordinator.round_loop import Delta
 from coordinator.stats import Stats
 from outrider.rpc import Drain
 

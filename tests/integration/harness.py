@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.lookup import PromptLookup
-from coordinator.loop import Models
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
-from coordinator.requests import SpeculationPolicy
+from coordinator.requests import SpeculationDefaults
+from coordinator.served_models import Models
 from coordinator.service import CoordinatorService
 from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
@@ -237,7 +237,7 @@ async def running_stack(
             Models(tokenizer, eos, target_info),
             target,
             draft,
-            SpeculationPolicy(default_k=k, max_k=16, default_max_new_tokens=64),
+            SpeculationDefaults(default_k=k, max_k=16, default_max_new_tokens=64),
             recovery=recovery,
             draft_info=draft_info,
             metrics=CoordinatorMetrics(

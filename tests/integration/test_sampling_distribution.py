@@ -5,7 +5,7 @@ A tiny Llama with a 16-token vocabulary is the target. For each sampling
 setting and each verification mode, many seeded generations (seeds
 0 .. N-1, every seed an independent draw: all randomness is keyed by
 (seed, stream, position)) of 4 new tokens with K = 2 draft tokens run
-through ``coordinator.loop.generate`` with the in-process worker clients and
+through ``coordinator.round_loop.generate`` with the in-process worker clients and
 the real target and draft engines. The first token comes from the target's
 prefill (a round without drafts); the rounds after it draft. The empirical
 distribution of each of the four generated tokens (the marginals at
@@ -58,11 +58,13 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-import coordinator.loop as loop_module
+import coordinator.round_loop as loop_module
 import target_worker.sessions as target_sessions_module
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
-from coordinator.loop import GenerationRequest, Models, generate
+from coordinator.requests import GenerationRequest
+from coordinator.round_loop import generate
+from coordinator.served_models import Models
 from coordinator.workers.protocol import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.config import Recovery

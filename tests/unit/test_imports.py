@@ -8,7 +8,7 @@ def test_the_coordinator_tokenizes_and_builds_its_service_without_torch(tiny_tar
     code = f"""
 import sys
 import coordinator.main
-from coordinator.loop import eos_token_ids
+from coordinator.served_models import eos_token_ids
 from outrider import models
 
 tokenizer = models.load_tokenizer({str(tiny_target_dir)!r})

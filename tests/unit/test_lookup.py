@@ -9,11 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from coordinator.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
-from coordinator.costs import CostModel
+from coordinator.adaptive.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
+from coordinator.adaptive.cost_model import CostModel
+from coordinator.adaptive.session import AdaptiveK
 from coordinator.lookup import Match, PromptLookup
-from coordinator.loop import GenerationRequest, Models, generate
-from coordinator.policy import AdaptiveK
+from coordinator.requests import GenerationRequest
+from coordinator.round_loop import generate
+from coordinator.served_models import Models
 from outrider.config import EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.load import EngineLoad
 from outrider.worker import start_engine

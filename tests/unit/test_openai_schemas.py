@@ -6,11 +6,11 @@ generations, and the request builder names fields as the HTTP API does."""
 import pytest
 from pydantic import ValidationError
 
-from coordinator.loop import Models
 from coordinator.openai.errors import body_error, status_and_error
 from coordinator.openai.generation import speculative_decoding
 from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
-from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationPolicy
+from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationDefaults
+from coordinator.served_models import Models
 from coordinator.stats import Stats
 from coordinator.workers.protocol import WorkerInfo
 from outrider import errors
@@ -108,7 +108,7 @@ def test_the_builder_names_fields_as_the_receiving_api_does():
     target = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64)
     builder = RequestBuilder(
         Models(tokenizer=None, eos_token_ids=frozenset(), target=target),
-        SpeculationPolicy(default_k=4, max_k=8, default_max_new_tokens=16),
+        SpeculationDefaults(default_k=4, max_k=8, default_max_new_tokens=16),
         drafts=True,
     )
     http = FieldNames(text="prompt[1]", token_ids="prompt[1]", max_new_tokens="max_tokens")

@@ -6,15 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.costs import (
-    DRAFT_STALE_S,
-    PLAN_ERROR,
-    TIE,
-    CostModel,
-    CostModels,
-    expected_tokens,
-)
-from coordinator.policy import LEARNING_K, AdaptiveK, adaptive_k_max
+from coordinator.adaptive.cost_model import DRAFT_STALE_S, PLAN_ERROR, CostModel, CostModels
+from coordinator.adaptive.planner import TIE, expected_tokens
+from coordinator.adaptive.session import LEARNING_K, AdaptiveK, adaptive_k_max
 from outrider.load import WINDOW, EngineLoad
 
 
@@ -184,7 +178,7 @@ def test_a_draft_curve_no_answer_refreshed_is_measured_again_by_a_session_alone(
     # does not (a round of many drafts would hold the other's steps).
     costs = model(cpu, draft=lambda n: 1.3 * n)
     clock = [costs.draft_at]
-    monkeypatch.setattr("coordinator.costs.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("coordinator.adaptive.cost_model.time.perf_counter", lambda: clock[0])
     alone = session(costs, alpha=0.9, k_max=16)
     assert alone.choose(limit=100) == 0
     assert not costs.draft_prefill_pays(4, tokens_left=64)
@@ -312,7 +306,7 @@ def test_sessions_that_leave_are_planned_no_more():
     first, second = session(costs, alpha=0.9), session(costs, alpha=0.9)
     assert len(costs.plan().ks) == 2
     second.close()
-    assert list(costs.plan().ks) == [id(first)]
+    assert list(costs.plan().ks) == [first.key]
 
 
 # --- pipelined rounds ---
@@ -376,7 +370,7 @@ def test_a_surface_measured_unevenly_never_makes_drafting_free():
     costs.draft = EngineLoad(tuple((r, t, c * ms) for r, t, c in draft), 3.5, 3.5, 1)
     sessions = [session(costs, alpha=0.986, k_max=16) for _ in range(8)]
     plan = costs.plan()
-    ks = [plan.ks[id(s)] for s in sessions]
+    ks = [plan.ks[s.key] for s in sessions]
     committed = 3.5 + sum(expected_tokens(0.986, k) for k in ks)
     verify = costs.target.step_cost(79.7 + sum(k + 1 for k in ks), rows=11.5)
     assert plan.goodput <= committed / (2.4 * ms + verify)
@@ -470,7 +464,7 @@ def test_beside_sessions_that_draft_on_shared_cores_a_draft_opens_wherever_draft
 
 def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("coordinator.costs.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("coordinator.adaptive.cost_model.time.perf_counter", lambda: clock[0])
     costs = model(cpu, draft_per_token=0.1)
     costs.planning_share = 0.1
     alone = session(costs, alpha=0.9)

@@ -20,8 +20,9 @@ import math
 
 import pytest
 
-from coordinator.costs import CostModel, expected_tokens
-from coordinator.policy import AdaptiveK
+from coordinator.adaptive.cost_model import CostModel
+from coordinator.adaptive.planner import expected_tokens
+from coordinator.adaptive.session import AdaptiveK
 from outrider.load import EngineLoad
 
 OVERHEAD_S = 0.001

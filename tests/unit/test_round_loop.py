@@ -8,10 +8,12 @@ import dataclasses
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.costs import CostModel, CostModels
+from coordinator.adaptive.cost_model import CostModel, CostModels
+from coordinator.adaptive.session import AdaptiveK
 from coordinator.lockstep import Lockstep
-from coordinator.loop import Generation, GenerationRequest, Models, generate
-from coordinator.policy import AdaptiveK
+from coordinator.requests import GenerationRequest
+from coordinator.round_loop import Generation, generate
+from coordinator.served_models import Models
 from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import (
     DraftWorkerConfig,
@@ -444,7 +446,7 @@ async def test_a_session_is_planned_with_the_sessions_on_its_target_replica(
 
     def recording(self, limit):
         planned_on.append(self.costs)
-        assert id(self) in self.costs.sessions
+        assert self.key in self.costs.sessions
         return choose(self, limit)
 
     monkeypatch.setattr(AdaptiveK, "choose", recording)

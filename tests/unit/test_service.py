@@ -4,9 +4,10 @@ become GenerationStats, the policy becomes ModelInfo."""
 
 import pytest
 
-from coordinator.loop import Models, Stats
-from coordinator.requests import SpeculationPolicy
+from coordinator.requests import SpeculationDefaults
+from coordinator.served_models import Models
 from coordinator.service import CoordinatorService, stats_to_pb
+from coordinator.stats import Stats
 from coordinator.workers.protocol import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 
@@ -22,7 +23,9 @@ def service(*, draft=SOME_DRAFT, default_k: int = 4, **policy) -> CoordinatorSer
         Models(tokenizer=None, eos_token_ids=frozenset(), target=TARGET),
         target=object(),
         draft=draft,
-        policy=SpeculationPolicy(default_k=default_k, max_k=8, default_max_new_tokens=16, **policy),
+        policy=SpeculationDefaults(
+            default_k=default_k, max_k=8, default_max_new_tokens=16, **policy
+        ),
     )
 
 

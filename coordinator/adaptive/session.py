@@ -1,6 +1,6 @@
-"""Adaptive K: how many tokens each session drafts next round — its K in the
-plan of the cost model of the target replica it runs on
-(:mod:`coordinator.costs`), within the target's CUDA graphs.
+"""A session's adaptive K: how many tokens it drafts next round — its K in
+the plan of the cost model of the target replica it runs on
+(:mod:`coordinator.adaptive.cost_model`), within the target's CUDA graphs.
 
 While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
 session drafts one token to look again, and after each look that changed
@@ -15,11 +15,12 @@ it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.costs import CostModel
+from coordinator.adaptive.cost_model import CostModel
+from coordinator.adaptive.planner import Bid
 from outrider.load import WINDOW
 
 LEARNING_K = 4
@@ -81,20 +82,23 @@ class AdaptiveK:
     drafting (prompt lookup, :meth:`offer`): the evidence its drafts rest on,
     and how many there are. None: as many as asked, on no evidence."""
 
+    key: int = field(init=False)
+    """Its key in its cost model's plan."""
+
     def __post_init__(self) -> None:
         self.probe_wait = self.probe_every
-        self.costs.join(self)
+        self.key = self.costs.join(self)
 
     def close(self) -> None:
-        self.costs.leave(self)
+        self.costs.leave(self.key)
 
     def move(self, costs: CostModel) -> None:
         """The session runs on the engine ``costs`` models now: it is planned
         with the sessions there."""
         if costs is not self.costs:
-            self.costs.leave(self)
+            self.costs.leave(self.key)
             self.costs = costs
-            costs.join(self)
+            self.key = costs.join(self)
 
     def offer(self, evidence: int, tokens: int) -> None:
         """The drafter has ``tokens`` drafts for the next round, on ``evidence``."""
@@ -129,7 +133,7 @@ class AdaptiveK:
         commits: the chance that it and every draft before it are accepted,
         α^j — or, for drafts on evidence, what every session's drafts on
         the same evidence had at each depth
-        (:meth:`coordinator.acceptance.Acceptance.survival_of`)."""
+        (:meth:`coordinator.adaptive.acceptance.Acceptance.survival_of`)."""
         if self.evidence is not None:
             return self.costs.acceptance.survival_of(self.evidence, k, PRIOR_TOKENS)
         return self.alpha ** np.arange(1, k + 1)
@@ -144,7 +148,7 @@ class AdaptiveK:
         if not self.costs.measured or not self.costs.draft_measured:
             return min(k_max, LEARNING_K)  # draft, and learn what a round costs
         plan = self.costs.plan()
-        k = min(plan.ks.get(id(self), 0), k_max)
+        k = min(plan.ks.get(self.key, 0), k_max)
         if k > 0:
             self.rounds_at_zero, self.probe_wait = 0, self.probe_every
             return k
@@ -169,7 +173,7 @@ class AdaptiveK:
     @property
     def exploring(self) -> bool:
         """Whether this session measures the draft's costs again (:attr:`CostModel.explores`)."""
-        return self.costs.explores and id(self) in self.costs.sessions
+        return self.costs.explores and self.key in self.costs.sessions
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""
@@ -178,3 +182,13 @@ class AdaptiveK:
             return
         self.accepted = self.decay * self.accepted + num_accepted
         self.rejected = self.decay * self.rejected + (1 if num_accepted < num_drafts else 0)
+
+    def bid(self) -> Bid:
+        """What the plan knows of it (:class:`coordinator.adaptive.planner.Bid`)."""
+        return Bid(
+            key=self.key,
+            gains=tuple(float(g) for g in self.gains(self.k_most)),
+            alpha=self.alpha,
+            k_last=self.k_last or 0,
+            pipelined=self.pipeline,
+        )

@@ -1,7 +1,7 @@
 """What the drafts had accepted: every session's drafting rounds, decayed,
 for the whole deployment and, where the drafter knows what its drafts rest
 on (prompt lookup: the n of its match), depth by depth for each such
-evidence — what the plan of K (:mod:`coordinator.costs`) weighs each
+evidence — what the plan of K (:mod:`coordinator.adaptive.planner`) weighs each
 session's drafts by. A property of the draft and target models, the same
 on every replica.
 """

@@ -19,45 +19,27 @@ tokens itself and says so through the committed length of the next round).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
-from coordinator.costs import CostModels
+from coordinator.adaptive.cost_model import CostModels
+from coordinator.adaptive.session import AdaptiveK, adaptive_k_max
 from coordinator.lockstep import Lockstep
 from coordinator.lookup import NO_MATCH, PromptLookup
-from coordinator.policy import AdaptiveK, adaptive_k_max
+from coordinator.requests import GenerationRequest
+from coordinator.served_models import Models
 from coordinator.stats import RoundRecord, Stats
 from coordinator.workers.draft_link import DraftLink
-from coordinator.workers.protocol import DraftClient, Judged, TargetClient, WorkerInfo
+from coordinator.workers.protocol import DraftClient, Judged, TargetClient
 from coordinator.workers.target_link import TargetLink
 from outrider.config import Recovery
-from outrider.detokenize import Decoder, TextStream
+from outrider.detokenize import TextStream
 from outrider.load import EngineLoad
 from outrider.logging import get_logger
-from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request, in token space."""
-
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    num_speculative_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    adaptive: bool = False
-    """Choose K per round (up to num_speculative_tokens)."""
-    sampling: SamplingParams = SamplingParams()
-    request_id: str = ""
-    pipeline: bool = False
-    """Draft round i + 1 while the target verifies round i."""
 
 
 @dataclass
@@ -68,32 +50,6 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
-
-
-@dataclass(frozen=True)
-class Models:
-    """What the loop needs to know about the served models."""
-
-    tokenizer: Decoder
-    eos_token_ids: frozenset[int]
-    target: WorkerInfo
-    draft: WorkerInfo | None = None
-
-    @property
-    def draft_competes(self) -> bool:
-        """Whether a draft model's prefill would slow the target's: both
-        run on CPUs, which on one host share their cores."""
-        draft = self.draft
-        return bool(draft and draft.dtype and draft.device == self.target.device == "cpu")
-
-    @property
-    def draft_prefills_beside(self) -> bool:
-        """Whether a draft session opens beside the target's prefill, so
-        that drafting can start at the second round: where it does not slow
-        the target's (:attr:`draft_competes`). (Prompt lookup opens nothing:
-        it looks its drafts up in the coordinator.)"""
-        draft = self.draft
-        return bool(draft and draft.dtype) and not self.draft_competes
 
 
 async def generate(
@@ -496,16 +452,3 @@ class Generation:
         self.target.close(finished=finished)
         if self.drafts is not None:
             await self.drafts.close(finished=finished)
-
-
-def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:
-    """End-of-sequence ids: the generation config's, plus the tokenizer's."""
-    ids: set[int] = set()
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, Sequence):
-        ids.update(int(i) for i in eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)

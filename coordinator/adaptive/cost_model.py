@@ -1,0 +1,257 @@
+"""The cost model of each target replica: its step costs
+(:mod:`coordinator.adaptive.step_costs`), the adaptive sessions that run
+on it, and their plan (:func:`coordinator.adaptive.planner.plan`), made
+again after a target step or when the sessions change. Sessions share
+steps only with those on the same engine, so each target replica has its
+own model; what the drafts had accepted is one record for all
+(:mod:`coordinator.adaptive.acceptance`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from coordinator.adaptive.acceptance import Acceptance
+from coordinator.adaptive.planner import Bid, Plan, plan
+from coordinator.adaptive.step_costs import StepCosts
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
+
+DRAFT_STALE_S = 10.0
+"""Seconds without a draft answer after which a session alone measures
+the draft's costs again (:meth:`CostModel.explores`)."""
+PLANNING_SHARE = 0.1
+"""The most of the coordinator's time planning takes: a plan is computed
+again only once this share of the time since the last has passed its
+computing. A plan of tens of sessions takes about as long as a GPU step
+of a small target, on the core that runs every session's rounds."""
+MAX_IDLE_MODELS = 16
+"""Cost models of target replicas with no adaptive session kept, the most
+recently used (:class:`CostModels`)."""
+PLAN_ERROR = 0.1
+"""How far a plan's goodput may be off what its rounds then make, with
+many sessions beside the one deciding: the engines' step times drift by
+up to 10% from minute to minute on a shared machine, the plan prices K = 0
+and drafting from different steps, and the others' rounds, waits and
+drafts are theirs. A draft opens only where it pays at the end of this
+error that favours K = 0, in proportion to the share of the others in the
+steps — none for a session alone, whose plan met its rounds: where
+drafting gains a few percent, the prefill of a draft that gains nothing
+is a loss, and sessions that draft slow those beside them that do not
+(docs/design.md#adaptive-k)."""
+
+
+class Bidder(Protocol):
+    """A session the plan chooses K for (:class:`coordinator.adaptive.session.AdaptiveK`)."""
+
+    def bid(self) -> Bid: ...
+
+
+_keys = itertools.count()
+"""Each joining session's key in its model's plan."""
+
+
+@dataclass
+class CostModel(StepCosts):
+    """What rounds cost on one target replica (:class:`StepCosts`), what
+    the drafts had accepted (the deployment's, shared with the other
+    replicas' models), and the adaptive sessions on it, whose K it plans
+    together."""
+
+    planning_share: float = PLANNING_SHARE
+    """The most of the coordinator's time planning may take (inf: plan
+    whenever the load or the sessions changed)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """What the drafts had accepted: the models', the same on every replica
+    (:class:`CostModels` shares it)."""
+    sessions: dict[int, Bidder] = field(init=False, default_factory=dict)
+    """The adaptive sessions running now, by key, planned together."""
+    _version: int = field(init=False, default=0)
+    """Counts the joins, leaves and offers: a plan is for one set of
+    sessions, each with what its drafter offers (:meth:`changed`)."""
+    _plan: Plan | None = field(init=False, default=None)
+    _planned_at: tuple[int, int] = field(init=False, default=(-1, -1))
+    _planned_time: float = field(init=False, default=0.0)
+    _planning_s: float = field(init=False, default=0.0)
+
+    def observe(
+        self,
+        *,
+        num_drafts: int,
+        draft_s: float,
+        overhead_s: float,
+        drafted: bool,
+        draft_steps: int | None = None,
+        num_accepted: int | None = None,
+        evidence: int | None = None,
+    ) -> None:
+        """One round: what it cost (:meth:`StepCosts.observe`), and that the
+        target accepted ``num_accepted`` of ``num_drafts`` (drafted on
+        ``evidence``, if the drafter has any: :meth:`Acceptance.observe`)."""
+        if num_drafts and num_accepted is not None:
+            self.acceptance.observe(num_drafts, num_accepted, evidence)
+        super().observe(
+            num_drafts=num_drafts,
+            draft_s=draft_s,
+            overhead_s=overhead_s,
+            drafted=drafted,
+            draft_steps=draft_steps,
+        )
+
+    @property
+    def explores(self) -> bool:
+        """Whether the session alone is to measure the draft's costs again, as
+        though they were unknown: no draft has answered for
+        :data:`DRAFT_STALE_S` (every session at K = 0 or target-only), so
+        its curve is of steps run then — maybe while something else held the
+        cores — and no answer would ever correct it. Only a session alone
+        in the target's steps does: under load a round of many drafts beside
+        target-only sessions would hold their steps (or, on shared cores,
+        overlap them), and there drafting rarely pays."""
+        return (
+            self.draft is not None
+            and bool(self.draft.curve)
+            and time.perf_counter() - self.draft_at >= DRAFT_STALE_S
+            and self.alone
+        )
+
+    @property
+    def alone(self) -> bool:
+        """Whether one adaptive session runs, alone in the target's steps."""
+        return len(self.sessions) <= 1 and self.target.rows_per_step <= 1
+
+    # --- planning --------------------------------------------------------------
+
+    def join(self, session: Bidder) -> int:
+        """Plans ``session`` with the others from now on; its key in the plan."""
+        key = next(_keys)
+        self.sessions[key] = session
+        self._version += 1
+        return key
+
+    def leave(self, key: int) -> None:
+        if self.sessions.pop(key, None) is not None:
+            self._version += 1
+
+    def changed(self) -> None:
+        """A session's offer changed (:meth:`coordinator.adaptive.session.AdaptiveK.offer`)."""
+        self._version += 1
+
+    def plan(self) -> Plan:
+        """The K of every adaptive session that maximises the goodput
+        (:func:`coordinator.adaptive.planner.plan`), made again after a
+        target step or when the sessions change — but taking at most
+        ``planning_share`` of the time (a session the plan does not know
+        yet drafts nothing)."""
+        stamp = (self.target.steps, self._version)
+        now = time.perf_counter()
+        due = now - self._planned_time >= self._planning_s / self.planning_share
+        if self._plan is None or (stamp != self._planned_at and due):
+            bids = [session.bid() for session in self.sessions.values()]
+            self._plan = plan(bids, self)
+            self._planned_at, self._planned_time = stamp, now
+            self._planning_s = time.perf_counter() - now
+        return self._plan
+
+    def draft_prefill_pays(
+        self, tokens: int, tokens_left: int, *, beside: bool = False, others_draft: bool = False
+    ) -> bool:
+        """Whether a draft session opened now on ``tokens`` tokens repays its
+        prefill, which the round that first drafts waits for (and, where the
+        draft shares the target's cores, every session) — what of it outlasts
+        the target's prefill where it runs ``beside`` it: the ``tokens_left``
+        tokens still to come, made at the plan's goodput G rather than at
+        K = 0's G₀, must save more than the prefill costs — each goodput
+        taken at the end of its error that favours the other, since an open
+        draft is not undone: ε = :data:`PLAN_ERROR` · (1 − 1/R) with R the
+        rows of the target's steps (these sessions' at least),
+
+            tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
+
+        Where the draft shares the target's cores and ``others_draft`` (in
+        the coordinator's lockstep), a session without a draft has no round
+        that costs the deployment only its row: it waits in the others'
+        phases, a token a phase, or its steps run beside their drafts,
+        slowing both. There the prefill is the price of joining them, and
+        the draft opens wherever drafting pays at the end of the error,
+        G(1 − ε) > G₀(1 + ε).
+
+        A session whose draft never opened does not probe it either: its
+        acceptance is the deployment's. True before the draft's steps are
+        measured, and where the session alone is to measure them again
+        (:attr:`explores`): an open teaches them."""
+        if self.draft is None or not self.draft.curve or self.explores:
+            return True
+        plan = self.plan()
+        if plan.goodput <= plan.target_only or plan.target_only <= 0:
+            return False
+        error = PLAN_ERROR * (1 - 1 / max(1.0, self.target.rows_per_step, len(self.sessions)))
+        worst_target_only = plan.target_only * (1 + error)
+        worst_goodput = plan.goodput * (1 - error)
+        if others_draft:
+            return worst_goodput > worst_target_only
+        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        if beside:
+            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
+        saved = tokens_left * (1 / worst_target_only - 1 / worst_goodput)
+        log.debug(
+            "draft prefill priced",
+            saved_ms=round(saved * 1e3, 1),
+            prefill_ms=round(prefill * 1e3, 1),
+            goodput=round(plan.goodput, 1),
+            target_only=round(plan.target_only, 1),
+        )
+        return saved > prefill
+
+
+class CostModels:
+    """A coordinator's cost models, one for each target replica its sessions
+    run on: sessions share steps only with those on the same engine, and
+    each engine reports its own costs and load. What the drafts had
+    accepted is shared (:class:`coordinator.adaptive.acceptance.Acceptance`). The
+    draft's costs are those of whichever draft replica answered a model's
+    sessions last.
+
+    Replicas come and go (under Kubernetes each new pod has a new address):
+    past ``max_idle`` models that no adaptive session is planned with, the
+    least recently used is forgotten. A replica whose model was forgotten
+    measures its costs again, as a new one does."""
+
+    def __init__(
+        self, planning_share: float = PLANNING_SHARE, max_idle: int = MAX_IDLE_MODELS
+    ) -> None:
+        self.acceptance = Acceptance()
+        self.planning_share = planning_share
+        self.max_idle = max_idle
+        self._by_replica: dict[str, CostModel] = {}
+        """Target replica's address → its model, the last one used last."""
+
+    def of(self, replica: str) -> CostModel:
+        """The model of the sessions on the target replica at ``replica``."""
+        if (costs := self._by_replica.pop(replica, None)) is not None:
+            self._by_replica[replica] = costs  # (the last used, last)
+            return costs
+        costs = CostModel(planning_share=self.planning_share, acceptance=self.acceptance)
+        self._by_replica[replica] = costs
+        self._forget_idle()
+        return costs
+
+    def _forget_idle(self) -> None:
+        """Forgets the least recently used models no session is planned
+        with, past ``max_idle`` of them: once a model is added, the only
+        time the map grows — not at every round's lookup."""
+        idle = [replica for replica, costs in self._by_replica.items() if not costs.sessions]
+        for replica in idle[: max(0, len(idle) - self.max_idle)]:
+            del self._by_replica[replica]
+
+    def likeliest(self) -> CostModel:
+        """The model of a session yet to open: that of the replica with the
+        most sessions, the last used among as many — before any session
+        opened, one for every session until it opens."""
+        if not self._by_replica:
+            return self.of("")
+        return max(reversed(self._by_replica.values()), key=lambda costs: len(costs.sessions))

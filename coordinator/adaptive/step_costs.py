@@ -1,0 +1,197 @@
+"""What rounds cost, as adaptive K (:mod:`coordinator.adaptive`) prices
+them: the target's and the draft's step costs by rows and tokens, which the
+engines measure and report with every answer (``outrider.load``), each
+with the engine's own work between its forward passes; and what the
+coordinator measures itself — its overhead per round, a drafting round's
+cost beyond its draft steps, the target's prefill per token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from outrider.load import DECODE_TOKENS_PER_ROW, WINDOW, EngineLoad
+
+
+class _Ema:
+    """Exponential moving average that starts at its first sample."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value = self.decay * self.value + (1 - self.decay) * sample
+
+
+class _Median:
+    """The median of the last :data:`WINDOW` samples. A rare sample far off
+    the others (a round whose draft ran a shape's first, eager, step, many
+    times its usual drafts) says nothing of the rounds to come, and a mean
+    would carry it for dozens of rounds — for ever, where the price it sets
+    stops the drafting whose samples would replace it."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+
+    def update(self, sample: float) -> None:
+        self.samples.append(sample)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
+class _Floor:
+    """The floor of a noisy sample: follows a lower sample quickly and a
+    higher one slowly, so it settles near the low end of the samples."""
+
+    DOWN, UP = 0.5, 0.02
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += (self.DOWN if sample < self.value else self.UP) * (sample - self.value)
+
+
+@dataclass
+class StepCosts:
+    """What rounds cost on one target replica and its drafts: the engines'
+    step curves and load as they last reported them, and what the
+    coordinator measures itself."""
+
+    decay: float = 0.9
+    target: EngineLoad = field(default_factory=EngineLoad)
+    """The target engine's curve and load, from its latest answer (the
+    round loop keeps it current)."""
+    draft: EngineLoad | None = None
+    """The draft engine's; None for prompt lookup (or before any answer)."""
+    draft_at: float = field(init=False, default_factory=time.perf_counter)
+    """When the draft last answered (:meth:`draft_answered`)."""
+    draft_per_token: _Ema = field(init=False)
+    """Draft compute per drafted token, where the draft reports no curve."""
+    draft_extra: _Median = field(init=False)
+    """What a round's drafts took beyond their steps' prices on the draft's
+    curve: its first step feeds the tokens the last round committed that
+    the draft has not seen — two, the last draft and the bonus token, where
+    every draft was accepted — and a round of one draft pays it as one of K
+    does. Priced as a fixed cost of a drafting round."""
+    prefill_per_token: _Ema = field(init=False)
+    overhead: dict[bool, _Floor] = field(init=False)
+    """Keyed by whether the round waited for a draft RPC (two RPCs or one).
+    Its floor: under load a round's overhead also holds the time its calls
+    waited behind other sessions' steps, which is those sessions' work —
+    already priced in the step costs — not a cost of this round that more
+    drafts would spread."""
+
+    def __post_init__(self) -> None:
+        self.draft_per_token = _Ema(self.decay)
+        self.draft_extra = _Median()
+        self.prefill_per_token = _Ema(self.decay)
+        self.overhead = {False: _Floor(), True: _Floor()}
+
+    def observe(
+        self,
+        *,
+        num_drafts: int,
+        draft_s: float,
+        overhead_s: float,
+        drafted: bool,
+        draft_steps: int | None = None,
+    ) -> None:
+        """One round: ``draft_steps`` (default ``num_drafts``) draft steps
+        took ``draft_s``, and its overhead was ``overhead_s``."""
+        steps = num_drafts if draft_steps is None else draft_steps
+        if steps:
+            self.draft_per_token.update(draft_s / steps)
+            if drafted and self.draft is not None and self.draft.curve:
+                rows = max(1.0, self.draft.rows_per_step)
+                priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
+                self.draft_extra.update(max(0.0, draft_s - priced))
+        self.overhead[drafted].update(overhead_s)
+
+    def draft_answered(self, load: EngineLoad | None) -> None:
+        """The draft answered a round, with its costs and load if it reports them."""
+        if load is not None:
+            self.draft = load
+        self.draft_at = time.perf_counter()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A target session opened on ``tokens`` tokens in ``seconds``."""
+        self.prefill_per_token.update(seconds / max(1, tokens))
+
+    @property
+    def measured(self) -> bool:
+        """Whether the target's step cost is known (a round has run)."""
+        return bool(self.target.curve)
+
+    @property
+    def draft_measured(self) -> bool:
+        """Whether a draft step's cost is known (a round has drafted)."""
+        return bool(self.draft and self.draft.curve) or self.draft_per_token.value is not None
+
+    def prefill_cost(self, tokens: int) -> float | None:
+        """What opening a target session on ``tokens`` tokens should cost."""
+        per_token = self.prefill_per_token.value
+        return None if per_token is None else per_token * tokens
+
+    def verify_cost(self, k: int) -> float | None:
+        """What a verify of K drafts should take now: a step at the current
+        load, and the engine's work on the step's rows around it."""
+        if not self.measured:
+            return None
+        load = self.target
+        rows = max(load.rows_per_step, 1.0)
+        step = load.step_cost(max(load.tokens_per_step, 1.0) + k, rows)
+        assert step is not None  # (measured)
+        return step + load.work_per_row_s * rows
+
+    def rpc_cost(self, drafted: bool) -> float:
+        """o: a round's overhead with two RPCs on its critical path (``drafted``) or one."""
+        overhead = self.overhead[drafted].value
+        if overhead is None:
+            overhead = self.overhead[not drafted].value or 0.0
+        return overhead
+
+    def draft_step_costs(self, rows: np.ndarray) -> np.ndarray:
+        """d(n) of draft steps of ``rows`` rows (0 rows: no step), the draft
+        engine's work on the rows around each included: along its steps of a
+        token a row, but no dearer than a step of as many tokens in the rows
+        measured nearest. Where its steps of a token a row were measured at
+        fewer rows only, their curve runs on proportionally from a lone
+        point, or on the slope of a step slowed by something else — far
+        above what the draft's steps of more rows took
+        (docs/design.md#speculation-under-load)."""
+        rows = np.asarray(rows, dtype=float)
+        if self.draft is not None and self.draft.curve:
+            stepping = np.maximum(rows, 1.0)
+            decode = np.minimum(
+                self.draft.decode_costs(stepping), self.draft.step_costs(stepping, stepping)
+            )
+            costs = decode + self.draft.work_per_row_s * stepping
+        else:
+            costs = np.full_like(rows, self.draft_per_token.value or 0.0)
+        return np.where(rows > 0, costs, 0.0)
+
+    def verify_costs(self, tokens: float, rows: float, most: int) -> np.ndarray:
+        """What the target's step of ``tokens`` tokens in ``rows`` rows costs
+        with 0 .. ``most`` drafts more in it."""
+        steps = self.target.step_costs(tokens + np.arange(most + 1.0), rows)
+        if tokens < DECODE_TOKENS_PER_ROW * rows:
+            # No drafts: a decode step, a token a row.
+            if (decode := self.target.decode_cost(rows)) is not None:
+                steps[0] = decode
+        # Every row of the step waits for the engine's work on all of them.
+        return np.maximum.accumulate(steps) + self.target.work_per_row_s * rows
