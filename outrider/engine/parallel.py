@@ -46,6 +46,7 @@ import torch.distributed as dist
 import zmq
 
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
+from outrider.engine.loading import truncate_layers
 from outrider.engine.runner import RunnerLost, tune_linears
 from outrider.engine.shards import CheckpointShard, Shard
 from outrider.logging import get_logger
@@ -100,8 +101,6 @@ class RankSpec:
 def meta_model(checkpoint: str, *, num_layers: int | None = None, trust_remote_code: bool = False):
     """The architecture of a checkpoint without its weights (on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from outrider.models import truncate_layers
 
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
