@@ -98,6 +98,6 @@ class Int4Drafter(ModelDrafter):
 
 class EarlyExitDrafter(ModelDrafter):
     """A model drafter whose model is a checkpoint cut after its first L layers
-    (built by ``outrider.models.load_causal_lm(..., num_layers=L)``)."""
+    (built by ``outrider.engine.loading.load_causal_lm(..., num_layers=L)``)."""
 
     kind = "early-exit"

@@ -1,4 +1,5 @@
-"""Model resolution, the offline fetch of the embedded default model, and loading.
+"""Model specs: what one names, the offline fetch of the embedded models, and the
+facts a service reads from a checkpoint (tokenizer, generation config, context).
 
 A *model spec* is what users type after ``--model``:
 
@@ -13,8 +14,9 @@ and saves an ordinary safetensors checkpoint (weights, config, generation
 config, tokenizer with its chat template) under :func:`cache_dir`, so every
 later load is a plain ``from_pretrained`` that takes about a second.
 
-Loading also makes the model's linears over 2–16 rows compute as ``W @ x.T``
-on the CPU (:func:`outrider.engine.ops.use_small_batch_linears`).
+This module imports no torch, so the coordinator can use it: conversion
+brings in torch and transformers inside :func:`fetch`, a one-off command.
+Loading a model into the engine is :mod:`outrider.engine.loading`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-if TYPE_CHECKING:  # torch loads with the first model: a coordinator needs only tokenizers
-    import torch
+if TYPE_CHECKING:  # torch loads only to convert: a coordinator needs only tokenizers
     from torch import nn
     from transformers import PreTrainedModel
 
@@ -361,7 +362,7 @@ def _install(staged: Path, dest: Path, *, graveyard: Path, replace: bool) -> Non
             raise
 
 
-# --------------------------------------------------------------------------- load
+# --------------------------------------------------------------------------- checkpoint files
 
 
 def load_tokenizer(spec: str | None, *, trust_remote_code: bool = False) -> Any:
@@ -403,74 +404,6 @@ def generation_config(spec: str | None) -> dict[str, Any]:
         return GenerationConfig.from_pretrained(path).to_dict()
     except OSError:
         return {}
-
-
-def load_causal_lm(
-    spec: str | None,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str = "cpu",
-    num_layers: int | None = None,
-    trust_remote_code: bool = False,
-    fast_small_batch: bool = True,
-) -> PreTrainedModel:
-    """Load a causal LM for inference on ``device``: eval mode, no gradients.
-
-    ``dtype`` defaults to float32. ``num_layers=L`` keeps only the first L
-    decoder layers (early exit; the final norm and the LM head stay).
-    ``fast_small_batch`` applies :func:`outrider.engine.ops.use_small_batch_linears`.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from outrider.engine.ops import use_small_batch_linears
-
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve(spec),
-        dtype=dtype or torch.float32,
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
-    )
-    model.eval().requires_grad_(False)
-    if num_layers is not None:
-        truncate_layers(model, num_layers)
-    # PreTrainedModel.to is `@wraps(nn.Module.to)`, which types it as the
-    # unbound function (self first): the call is right, its stub is not.
-    model.to(device)  # type: ignore[arg-type]
-    if fast_small_batch:
-        use_small_batch_linears(model)
-    return model
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    from torch import nn
-
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__} has no `model.layers`; early exit is not supported for it"
-        )
-    return layers
-
-
-def truncate_layers(model: PreTrainedModel, num_layers: int) -> None:
-    """Keep only the first ``num_layers`` decoder layers of ``model`` (in place)."""
-    layers = _decoder_layers(model)
-    total = len(layers)
-    if not 1 <= num_layers <= total:
-        raise ValueError(
-            f"num_layers must be between 1 and {total} (the model's layer count), got {num_layers}"
-        )
-    del layers[num_layers:]
-    config = model.config
-    for key, value in vars(config).items():  # per-layer lists such as `layer_types`
-        if (
-            isinstance(value, (list, tuple))
-            and len(value) == total
-            and not key.endswith("token_id")
-        ):
-            setattr(config, key, type(value)(value[:num_layers]))
-    config.num_hidden_layers = num_layers
 
 
 # --------------------------------------------------------------------------- facts

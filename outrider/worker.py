@@ -16,6 +16,7 @@ from outrider import models
 from outrider.config import EngineConfig
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
+from outrider.engine.loading import load_causal_lm
 from outrider.logging import get_logger
 from outrider.memory import return_freed_memory
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics
@@ -45,7 +46,7 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
                 trust_remote_code=config.trust_remote_code,
             )
             return model, str(device), str(dtype).removeprefix("torch.")
-        model = models.load_causal_lm(
+        model = load_causal_lm(
             config.model,
             dtype=dtype,
             device=device,

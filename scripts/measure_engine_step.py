@@ -46,6 +46,7 @@ from outrider.device import resolve_device, resolve_dtype  # noqa: E402
 from outrider.engine import ops  # noqa: E402
 from outrider.engine.kv_cache import BlockPool  # noqa: E402
 from outrider.engine.llama import LlamaForward  # noqa: E402
+from outrider.engine.loading import load_causal_lm  # noqa: E402
 from outrider.engine.runner import PagedRunner  # noqa: E402
 from outrider.engine.scheduler import Row  # noqa: E402
 
@@ -61,7 +62,7 @@ def load(model: str, dtype: torch.dtype, device: torch.device, overrides: dict) 
             setattr(config, key, value)
         with device:  # initialised where it runs: an 8B shape takes minutes on the host
             return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return models.load_causal_lm(model, dtype=dtype, device=device, fast_small_batch=False)
+    return load_causal_lm(model, dtype=dtype, device=device, fast_small_batch=False)
 
 
 def timed_in_turn(fn, repeats: int) -> dict[str, float]:

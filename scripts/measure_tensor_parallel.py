@@ -38,6 +38,7 @@ from outrider import models  # noqa: E402
 from outrider.engine import parallel  # noqa: E402
 from outrider.engine.kv_cache import BlockPool  # noqa: E402
 from outrider.engine.llama import LlamaForward  # noqa: E402
+from outrider.engine.loading import load_causal_lm  # noqa: E402
 from outrider.engine.runner import PagedRunner  # noqa: E402
 from outrider.engine.scheduler import Row  # noqa: E402
 
@@ -140,7 +141,7 @@ def steps(args: argparse.Namespace) -> None:
     blocks = 8 * (args.context + 16) // 16 + 8
     threads = {1: args.threads, args.size: max(1, args.threads // args.size)}
     one = PagedRunner(
-        LlamaForward(models.load_causal_lm(checkpoint, dtype=torch.float32)),
+        LlamaForward(load_causal_lm(checkpoint, dtype=torch.float32)),
         BlockPool(blocks, 16),
     )
     ranks = parallel.start(

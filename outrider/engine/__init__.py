@@ -7,9 +7,13 @@ one forward pass per step.
 ``engine.scheduler``        which feeds run in a step, under a token budget
 ``engine.runner``           rows of a step → tensors → one forward pass
 ``engine.llama``            the Llama family's forward over the paged cache
+``engine.ops``              the CPU linears, each on its fastest path
 ``engine.cuda_graphs``      captured CUDA graphs of uniform steps
 ``engine.kv_cache``         the block pool and each session's blocks
 ``engine.build``            a runner for a loaded model, sized from memory
+``engine.loading``          a model spec's causal LM, loaded for the engine
+``engine.parallel``         tensor-parallel ranks around one control plane
+``engine.shards``           one rank's slices of a checkpoint
 ==========================  =================================================
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
 from torch import nn
 
 from outrider.config import EngineConfig, WorkerLimits
@@ -41,43 +42,17 @@ def build_runner(
     ``engine.tensor_parallel_size`` N > 1, ``model`` is the architecture of
     ``checkpoint`` (cut to ``num_layers``) on the meta device, and N ranks
     load their shards of it (:mod:`outrider.engine.parallel`)."""
-    size = engine.tensor_parallel_size
-
-    def budget() -> int:
-        return worker_cache_budget(
+    if engine.tensor_parallel_size > 1:
+        return _tensor_parallel_runner(
             model,
-            max_sessions=limits.max_sessions,
+            limits=limits,
+            engine=engine,
             max_context=max_context,
-            max_cached_tokens=limits.max_cached_tokens,
-            tensor_parallel=None if size == 1 else (size, device),
-        )
-
-    if size > 1:
-        if (problem := tensor_parallel_problem(model.config, size, int4_group_size)) is not None:
-            raise ValueError(problem)
-        if checkpoint is None:
-            raise ValueError("a tensor-parallel runner reads its shards from a checkpoint")
-        from outrider.engine import parallel
-
-        device = resolve_device(engine.device)
-        ranks = parallel.start(
-            checkpoint,
-            model,
-            size=size,
-            device=device,
-            dtype=resolve_dtype(engine.dtype, device),
+            int4_group_size=int4_group_size,
+            checkpoint=checkpoint,
             num_layers=num_layers,
-            timeout_s=engine.tensor_parallel_timeout_s,
-            threads=max(1, engine.threads // size),
             trust_remote_code=trust_remote_code,
         )
-        try:
-            pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
-            return PagedRunner(ranks, pool)  # eager: no CUDA graphs
-        except BaseException:
-            ranks.close()
-            raise
-
     if (reason := llama.unsupported(model)) is not None:
         if int4_group_size is not None:
             raise ValueError(
@@ -85,9 +60,61 @@ def build_runner(
                 f"and this model cannot: {reason}"
             )
         log.warning("model runs on the unbatched fallback runner", reason=reason)
-        return FallbackRunner(model, BlockPool(budget(), 1))
+        return FallbackRunner(model, BlockPool(_cache_tokens(model, limits, max_context), 1))
+    # Quantizing frees memory, so it comes before the budget.
+    forward = _llama_forward(model, int4_group_size)
+    pool = _paged_pool(_cache_tokens(model, limits, max_context))
+    return PagedRunner(
+        forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda"
+    )
+
+
+def _tensor_parallel_runner(
+    model: nn.Module,
+    *,
+    limits: WorkerLimits,
+    engine: EngineConfig,
+    max_context: int,
+    int4_group_size: int | None,
+    checkpoint: str | None,
+    num_layers: int | None,
+    trust_remote_code: bool,
+) -> PagedRunner:
+    """Rank 0's runner over ``engine.tensor_parallel_size`` ranks, each of
+    which loads its shard of ``checkpoint``; eager (no CUDA graphs)."""
+    size = engine.tensor_parallel_size
+    if (problem := tensor_parallel_problem(model.config, size, int4_group_size)) is not None:
+        raise ValueError(problem)
+    if checkpoint is None:
+        raise ValueError("a tensor-parallel runner reads its shards from a checkpoint")
+    from outrider.engine import parallel
+
+    device = resolve_device(engine.device)
+    ranks = parallel.start(
+        checkpoint,
+        model,
+        size=size,
+        device=device,
+        dtype=resolve_dtype(engine.dtype, device),
+        num_layers=num_layers,
+        timeout_s=engine.tensor_parallel_timeout_s,
+        threads=max(1, engine.threads // size),
+        trust_remote_code=trust_remote_code,
+    )
+    try:
+        pool = _paged_pool(
+            _cache_tokens(model, limits, max_context, tensor_parallel=(size, device))
+        )
+        return PagedRunner(ranks, pool)
+    except BaseException:
+        ranks.close()
+        raise
+
+
+def _llama_forward(model: nn.Module, int4_group_size: int | None) -> llama.LlamaForward:
+    """The Llama-family forward of ``model``, its weights quantized with
+    ``int4_group_size`` (a progress bar only on a terminal)."""
     started = time.perf_counter()
-    # Quantizing frees memory, so it comes before the budget; its bar only on a terminal.
     forward = llama.LlamaForward(
         model, int4_group_size=int4_group_size, progress=sys.stderr.isatty()
     )
@@ -99,10 +126,29 @@ def build_runner(
             lm_head="int8",
             seconds=round(time.perf_counter() - started, 2),
         )
-    pool = BlockPool(max(1, budget() // BLOCK_SIZE), BLOCK_SIZE)
-    return PagedRunner(
-        forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda"
+    return forward
+
+
+def _cache_tokens(
+    model: nn.Module,
+    limits: WorkerLimits,
+    max_context: int,
+    *,
+    tensor_parallel: tuple[int, torch.device] | None = None,
+) -> int:
+    """How many tokens the KV pool holds (:func:`outrider.memory.worker_cache_budget`)."""
+    return worker_cache_budget(
+        model,
+        max_sessions=limits.max_sessions,
+        max_context=max_context,
+        max_cached_tokens=limits.max_cached_tokens,
+        tensor_parallel=tensor_parallel,
     )
+
+
+def _paged_pool(tokens: int) -> BlockPool:
+    """A pool of blocks for ``tokens`` tokens (one at least)."""
+    return BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE)
 
 
 def tensor_parallel_problem(config, size: int, int4_group_size: int | None = None) -> str | None:

@@ -4,7 +4,7 @@ Llama, Mistral, Qwen2, Qwen3 and SmolLM2 (a Llama) are one architecture up
 to a few switches: biases on q/k/v (Qwen2), a norm on each query and key
 head (Qwen3), a sliding window (Mistral). This is that forward in the
 spirit of gpt-fast's ``model.py``: the weights of the transformers model
-that :func:`outrider.models.load_causal_lm` loaded (the same safetensors),
+that :func:`outrider.engine.loading.load_causal_lm` loaded (the same safetensors),
 with q/k/v and gate/up fused into one matrix each, run over a *ragged
 batch*: every session's tokens of a step flattened into one sequence of
 ``N`` tokens for the linear layers, and grouped by tokens per row for
@@ -133,6 +133,47 @@ class _Layer:
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # Qwen3: a norm on each query and key head
 
 
+def _shard_layer(
+    checkpoint: CheckpointShard,
+    name: str,
+    heads: tuple[int, int],
+    kv_heads: tuple[int, int],
+    ffn: tuple[int, int],
+) -> _Layer:
+    """Layer ``name``'s slices on this rank: q/k/v by rows of its heads (and
+    KV heads), gate/up by rows of its ``ffn`` features, o and down by the
+    same columns, norms whole."""
+    attention, mlp = name + "self_attn.", name + "mlp."
+    q, k, v = (f"{attention}{p}_proj." for p in "qkv")
+    bounds = (heads, kv_heads, kv_heads)
+
+    def qkv_rows(suffix: str) -> torch.Tensor:
+        return torch.cat(
+            [checkpoint.rows(p + suffix, *b) for p, b in zip((q, k, v), bounds, strict=True)]
+        )
+
+    return _Layer(
+        qkv=qkv_rows("weight"),
+        qkv_bias=qkv_rows("bias") if q + "bias" in checkpoint else None,
+        o=checkpoint.columns(attention + "o_proj.weight", *heads),
+        gate_up=torch.cat(
+            [
+                checkpoint.rows(mlp + "gate_proj.weight", *ffn),
+                checkpoint.rows(mlp + "up_proj.weight", *ffn),
+            ]
+        ),
+        down=checkpoint.columns(mlp + "down_proj.weight", *ffn),
+        input_norm=checkpoint.whole(name + "input_layernorm.weight"),
+        post_norm=checkpoint.whole(name + "post_attention_layernorm.weight"),
+        qk_norm=(
+            checkpoint.whole(attention + "q_norm.weight"),
+            checkpoint.whole(attention + "k_norm.weight"),
+        )
+        if attention + "q_norm.weight" in checkpoint
+        else None,
+    )
+
+
 class LlamaForward:
     """The forward of one Llama-family model. Construction takes the
     weights out of ``model`` (fusing q/k/v and gate/up, releasing the
@@ -174,7 +215,13 @@ class LlamaForward:
         )
         if checkpoint is not None:
             self._load_shard(model, checkpoint)
-            return
+        else:
+            self._take_weights(model, int4_group_size, progress)
+
+    def _take_weights(self, model: Any, int4_group_size: int | None, progress: bool) -> None:
+        """The weights of ``model``, its originals released as they are
+        fused (or quantized, with ``int4_group_size``)."""
+        decoder: Any = model.model
         self.vocab_start = 0
         self.embed: torch.Tensor = _own(decoder.embed_tokens.weight)
         self.norm: torch.Tensor = _own(decoder.norm.weight)
@@ -206,9 +253,7 @@ class LlamaForward:
                 disable=not progress,
             )
         self.layers = [self._take(layer, quantize) for layer in layers]
-        positions = torch.arange(self.max_positions, device=self.device)[None]
-        cos, sin = decoder.rotary_emb(self.embed[:1], positions)  # transformers' own table
-        self.cos, self.sin = cos[0], sin[0]
+        self._rotary_table(decoder.rotary_emb)  # transformers' own table
 
     def _load_shard(self, model: Any, checkpoint: CheckpointShard) -> None:
         """This rank's weights (:mod:`outrider.engine.shards`), and its head counts."""
@@ -216,7 +261,7 @@ class LlamaForward:
         shard = checkpoint.shard
         q_start, q_stop = (i * self.head_dim for i in shard.part(self.num_heads))
         kv_start, kv_stop = (i * self.head_dim for i in shard.part(self.num_kv_heads))
-        ffn_start, ffn_stop = shard.part(config.intermediate_size)
+        ffn = shard.part(config.intermediate_size)
         self.num_heads //= shard.size
         self.num_kv_heads //= shard.size
         self.embed, self.vocab_start = checkpoint.vocabulary_rows("model.embed_tokens.weight")
@@ -224,50 +269,19 @@ class LlamaForward:
         self.dtype, self.device = checkpoint.dtype, checkpoint.device
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in checkpoint
         self.lm_head = self.embed if tied else checkpoint.vocabulary_rows("lm_head.weight")[0]
-        layers = []
-        for i in range(len(model.model.layers)):
-            name = f"model.layers.{i}."
-            attention, mlp = name + "self_attn.", name + "mlp."
-            q, k, v = (f"{attention}{p}_proj." for p in "qkv")
-            bounds = ((q_start, q_stop), (kv_start, kv_stop), (kv_start, kv_stop))
-            layers.append(
-                _Layer(
-                    qkv=torch.cat(
-                        [
-                            checkpoint.rows(p + "weight", *b)
-                            for p, b in zip((q, k, v), bounds, strict=True)
-                        ]
-                    ),
-                    qkv_bias=torch.cat(
-                        [
-                            checkpoint.rows(p + "bias", *b)
-                            for p, b in zip((q, k, v), bounds, strict=True)
-                        ]
-                    )
-                    if q + "bias" in checkpoint
-                    else None,
-                    o=checkpoint.columns(attention + "o_proj.weight", q_start, q_stop),
-                    gate_up=torch.cat(
-                        [
-                            checkpoint.rows(mlp + "gate_proj.weight", ffn_start, ffn_stop),
-                            checkpoint.rows(mlp + "up_proj.weight", ffn_start, ffn_stop),
-                        ]
-                    ),
-                    down=checkpoint.columns(mlp + "down_proj.weight", ffn_start, ffn_stop),
-                    input_norm=checkpoint.whole(name + "input_layernorm.weight"),
-                    post_norm=checkpoint.whole(name + "post_attention_layernorm.weight"),
-                    qk_norm=(
-                        checkpoint.whole(attention + "q_norm.weight"),
-                        checkpoint.whole(attention + "k_norm.weight"),
-                    )
-                    if attention + "q_norm.weight" in checkpoint
-                    else None,
-                )
+        self.layers = [
+            _shard_layer(
+                checkpoint, f"model.layers.{i}.", (q_start, q_stop), (kv_start, kv_stop), ffn
             )
-        self.layers = layers
+            for i in range(len(model.model.layers))
+        ]
         # transformers' own table, from a rotary module of the model's class built here
         # (the meta model's holds no numbers)
-        rotary = type(model.model.rotary_emb)(config=config).to(self.device)
+        self._rotary_table(type(model.model.rotary_emb)(config=config).to(self.device))
+
+    def _rotary_table(self, rotary: Any) -> None:
+        """The cosines and sines of every position, as ``rotary`` (a
+        transformers rotary embedding module) computes them."""
         positions = torch.arange(self.max_positions, device=self.device)[None]
         cos, sin = rotary(self.embed[:1], positions)
         self.cos, self.sin = cos[0], sin[0]

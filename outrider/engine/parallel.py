@@ -46,6 +46,7 @@ import torch.distributed as dist
 import zmq
 
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
+from outrider.engine.loading import truncate_layers
 from outrider.engine.runner import RunnerLost, tune_linears
 from outrider.engine.shards import CheckpointShard, Shard
 from outrider.logging import get_logger
@@ -100,8 +101,6 @@ class RankSpec:
 def meta_model(checkpoint: str, *, num_layers: int | None = None, trust_remote_code: bool = False):
     """The architecture of a checkpoint without its weights (on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from outrider.models import truncate_layers
 
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -327,21 +326,12 @@ def start(
     group as rank 0, and loads rank 0's shard (of ``model``, the
     checkpoint's architecture on the meta device). Raises RankLost when a
     rank does not come up."""
-    from torch.distributed import TCPStore
-
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} CUDA devices, "
             f"this machine has {torch.cuda.device_count()}"
         )
-    store = TCPStore(
-        "127.0.0.1",
-        0,
-        world_size=size,
-        is_master=True,
-        timeout=timedelta(seconds=START_TIMEOUT_S),
-        wait_for_workers=False,
-    )
+    store = _master_store(size)
     publisher = StepPublisher()
     spec = RankSpec(
         checkpoint=checkpoint,
@@ -360,26 +350,8 @@ def start(
     ranks = [
         subprocess.Popen([*command, json.dumps(asdict(spec) | {"rank": r})]) for r in range(1, size)
     ]
-
-    def alive() -> None:
-        for rank, process in enumerate(ranks, start=1):
-            if (code := process.poll()) is not None:
-                raise RankLost(f"tensor-parallel rank {rank} exited with code {code} at start")
-
-    def wait_for(stage: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not store.check([f"{stage}/{r}" for r in range(1, size)]):
-            alive()
-            if time.monotonic() > deadline:
-                raise RankLost(f"the tensor-parallel ranks were not {stage} in {START_TIMEOUT_S} s")
-            time.sleep(0.05)
-
     try:
-        wait_for("started")  # their imports done: joining the group is quick
-        _join(spec, store)
-        publisher.wait_for_subscribers(size - 1, alive)
-        local = load_shard(spec, model)
-        wait_for("loaded")
+        local = _meet(spec, model, store, publisher, ranks)
     except BaseException:
         for process in ranks:
             process.kill()
@@ -390,6 +362,53 @@ def start(
         raise
     log.info("tensor-parallel ranks ready", size=size, backend=spec.backend)
     return TensorParallelForward(local, publisher, ranks)
+
+
+def _master_store(size: int) -> dist.TCPStore:
+    """Rank 0's key–value store, on a free port, where the ranks meet."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world_size=size,
+        is_master=True,
+        timeout=timedelta(seconds=START_TIMEOUT_S),
+        wait_for_workers=False,
+    )
+
+
+def _meet(
+    spec: RankSpec,
+    model: Any,
+    store: dist.TCPStore,
+    publisher: StepPublisher,
+    ranks: list[subprocess.Popen],
+) -> LlamaForward:
+    """Rank 0's side of the start, step by step with the ranks: they start,
+    all join the group, they subscribe to the steps, all load their shards.
+    Returns rank 0's forward; raises RankLost when a rank exits meanwhile
+    or a step takes more than ``START_TIMEOUT_S``."""
+
+    def alive() -> None:
+        for rank, process in enumerate(ranks, start=1):
+            if (code := process.poll()) is not None:
+                raise RankLost(f"tensor-parallel rank {rank} exited with code {code} at start")
+
+    def wait_for(stage: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check([f"{stage}/{r}" for r in range(1, spec.size)]):
+            alive()
+            if time.monotonic() > deadline:
+                raise RankLost(f"the tensor-parallel ranks were not {stage} in {START_TIMEOUT_S} s")
+            time.sleep(0.05)
+
+    wait_for("started")  # their imports done: joining the group is quick
+    _join(spec, store)
+    publisher.wait_for_subscribers(spec.size - 1, alive)
+    local = load_shard(spec, model)
+    wait_for("loaded")
+    return local
 
 
 # --------------------------------------------------------------------------- ranks 1..N-1

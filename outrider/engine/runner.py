@@ -135,7 +135,15 @@ class PagedRunner:
         (pad tokens at position 0 write to the null block), because there a
         group costs kernel launches in every layer and a padded token next
         to nothing — prompts of 64 lengths are a few groups, not 64."""
-        block_size = self.pool.block_size
+        flat = _FlatBatch(self.pool, len(rows))
+        for members in self._attention_groups(rows):
+            flat.add_group(rows, members)
+        return flat.to_device(self.device), flat.wanted
+
+    def _attention_groups(self, rows: Sequence[Row]) -> list[list[int]]:
+        """The indices of ``rows`` in groups that attend together, each
+        group's rows in order of their token count (its last row the
+        longest)."""
         tokens_class = _power_of_two if self.pad_groups else len
 
         def group_of(i: int) -> tuple[int, int]:
@@ -148,65 +156,79 @@ class PagedRunner:
             ), 0 if blocks <= SHARED_WIDTH_BLOCKS else _power_of_two_at_least(blocks)
 
         order = sorted(range(len(rows)), key=lambda i: (group_of(i), len(rows[i].tokens)))
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_at: list[int] = []
-        wanted: list[tuple[int, int] | None] = [None] * len(rows)
-        # (start, rows, tokens per row, block table, span)
-        tables: list[tuple[int, int, int, list[list[int]], tuple[int, int] | None]] = []
-        for _, group in groupby(order, key=group_of):
-            members = list(group)
-            t = len(
-                rows[members[-1]].tokens
-            )  # the group's longest row: the others are padded to it
-            start = len(ids)
-            width = max(
-                self.pool.blocks_for(len(rows[i].kv) + len(rows[i].tokens)) for i in members
-            )
-            table = []
-            for i in members:
-                row = rows[i]
-                cached, blocks = len(row.kv), row.kv.blocks
-                for offset, token in enumerate(row.tokens):
-                    position = cached + offset
-                    ids.append(token)
-                    positions.append(position)
-                    slots.append(
-                        blocks[position // block_size] * block_size + position % block_size
-                    )
-                if row.num_logits:
-                    wanted[i] = (len(logits_at), row.num_logits)
-                    logits_at.extend(range(len(ids) - row.num_logits, len(ids)))
-                pad = t - len(row.tokens)
-                ids.extend([0] * pad)
-                positions.extend([0] * pad)
-                slots.extend([NULL_BLOCK * block_size] * pad)
-                needed = self.pool.blocks_for(cached + len(row.tokens))
-                table.append(blocks[:needed] + [NULL_BLOCK] * (width - needed))
-            tables.append((start, len(members), t, table, _span([rows[i] for i in members])))
-        n = len(ids)
-        flat = [*ids, *positions, *slots, *logits_at]
-        for *_, table, _ in tables:
+        return [list(group) for _, group in groupby(order, key=group_of)]
+
+
+class _FlatBatch:
+    """A step's rows flattened on the host, group after group: their token
+    ids, positions and cache slots, where the wanted logits are, each
+    group's block table — then copied to the device at once."""
+
+    def __init__(self, pool: BlockPool, num_rows: int) -> None:
+        self.pool = pool
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.logits_at: list[int] = []
+        self.wanted: list[tuple[int, int] | None] = [None] * num_rows
+        """Per row, where its logits start among the wanted ones and how many."""
+        self.tables: list[tuple[int, int, int, list[list[int]], tuple[int, int] | None]] = []
+        """Per group: (start, rows, tokens per row, block table, span)."""
+
+    def add_group(self, rows: Sequence[Row], members: Sequence[int]) -> None:
+        """Appends the group of ``rows`` at ``members``, each row padded to
+        the tokens of the group's longest (its last), and its block table,
+        every row's padded to the group's widest."""
+        group = [rows[i] for i in members]
+        t = len(group[-1].tokens)
+        start = len(self.ids)
+        width = max(self.pool.blocks_for(len(row.kv) + len(row.tokens)) for row in group)
+        table = []
+        for i, row in zip(members, group, strict=True):
+            self._add_row(i, row, t)
+            needed = self.pool.blocks_for(len(row.kv) + len(row.tokens))
+            table.append(row.kv.blocks[:needed] + [NULL_BLOCK] * (width - needed))
+        self.tables.append((start, len(group), t, table, _span(group)))
+
+    def _add_row(self, i: int, row: Row, t: int) -> None:
+        """Appends row ``i``'s tokens at their positions and slots, notes
+        where its wanted logits are, and pads it to ``t`` tokens."""
+        block_size = self.pool.block_size
+        cached, blocks = len(row.kv), row.kv.blocks
+        for offset, token in enumerate(row.tokens):
+            position = cached + offset
+            self.ids.append(token)
+            self.positions.append(position)
+            self.slots.append(blocks[position // block_size] * block_size + position % block_size)
+        if row.num_logits:
+            self.wanted[i] = (len(self.logits_at), row.num_logits)
+            self.logits_at.extend(range(len(self.ids) - row.num_logits, len(self.ids)))
+        pad = t - len(row.tokens)
+        self.ids.extend([0] * pad)
+        self.positions.extend([0] * pad)
+        self.slots.extend([NULL_BLOCK * block_size] * pad)
+
+    def to_device(self, device: torch.device) -> ForwardBatch:
+        """The batch on ``device``, all its numbers in one copy."""
+        n, num_logits = len(self.ids), len(self.logits_at)
+        flat = [*self.ids, *self.positions, *self.slots, *self.logits_at]
+        for *_, table, _ in self.tables:
             for blocks in table:
                 flat.extend(blocks)
-        packed = torch.tensor(flat, dtype=torch.long).to(
-            self.device, non_blocking=True
-        )  # one copy to the device
-        groups, offset = [], 3 * n + len(logits_at)
-        for start, count, t, table, span in tables:
+        packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        groups, offset = [], 3 * n + num_logits
+        for start, count, t, table, span in self.tables:
             width = len(table[0])
             block_table = packed[offset : offset + count * width].view(count, width)
             groups.append(AttentionGroup(start, count, t, block_table, span))
             offset += count * width
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=packed[:n],
             positions=packed[n : 2 * n],
             slots=packed[2 * n : 3 * n],
             groups=groups,
-            logits_indices=packed[3 * n : 3 * n + len(logits_at)],
+            logits_indices=packed[3 * n : 3 * n + num_logits],
         )
-        return batch, wanted
 
 
 def _span(members: Sequence[Row]) -> tuple[int, int] | None:

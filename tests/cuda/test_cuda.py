@@ -19,6 +19,7 @@ from outrider.client import AsyncClient
 from outrider.config import EngineConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
+from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from tests.prompts import mt_bench_chat_ids
@@ -235,7 +236,7 @@ def test_nccl_ranks_on_every_gpu_give_one_gpus_logits(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     one = PagedRunner(
-        LlamaForward(models.load_causal_lm(str(tmp_path), device="cuda:0")), BlockPool(64, 16)
+        LlamaForward(load_causal_lm(str(tmp_path), device="cuda:0")), BlockPool(64, 16)
     )
     ranks = parallel.start(
         str(tmp_path),

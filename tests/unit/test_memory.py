@@ -130,7 +130,7 @@ def test_a_cpu_budget_is_capped_at_four_gib():
 
 def test_a_cpu_cache_is_zeroed_and_resident_only_where_written(tiny_target_dir):
     from outrider.engine.llama import LlamaForward
-    from outrider.models import load_causal_lm
+    from outrider.engine.loading import load_causal_lm
 
     def resident_mib() -> float:
         with open("/proc/self/statm") as statm:
