@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from coordinator.lookup import PromptLookup
 from coordinator.metrics import CoordinatorMetrics
@@ -27,15 +28,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = None) -> None:
     tokens = auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset()
-    try:
-        tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
-    except (OSError, ValueError) as exc:
-        raise StartupError(
-            "--tokenizer",
-            config.tokenizer or models.DEFAULT_MODEL,
-            f"does not load: {first_line(exc)}",
-        ) from None
-    generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
+    tokenizer, generation_config = await load_tokenizer(config)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
     target = GrpcTargetClient(config.target, credentials=worker_credentials)
     workers = (
@@ -43,7 +36,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     )
     lookup = PromptLookup(max_ngram=config.max_ngram) if config.prompt_lookup else None
     draft = workers or lookup
-    policy = SpeculationDefaults(
+    defaults = SpeculationDefaults(
         default_k=config.default_k if draft else 0,
         max_k=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,
@@ -53,64 +46,100 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     try:
         # The coordinator serves once its target has described itself
         # (with k8s:// addresses: once a discovered endpoint is ready).
-        await target.start()
-        if workers:
-            await workers.start()
-        target_info = await workers_info(target, "--target", config.target, config.worker_wait_s)
-        draft_info = lookup.info if lookup else None
-        if workers:
-            draft_info = await workers_info(workers, "--draft", config.draft, config.worker_wait_s)
-            check_pairing(target_info, draft_info, config.draft)
+        target_info, draft_info = await connect(config, target, workers, lookup)
         service = CoordinatorService(
             Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info, draft_info),
             target,
             draft,
-            policy,
+            defaults,
             draft_info=draft_info,
             recovery=config.recovery,
             metrics=CoordinatorMetrics(
                 metrics.registry,
                 model_name=target_info.model,
-                max_num_speculative_tokens=policy.max_k if draft else 0,
+                max_num_speculative_tokens=defaults.max_k if draft else 0,
             )
             if metrics
             else None,
         )
-        log.info(
-            "workers ready",
-            target=target_info.model,
-            target_device=target_info.device,
-            target_dtype=target_info.dtype,
-            draft=draft_info.model if draft_info else None,
-            draft_device=draft_info.device if draft_info else None,
-        )
-        running = await start_server(
-            lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
-            [SERVICE_NAME],
-            host=config.service.host,
-            port=config.service.port,
-            credentials=tls.credentials() if (tls := config.service.tls) else None,
-            tokens=tokens,
-            metrics=RpcMetrics(metrics.registry) if metrics else None,
-        )
-        http = (
-            await serve_http(config, config.http_port, service, running, tokens)
-            if config.http_port is not None
-            else None
-        )
-        try:
-            await serve_until_signalled(
-                running,
-                ready_file=config.service.ready_file,
-                grace_s=config.service.shutdown_grace_s,
-            )
-        finally:
-            if http is not None:
-                await http.stop()
+        await run(config, service, tokens, metrics)
     finally:
         await target.close()
         if workers:
             await workers.close()
+
+
+async def load_tokenizer(config: CoordinatorConfig) -> tuple[Any, dict[str, Any]]:
+    """The target's tokenizer and generation config (``--tokenizer``)."""
+    try:
+        tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise StartupError(
+            "--tokenizer",
+            config.tokenizer or models.DEFAULT_MODEL,
+            f"does not load: {first_line(exc)}",
+        ) from None
+    generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
+    return tokenizer, generation_config
+
+
+async def connect(
+    config: CoordinatorConfig,
+    target: GrpcTargetClient,
+    workers: GrpcDraftClient | None,
+    lookup: PromptLookup | None,
+) -> tuple[WorkerInfo, WorkerInfo | None]:
+    """Starts the worker clients and waits for each pool to say what it
+    serves; a draft must pair with the target."""
+    await target.start()
+    if workers:
+        await workers.start()
+    target_info = await workers_info(target, "--target", config.target, config.worker_wait_s)
+    draft_info = lookup.info if lookup else None
+    if workers:
+        draft_info = await workers_info(workers, "--draft", config.draft, config.worker_wait_s)
+        check_pairing(target_info, draft_info, config.draft)
+    log.info(
+        "workers ready",
+        target=target_info.model,
+        target_device=target_info.device,
+        target_dtype=target_info.dtype,
+        draft=draft_info.model if draft_info else None,
+        draft_device=draft_info.device if draft_info else None,
+    )
+    return target_info, draft_info
+
+
+async def run(
+    config: CoordinatorConfig,
+    service: CoordinatorService,
+    tokens: frozenset[str],
+    metrics: MetricsEndpoint | None,
+) -> None:
+    """Serves the gRPC API (and the HTTP API, with ``--http-port``) until a signal."""
+    running = await start_server(
+        lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server),
+        [SERVICE_NAME],
+        host=config.service.host,
+        port=config.service.port,
+        credentials=tls.credentials() if (tls := config.service.tls) else None,
+        tokens=tokens,
+        metrics=RpcMetrics(metrics.registry) if metrics else None,
+    )
+    http = (
+        await serve_http(config, config.http_port, service, running, tokens)
+        if config.http_port is not None
+        else None
+    )
+    try:
+        await serve_until_signalled(
+            running,
+            ready_file=config.service.ready_file,
+            grace_s=config.service.shutdown_grace_s,
+        )
+    finally:
+        if http is not None:
+            await http.stop()
 
 
 async def workers_info(

@@ -4,7 +4,7 @@ round loop's :class:`GenerationRequest`.
 The gRPC servicer (``coordinator.service``) and the OpenAI-compatible HTTP
 API (``coordinator.openai``) each translate what they received into
 :class:`RequestParams` — no protobuf, no JSON — and :class:`RequestBuilder`
-checks it against the served model and the server's speculation policy: the
+checks it against the served model and the server's speculation defaults: the
 prompt (text, chat messages through the target's chat template, or token
 ids), the room left in the context, stop strings and token ids, K, adaptive
 K, pipelining and the sampling parameters. A bad field raises InvalidArgument
@@ -114,44 +114,69 @@ class FieldNames:
 
 class RequestBuilder:
     """Validates :class:`RequestParams` against the served model and the
-    speculation policy of this coordinator (``drafts``: it has a draft worker)."""
+    speculation defaults of this coordinator (``drafts``: it has a draft worker)."""
 
-    def __init__(self, models: Models, policy: SpeculationDefaults, *, drafts: bool) -> None:
+    def __init__(self, models: Models, defaults: SpeculationDefaults, *, drafts: bool) -> None:
         self.models = models
-        self.policy = policy
+        self.defaults = defaults
         self.drafts = drafts
 
     def build(self, params: RequestParams, names: FieldNames = FieldNames()) -> GenerationRequest:
-        # One id per request, in every log line of all three services: the
-        # client's if it sent one, else the one already bound, else a new one.
+        request_id = self.request_id(params)
+        prompt_ids = self.prompt_ids(params, names)
+        max_new_tokens = self.max_new_tokens(params, len(prompt_ids), names)
+        self.check_stops(params)
+        k, adaptive, pipeline = self.speculation(params)
+        return GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            num_speculative_tokens=k,
+            stop=tuple(params.stop),
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            adaptive=adaptive,
+            sampling=self.sampling(params),
+            request_id=request_id,
+            pipeline=pipeline,
+        )
+
+    @staticmethod
+    def request_id(params: RequestParams) -> str:
+        """One id per request, in every log line of all three services: the
+        client's if it sent one, else the one already bound, else a new one."""
         if params.request_id:
             check_request_id(params.request_id)
             bind_contextvars(request_id=params.request_id)
-        request_id = get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
-        prompt_ids = self.prompt_ids(params, names)
-        target = self.models.target
-        if len(prompt_ids) >= target.max_context:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
-                f"{target.max_context}, which leaves no room to generate; shorten the prompt"
-            )
+        return get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
 
-        room = target.max_context - len(prompt_ids)
+    def max_new_tokens(self, params: RequestParams, prompt_len: int, names: FieldNames) -> int:
+        """The tokens to generate: the request's, or the server's default,
+        within the room the prompt leaves in the context."""
+        context = self.models.target.max_context
+        if prompt_len >= context:
+            raise InvalidArgument(
+                f"the prompt has {prompt_len} tokens but the model's context holds "
+                f"{context}, which leaves no room to generate; shorten the prompt"
+            )
+        room = context - prompt_len
         max_new_tokens = params.max_new_tokens
         if max_new_tokens is None:
-            max_new_tokens = min(self.policy.default_max_new_tokens, room)
-        elif max_new_tokens < 1:
+            return min(self.defaults.default_max_new_tokens, room)
+        if max_new_tokens < 1:
             raise InvalidArgument(
                 f"{names.max_new_tokens} = {max_new_tokens}: generate at least 1 token",
                 param=names.max_new_tokens,
             )
-        elif max_new_tokens > room:
+        if max_new_tokens > room:
             raise InvalidArgument(
                 f"{names.max_new_tokens} = {max_new_tokens} does not fit: the prompt has "
-                f"{len(prompt_ids)} tokens and the context holds {target.max_context}, "
+                f"{prompt_len} tokens and the context holds {context}, "
                 f"so at most {room} can be generated",
                 param=names.max_new_tokens,
             )
+        return max_new_tokens
+
+    def check_stops(self, params: RequestParams) -> None:
         if len(params.stop) > MAX_STOP_STRINGS:
             raise InvalidArgument(
                 f"{len(params.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed",
@@ -172,30 +197,36 @@ class RequestBuilder:
             )
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
 
-        # A K the request sets wins; else adaptive (asked, or the server's
-        # default) drafts up to max_k; else the server's default K.
+    def speculation(self, params: RequestParams) -> tuple[int, bool, bool]:
+        """K, whether it is adaptive, and whether rounds are pipelined. A K
+        the request sets wins; else adaptive (asked, or the server's
+        default) drafts up to max_k; else the server's default K."""
         adaptive = False
         if params.num_speculative_tokens is not None:
             k = params.num_speculative_tokens
-            if not 0 <= k <= self.policy.max_k:
+            if not 0 <= k <= self.defaults.max_k:
                 raise InvalidArgument(
-                    f"num_speculative_tokens = {k} is outside [0, {self.policy.max_k}], "
+                    f"num_speculative_tokens = {k} is outside [0, {self.defaults.max_k}], "
                     "this server's range",
                     param="num_speculative_tokens",
                 )
-        elif params.adaptive or self.policy.default_adaptive:
-            k, adaptive = self.policy.max_k, True
+        elif params.adaptive or self.defaults.default_adaptive:
+            k, adaptive = self.defaults.max_k, True
         else:
-            k = self.policy.default_k
+            k = self.defaults.default_k
         if not self.drafts:
             k = 0
         # Pipelining overlaps drafting with verifying: without drafts
         # (K = 0, no draft worker) there is nothing to overlap.
-        pipeline = params.pipeline if params.pipeline is not None else self.policy.default_pipeline
-        pipeline = pipeline and k > 0
+        pipeline = (
+            params.pipeline if params.pipeline is not None else self.defaults.default_pipeline
+        )
+        return k, adaptive, pipeline and k > 0
 
+    @staticmethod
+    def sampling(params: RequestParams) -> SamplingParams:
         try:
-            sampling = SamplingParams(
+            return SamplingParams(
                 temperature=params.temperature,
                 top_k=params.top_k,
                 top_p=params.top_p,
@@ -208,19 +239,6 @@ class RequestBuilder:
             message = str(exc)
             param = next((f for f in SAMPLING_FIELDS if message.startswith(f)), None)
             raise InvalidArgument(message, param=param) from None
-
-        return GenerationRequest(
-            prompt_ids=tuple(prompt_ids),
-            max_new_tokens=max_new_tokens,
-            num_speculative_tokens=k,
-            stop=tuple(params.stop),
-            stop_token_ids=frozenset(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            adaptive=adaptive,
-            sampling=sampling,
-            request_id=request_id,
-            pipeline=pipeline,
-        )
 
     def prompt_ids(self, params: RequestParams, names: FieldNames) -> list[int]:
         tokenizer = self.models.tokenizer

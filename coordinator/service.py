@@ -36,7 +36,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         models: Models,
         target: TargetClient,
         draft: DraftClient | PromptLookup | None,
-        policy: SpeculationDefaults,
+        defaults: SpeculationDefaults,
         draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),
         metrics: CoordinatorMetrics | None = None,
@@ -44,14 +44,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.models = models
         self.target = target
         self.draft = draft
-        self.policy = policy
+        self.defaults = defaults
         self.draft_info = draft_info
         self.recovery = recovery
         self.metrics = metrics
         # Round costs are each target replica's, taught by every session on it.
         self.costs = CostModels()
         self.lockstep = Lockstep(max_wait_s=recovery.draft_deadline_s)
-        self.requests = RequestBuilder(models, policy, drafts=draft is not None)
+        self.requests = RequestBuilder(models, defaults, drafts=draft is not None)
 
     def deltas(self, request: GenerationRequest, received: float) -> AsyncIterator[Delta]:
         """Runs the round loop on a request (recorded in the metrics, if any).
@@ -99,11 +99,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             drafter=draft.drafter if draft else "",
             vocab_size=target.vocab_size,
             max_context_length=target.max_context,
-            default_num_speculative_tokens=self.policy.default_k,
-            max_num_speculative_tokens=self.policy.max_k,
-            default_max_new_tokens=self.policy.default_max_new_tokens,
-            default_adaptive=self.policy.default_adaptive,
-            default_pipeline=self.policy.default_pipeline,
+            default_num_speculative_tokens=self.defaults.default_k,
+            max_num_speculative_tokens=self.defaults.max_k,
+            default_max_new_tokens=self.defaults.default_max_new_tokens,
+            default_adaptive=self.defaults.default_adaptive,
+            default_pipeline=self.defaults.default_pipeline,
             target_device=target.device,
             target_dtype=target.dtype,
             draft_device=draft.device if draft else "",

@@ -107,48 +107,11 @@ class DraftLink:
         anything. A refusal of that first open (a bad argument, a vocabulary
         mismatch) reaches the client; a draft that is down, slow or full only
         means K = 0 for now."""
-        open_s = 0.0
-        session = self.session
+        session, open_s = self.session, 0.0
         if session is None:
-            opening = self.opening
-            if opening is None:
-                if time.monotonic() < self.retry_at:
-                    return None, 0.0
-                opening = self._begin_open(history)
-                if self.failures:
-                    log.debug(
-                        "reopening the draft session in the background", attempt=self.failures
-                    )
-            if not opening.done() and not self.opened and not self.first_open_waited:
-                # The first open: worth a round's wait, from when it began.
-                self.first_open_waited = True
-                started = time.perf_counter()
-                left = self.open_started + self.deadline_s - time.monotonic()
-                await asyncio.wait({opening}, timeout=max(0.0, left))
-                open_s = time.perf_counter() - started
-                if not opening.done():
-                    log.warning(
-                        "draft session not open within the round deadline: "
-                        "rounds go on at K=0 while it opens",
-                        deadline_s=self.deadline_s,
-                    )
-            if not opening.done():
+            session, open_s = await self._opened(history)
+            if session is None:
                 return None, open_s
-            self.opening = None
-            try:
-                session = opening.result()
-            except (Unavailable, ResourceExhausted) as exc:
-                self._lost(str(exc))
-                return None, open_s
-            except OutriderError as exc:
-                if not self.opened:
-                    raise
-                self._lost(str(exc))
-                return None, open_s
-            if self.failures:
-                log.info(
-                    "draft session reopened", committed_len=self.synced, failures=self.failures
-                )
         try:
             async with asyncio.timeout(self.deadline_s):  # no task per round, unlike wait_for
                 proposal = await self._ask(session, *self._round(history), k, None)
@@ -161,6 +124,50 @@ class DraftLink:
             return None, open_s
         self.failures = 0
         return proposal, open_s
+
+    async def _opened(self, history: list[int]) -> tuple[DraftSession | None, float]:
+        """The session, once its open is done (begun now if none runs, but
+        not before the back-off after a loss has passed), and the seconds
+        this round waited for it: only the first open is waited for, up to
+        a round's deadline from when it began. None while it opens or after
+        it failed."""
+        open_s = 0.0
+        opening = self.opening
+        if opening is None:
+            if time.monotonic() < self.retry_at:
+                return None, 0.0
+            opening = self._begin_open(history)
+            if self.failures:
+                log.debug("reopening the draft session in the background", attempt=self.failures)
+        if not opening.done() and not self.opened and not self.first_open_waited:
+            # The first open: worth a round's wait, from when it began.
+            self.first_open_waited = True
+            started = time.perf_counter()
+            left = self.open_started + self.deadline_s - time.monotonic()
+            await asyncio.wait({opening}, timeout=max(0.0, left))
+            open_s = time.perf_counter() - started
+            if not opening.done():
+                log.warning(
+                    "draft session not open within the round deadline: "
+                    "rounds go on at K=0 while it opens",
+                    deadline_s=self.deadline_s,
+                )
+        if not opening.done():
+            return None, open_s
+        self.opening = None
+        try:
+            session = opening.result()
+        except (Unavailable, ResourceExhausted) as exc:
+            self._lost(str(exc))
+            return None, open_s
+        except OutriderError as exc:
+            if not self.opened:
+                raise
+            self._lost(str(exc))
+            return None, open_s
+        if self.failures:
+            log.info("draft session reopened", committed_len=self.synced, failures=self.failures)
+        return session, open_s
 
     def open_soon(self, history: list[int]) -> None:
         """Starts the first open now, in the background, so that the draft's

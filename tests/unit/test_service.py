@@ -23,7 +23,7 @@ def service(*, draft=SOME_DRAFT, default_k: int = 4, **policy) -> CoordinatorSer
         Models(tokenizer=None, eos_token_ids=frozenset(), target=TARGET),
         target=object(),
         draft=draft,
-        policy=SpeculationDefaults(
+        defaults=SpeculationDefaults(
             default_k=default_k, max_k=8, default_max_new_tokens=16, **policy
         ),
     )
