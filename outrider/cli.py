@@ -236,7 +236,7 @@ OPENMP_SPIN_COUNT = "10000"
 OpenMP's default: 300,000). A draft and a target worker on one host's
 cores each keep a team of torch threads, and at the default the idle
 team of one spun on the cores the other was computing on: drafting under
-load stalled for seconds (docs/benchmark.md#threads)."""
+load stalled for seconds (docs/benchmark.md#a-steps-cost)."""
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
 the history, in the coordinator (``coordinator.lookup``), no draft worker."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
 """The drafter ``outrider up`` runs when none is named (nor a draft model),
-by device type (docs/benchmark.md#the-default-drafter): on the CPU a step
+by device type (docs/benchmark.md#the-drafters): on the CPU a step
 reads weights, so the target's 4-bit copy is cheap and agrees; on CUDA the
 default model's step is launch-bound, so a 4-bit copy costs about a target
 step."""

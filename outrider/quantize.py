@@ -8,7 +8,7 @@ Products are computed by torch's own int4 kernels, on the packed weights,
 without ever unpacking them: ``_weight_int4pack_mm_for_cpu`` on the CPU and
 tinygemm's ``_weight_int4pack_mm`` on CUDA. Both take bfloat16 activations
 (the CPU's float32 variant is an unvectorised loop, many times slower:
-docs/benchmark.md#the-int4-drafter), so :meth:`Int4Weight.linear` casts to
+docs/benchmark.md#the-drafters), so :meth:`Int4Weight.linear` casts to
 bfloat16 and back: the rest of the model keeps its own dtype.
 
 torchao is not used: its int4 weight-only configurations (0.18, for torch
@@ -122,7 +122,7 @@ class Int8Weight:
     """A ``[out_features, in_features]`` weight in 8 bits, one scale per row
     (symmetric), computed by ``_weight_int8pack_mm`` (CPU and CUDA). The LM
     head takes it: its logits decide every draft token, and in 4 bits they
-    agree with the target far less often (docs/benchmark.md#the-int4-drafter)."""
+    agree with the target far less often (docs/benchmark.md#the-drafters)."""
 
     weight: torch.Tensor  # int8
     scales: torch.Tensor  # [out_features], bfloat16

@@ -132,7 +132,7 @@ async def open_worker(
     The engine runs in this process, on a thread of its own, rather than in
     a process of its own behind ZeroMQ as vLLM's engine core: the calls'
     pickling and hops cost more than the interpreter time they would save
-    the gRPC threads (docs/benchmark.md#the-engine-in-its-own-process)."""
+    the gRPC threads (docs/benchmark.md#a-steps-cost)."""
     sessions = await asyncio.to_thread(_single_threaded, role.build_sessions, config)
     return_freed_memory()
     engine = start_engine(
@@ -152,7 +152,7 @@ def _single_threaded(build: Callable[[Any], Any], config: Any) -> Any:
     it. A thread that once ran torch's parallel loops keeps its OpenMP
     team, and an idle team elsewhere slowed every parallel op of the
     engine's thread: a decode step took about twice as long
-    (docs/benchmark.md#threads)."""
+    (docs/benchmark.md#a-steps-cost)."""
     torch.set_num_threads(1)
     return build(config)
 

@@ -9,8 +9,7 @@ concurrency, the adaptive configuration's mean tok/s over
 by its pooled mean), each with a 90% interval from a bootstrap over the
 rotations — resampled together for every configuration, as they ran::
 
-    .venv/bin/python scripts/pool_bench_runs.py docs/bench-load-cpu-r22.json \\
-        docs/bench-load-cpu-r23.json docs/bench-load-cpu-r24.json
+    .venv/bin/python scripts/pool_bench_runs.py docs/results/under-load-cpu.json
 """
 
 from __future__ import annotations

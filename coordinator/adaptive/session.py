@@ -37,14 +37,14 @@ of its drafts up to a rejection, 1/(1 − α₀) judged drafts, between
 :data:`PRIOR_TOKENS` and this. Where α₀ is high a rejection is rare, and
 one in a session's first rounds is no sign that its drafts are worse; with
 the least prior it took the estimate far below α₀ and the session's K
-down to one or two for many rounds (docs/benchmark.md#adaptive-k-at-one-stream)."""
+down to one or two for many rounds (docs/design.md#adaptive-k)."""
 
 
 def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
     """The largest K adaptive rounds choose: ``k_max``, but within the
     target's CUDA graphs where it has them (``graphed_tokens_per_row``, 0:
     none). A verify of more tokens a row runs eagerly, many times slower
-    than a replay (docs/benchmark.md#one-h200), and its step curve — by
+    than a replay (docs/benchmark.md#a-steps-cost), and its step curve — by
     tokens per step — cannot tell such a step from one of as many tokens
     spread over graphed rows."""
     if graphed_tokens_per_row <= 0:

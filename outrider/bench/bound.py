@@ -6,7 +6,7 @@ drafts are not like that: acceptances come in runs (prompt lookup copies a
 whole span or nothing; early positions are accepted more often than late
 ones), and with α = accepted/drafted that formula comes out below the tokens
 a round really commits — a "bound" the implementation beats for prompt
-lookup (docs/benchmark.md#about-the-bound). So E is taken from the measured
+lookup (docs/benchmark.md#machines-and-method). So E is taken from the measured
 accepted-per-position distribution instead. With R = ``num_drafts`` (rounds
 that verified at least one draft) and a_i = ``accepted_per_position[i]``
 (rounds whose draft at position i was accepted), a drafting round commits

@@ -154,7 +154,7 @@ class _Returns:
     waiting splits sessions that run together into groups that then take
     turns for good, two forward passes per round where one would do — and a
     pass costs far less than twice a pass of half the rows
-    (docs/benchmark.md#holding-a-step-for-the-sessions-just-answered).
+    (docs/benchmark.md#a-steps-cost).
     So while work waits, the engine holds the step for the sessions it
     answered last, until they are all back or ``max_wait`` of a forward pass
     has gone by — while their round trip (its moving average) is that short.

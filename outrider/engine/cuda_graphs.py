@@ -2,7 +2,7 @@
 runner in small).
 
 A small model's step on a GPU is Python and kernel launches, not GPU time
-(docs/benchmark.md#step-cost-on-an-h100). A graph replays
+(docs/benchmark.md#a-steps-cost). A graph replays
 a whole forward pass with one launch. Graphs need fixed shapes, so steps are
 bucketed: a step of at most ``B`` rows, each feeding at most ``T`` tokens
 and reading at most ``W`` blocks of cache, replays the graph of the smallest

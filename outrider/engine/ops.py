@@ -13,7 +13,7 @@ offer as such.
   matrix–vector path reads the weights at a fraction of the memory's rate;
   on others ``F.linear`` is several times the faster; on an AMD EPYC the
   BLAS took twice as long for 8 rows as for 2 where the packed product
-  took about as long for 16 (docs/benchmark.md#small-batch-linears-on-the-cpu).
+  took about as long for 16 (docs/benchmark.md#a-steps-cost).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def tune_linears(weights: Iterable[object]) -> dict[Path, int]:
     on one weight again and again, a product finds its weight in the cache,
     and a choice made product by product ran the forward pass slower than
     either path throughout, up to twice
-    (docs/benchmark.md#small-batch-linears-on-the-cpu). The packed weights
+    (docs/benchmark.md#a-steps-cost). The packed weights
     are kept where that path won somewhere: a second copy of each weight,
     beside the one the other paths read. Returns how many products (each
     shape at each count) go each way."""

@@ -15,7 +15,7 @@ The step's numbers travel over ZeroMQ (publish–subscribe on loopback, as
 vLLM's ``shm_broadcast`` falls back to), not a torch broadcast: a rank then
 waits for the next step as long as the worker is idle, while every
 collective stays bounded by the process group's timeout
-(docs/benchmark.md#tensor-parallel-step-metadata).
+(docs/tensor-parallel.md#on-this-cpu-2-cores-gloo).
 
 Faults: a rank that dies breaks the next collective (gloo sees its sockets
 close; NCCL's watchdog its timeout) — the step raises :class:`RankLost` and

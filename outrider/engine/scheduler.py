@@ -43,7 +43,7 @@ from outrider.engine.kv_cache import KVCache
 CATCH_UP_CHUNKS = 4
 """The most graphed steps a catch-up is split into: an eager step of the
 default model costs about ten replays on a GPU, and a shape's first eager
-step far more (docs/benchmark.md#one-h200)."""
+step far more (docs/benchmark.md#a-steps-cost)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ def run_concurrency(
     Before the timed batches of an N, each configuration runs the same
     requests for a few tokens, untimed: the first batch of a shape pays
     costs the others would not (on a GPU, its first eager steps:
-    docs/benchmark.md#one-h200), which would favour whichever configuration
+    docs/benchmark.md#a-steps-cost), which would favour whichever configuration
     does not run first.
 
     Returns the configurations that ran, their batches by name and N, and the
