@@ -1,0 +1,216 @@
+"""The options of ``outrider bench``: one frozen dataclass, whose fields are
+its flags (``outrider.flags``: each field's name, type, default and the
+docstring under it make the flag and its help).
+
+Importing this module imports none of the benchmark's runs, so that building
+the CLI's parser stays light. A bad value is a ValueError naming its flag,
+raised as the options are built (``outrider bench`` prints it and exits 1).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from outrider import flags
+from outrider.bench.configs import parse_config_globs, parse_drafter, parse_k_list
+from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, prompt_file
+from outrider.device import check_device
+
+TARGET_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""The dtypes of the target the bench compares (in the target worker and for Hugging Face)."""
+
+
+def parse_concurrency_list(raw: str) -> list[int]:
+    """``64,8,32`` → [8, 32, 64]: the levels listed, sorted (the run adds
+    N = 1, the reference for outputs and speedup, where it is not among
+    them)."""
+    try:
+        levels = {int(part) for part in raw.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(
+            f"--concurrency {raw!r}: give comma-separated integers, e.g. 1,8,32,64"
+        ) from None
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(
+            f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1"
+        )
+    return sorted(levels)
+
+
+def _as_tuple(parse: Callable[[str], list[int]]) -> Callable[[str], tuple[int, ...]]:
+    """``parse``, its list as a tuple (a frozen field's)."""
+    return lambda raw: tuple(parse(raw))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """benchmark Outrider against Hugging Face generate and assisted generation, in one run
+
+    Runs a prompt set through every configuration in one run, interleaved (for each prompt, every
+    configuration in turn): plain Hugging Face generate (hf-generate, the baseline), Outrider
+    target-only (outrider-k0), Outrider with each drafter and K and with adaptive K, each
+    synchronous and pipelined (prompt lookup: synchronous only), and Hugging Face assisted
+    generation on the same models. Greedy decoding; outputs are checked to be identical. Reports
+    tokens/s, speedup (tokens/s ÷ hf-generate's), acceptance rate, mean acceptance length,
+    accepted per position, the per-round time split and the analytic bound E·t_target/T
+    (docs/design.md#cost-model), per configuration and per prompt category. Starts its own
+    services (one target worker, and a coordinator per drafter, with a draft worker for each
+    drafter but prompt lookup, which drafts in the coordinator). With --concurrency it measures
+    throughput and latency with N streams at once instead.
+    """
+
+    prompts: tuple[str, ...] = field(
+        default=(DEFAULT_PROMPT_SET,), metadata={"repeatable": True, "metavar": "SET|FILE"}
+    )
+    """a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 HumanEval
+    prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a JSONL file,
+    rows with `turns` (the first is used) or `prompt`, and optionally `category` (else the file
+    stem); each is sent as one user chat message; repeatable"""
+    limit: int | None = None
+    """prompts per file, spread evenly over the file (default: all)"""
+    max_new_tokens: int = 64
+    """tokens to generate per prompt"""
+    k: tuple[int, ...] = field(
+        default=(4,), metadata={"parse": _as_tuple(parse_k_list), "late": True, "metavar": "LIST"}
+    )
+    """fixed K values, comma-separated; K=0 always runs"""
+    drafters: tuple[str, ...] = field(
+        default=("prompt-lookup", "int4"), metadata={"metavar": "LIST"}
+    )
+    """drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), bf16 (the
+    target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer)"""
+    no_hf: bool = False
+    """skip the Hugging Face configurations (speedup is then vs outrider-k0)"""
+    no_adaptive: bool = False
+    """skip the adaptive-K configurations"""
+    no_pipelined: bool = False
+    """skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined,
+    outrider-<drafter>-adaptive-pipelined: the draft drafts the next round while the target
+    verifies this one); the others always run synchronous"""
+    target_model: str | None = None
+    """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
+    dtype: str = field(default="float32", metadata={"choices": TARGET_DTYPES})
+    """dtype of the target, in the target worker and for Hugging Face"""
+    device: str = field(default="auto", metadata={"parse": check_device, "metavar": "DEVICE"})
+    """where both workers and the Hugging Face configurations run: auto (the first CUDA device if
+    there is one, else the CPU), cpu, cuda or cuda:N"""
+    ignore_eos: bool = False
+    """fixed-length runs: every request generates exactly --max-new-tokens, past end-of-sequence
+    tokens (Outrider's ignore_eos; Hugging Face with no end-of-sequence token, which does the same
+    without masking it, so the outputs stay comparable)"""
+    concurrency: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"parse": _as_tuple(parse_concurrency_list), "late": True, "metavar": "LIST"},
+    )
+    """throughput mode: for each N in the comma-separated list (e.g. 1,8,32,64; 1 always runs, as
+    the reference for outputs and speedup: one batch, unless listed, then --repeat like the
+    others), N streams at once, max(N, prompts) requests, taken in order from one queue, each
+    stream sending its next as soon as its previous has ended. Reports per configuration and N
+    total tokens/s, speedup over N=1, TTFT and inter-token latency p50/p99 (per chunk: Outrider
+    streams a chunk per round; and per token). Peers: hf-generate on left-padded batches of N and
+    transformers' continuous batching (hf-generate-batch); no assisted generation (it takes one
+    sequence at a time)"""
+    configs: tuple[str, ...] | None = field(
+        default=None, metadata={"parse": parse_config_globs, "late": True, "metavar": "GLOBS"}
+    )
+    """run only the configurations whose names match one of these comma-separated shell-style
+    globs (e.g. 'outrider-*-adaptive'), and the references hf-generate (unless --no-hf) and
+    outrider-k0 (default: all); with --concurrency 8 --repeat R, a check of one configuration
+    against outrider-k0 in pairs of batches, the order alternating (ABBA)"""
+    repeat: int = field(default=1, metadata={"metavar": "R"})
+    """run every configuration R times on each prompt (with --concurrency: R batches at each N),
+    the order rotated or reversed each time, and report the median: of each prompt, the request of
+    median wall time; with --concurrency, the batch of median tokens/s, and the median ratio to
+    outrider-k0's batch of the same rotation. Every output is checked; ratios between
+    configurations then hold against the machine's drift"""
+    coordinators: int = 1
+    """with --concurrency: N coordinator replicas per drafter, sharing the same workers, the
+    streams spread round-robin over them (to see how many a load needs when one coordinator's CPU
+    is the limit)"""
+    threads: int | None = None
+    """torch threads of this process and of each worker (default: all cores)"""
+    target_tp: int = 1
+    """tensor-parallel size of the target worker: its model split over N ranks (GPUs, or
+    processes on the CPU)"""
+    draft_tp: int = 1
+    """tensor-parallel size of the draft worker: its model split over N ranks (GPUs, or processes
+    on the CPU); prompt lookup runs no model"""
+    json: Path | None = None
+    """write the report as JSON (one object with a `configs` list; with --concurrency each has a
+    `runs` list, one per N)"""
+    plot: Path | None = field(default=None, metadata={"metavar": "FILE.png"})
+    """plot speedup and acceptance by configuration and category; with --concurrency, tokens/s,
+    TTFT and inter-token latency against N (needs matplotlib: outrider[bench])"""
+    no_progress: bool = False
+    """no progress bars"""
+    log_level: str = field(default="warning", metadata={"metavar": "LEVEL"})
+    """log level of the services"""
+
+    def __post_init__(self) -> None:
+        for path in self.prompt_files:
+            if not path.is_file():
+                shipped = ", ".join(PROMPT_SETS)
+                raise ValueError(f"--prompts {path}: no such file (the shipped sets are {shipped})")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("--limit must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+        if self.coordinators < 1:
+            raise ValueError("--coordinators must be at least 1")
+        if self.coordinators > 1 and not self.concurrency:
+            raise ValueError(
+                "--coordinators needs --concurrency (one request at a time needs one coordinator)"
+            )
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
+        for drafter in self.drafters:
+            parse_drafter(drafter, target_model=None)
+
+    @property
+    def prompt_files(self) -> tuple[Path, ...]:
+        """The files of ``--prompts``, shipped sets by their names."""
+        return tuple(prompt_file(p) for p in self.prompts)
+
+    @property
+    def hf(self) -> bool:
+        return not self.no_hf
+
+    @property
+    def adaptive(self) -> bool:
+        return not self.no_adaptive
+
+    @property
+    def pipelined(self) -> bool:
+        """Each Outrider drafter configuration also runs with pipelined rounds (``-pipelined``)."""
+        return not self.no_pipelined
+
+    @property
+    def progress(self) -> bool:
+        return not self.no_progress
+
+    @property
+    def torch_threads(self) -> int:
+        """``--threads``, or all cores."""
+        return self.threads or os.cpu_count() or 1
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """The concurrency levels that run: those listed, and 1, the
+        reference for outputs and speedup."""
+        return tuple(sorted({1, *self.concurrency})) if self.concurrency else ()
+
+    @property
+    def reference_once(self) -> bool:
+        """N = 1 runs once, whatever ``repeat``: it was not listed, and runs
+        only as the reference."""
+        return self.concurrency is not None and 1 not in self.concurrency
+
+
+def options_from_args(args: Any) -> BenchOptions:
+    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
+    raises ValueError on bad flags."""
+    return flags.build(BenchOptions, args)
