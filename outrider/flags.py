@@ -177,8 +177,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, read_env: bool = Tr
                 default = flag.argparse_parser()(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
+        positional = "nargs" in flag.field.metadata
         shown = (
-            "" if flag.default is None or flag.is_bool else f" (default: {_shown(flag.default)})"
+            ""
+            if flag.default is None or flag.is_bool or positional
+            else f" (default: {_shown(flag.default)})"
         )
         help_text = f"{flag.doc}{shown}{f' [env {env}]' if env else ''}".replace("%", "%%")
         options: dict[str, Any] = dict(dest=flag.name, default=default, help=help_text)
@@ -191,7 +194,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, read_env: bool = Tr
         if "choices" not in options and "metavar" not in options:
             options["metavar"] = _metavar(flag)
         options["type"] = _argparse_type(flag.argparse_parser())
-        if "nargs" in flag.field.metadata:  # a positional argument: its name is its dest
+        if positional:  # its name is its dest
             del options["dest"]
             parser.add_argument(flag.name, nargs=flag.field.metadata["nargs"], **options)
             continue

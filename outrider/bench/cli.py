@@ -17,7 +17,7 @@ import sys
 from typing import Any, NamedTuple
 
 from outrider import flags
-from outrider.bench.options import BenchOptions
+from outrider.bench.options import BenchOptions, PoolOptions
 
 
 class Tool(NamedTuple):
@@ -27,15 +27,15 @@ class Tool(NamedTuple):
     """The module whose ``main(options) -> int`` runs it."""
 
 
-TOOLS: dict[str, Tool] = {}
+TOOLS = {
+    "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
+}
 """``outrider bench TOOL``, by name."""
 
 
 def add_bench_parser(commands) -> None:
     """``outrider bench``, its flags and its tools, on the CLI's subcommands."""
     bench = _add_command(commands, "bench", BenchOptions)
-    if not TOOLS:
-        return
     tools = bench.add_subparsers(
         dest="bench_command",
         metavar="TOOL",
@@ -50,7 +50,8 @@ def _add_command(commands, name: str, options: type):
     """A command whose help is the first paragraph of ``options``' docstring,
     its description the rest, and its flags ``options``' fields."""
     summary, _, description = inspect.cleandoc(options.__doc__ or "").partition("\n\n")
-    parser = commands.add_parser(name, help=summary, description=description or summary)
+    help_text = summary.replace("%", "%%")  # (argparse formats it)
+    parser = commands.add_parser(name, help=help_text, description=description or summary)
     flags.add_flags(parser, options, read_env=False)
     return parser
 

@@ -214,3 +214,24 @@ def options_from_args(args: Any) -> BenchOptions:
     """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
     raises ValueError on bad flags."""
     return flags.build(BenchOptions, args)
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """pool several runs' `--json` reports: adaptive K against fixed K, with 90% intervals
+
+    On a shared machine one configuration's batches differ by up to a fifth from rotation to
+    rotation, so one run decides a few percent either way. This pools the batches of several runs
+    of `outrider bench --concurrency ... --json FILE` (each run's rotations in turn) and prints,
+    for each drafter and concurrency, the adaptive configuration's mean tok/s over outrider-k0's
+    and over the best fixed K's (K = 0 included, the best by its pooled mean), each with a 90%
+    interval from a bootstrap over the rotations, resampled together for every configuration, as
+    they ran.
+    """
+
+    reports: tuple[Path, ...] = field(default=(), metadata={"nargs": "+", "metavar": "FILE"})
+    """`outrider bench --concurrency ... --json` reports"""
+    resamples: int = 10_000
+    """bootstrap resamples"""
+    seed: int = 0
+    """the bootstrap's seed"""

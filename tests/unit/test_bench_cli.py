@@ -67,3 +67,8 @@ def test_bench_reads_no_environment_variables(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--help"])
     assert "[env" not in capsys.readouterr().out
+
+
+def test_the_bench_s_own_flags_before_a_tool_are_refused(capsys):
+    assert main(["bench", "--k", "8", "--no-hf", "pool", "run.json"]) == 1
+    assert "--k, --no-hf: a flag of `outrider bench` itself" in capsys.readouterr().err
