@@ -17,7 +17,7 @@ import sys
 from typing import Any, NamedTuple
 
 from outrider import flags
-from outrider.bench.options import BenchOptions, PoolOptions
+from outrider.bench.options import BenchOptions, PoolOptions, StepsOptions
 
 
 class Tool(NamedTuple):
@@ -28,6 +28,7 @@ class Tool(NamedTuple):
 
 
 TOOLS = {
+    "steps": Tool(StepsOptions, "outrider.bench.step_costs"),
     "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
 }
 """``outrider bench TOOL``, by name."""

@@ -9,6 +9,7 @@ raised as the options are built (``outrider bench`` prints it and exits 1).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 from outrider import flags
 from outrider.bench.configs import parse_config_globs, parse_drafter, parse_k_list
 from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, prompt_file
-from outrider.device import check_device
+from outrider.device import DTYPES, check_device
 
 TARGET_DTYPES = ("float32", "bfloat16", "float16", "float64")
 """The dtypes of the target the bench compares (in the target worker and for Hugging Face)."""
@@ -235,3 +236,95 @@ class PoolOptions:
     """bootstrap resamples"""
     seed: int = 0
     """the bootstrap's seed"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A step's shape: ``rows`` sessions, each feeding ``tokens``."""
+
+    rows: int
+    tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.tokens}"
+
+
+def parse_shapes(raw: str) -> tuple[Shape, ...]:
+    """``1x1,8x5`` → the shapes, in the order given."""
+    try:
+        shapes = tuple(
+            Shape(*(int(n) for n in part.strip().split("x", 1)))
+            for part in raw.split(",")
+            if part.strip()
+        )
+    except (TypeError, ValueError):
+        shapes = ()
+    if not shapes or any(s.rows < 1 or s.tokens < 1 for s in shapes):
+        raise ValueError(f"{raw!r}: give ROWSxTOKENS, comma-separated, e.g. 1x1,8x5")
+    return shapes
+
+
+def parse_config_override(raw: str) -> tuple[str, Any]:
+    """``hidden_size=2048`` → ("hidden_size", 2048): a model config's key and its JSON value."""
+    key, equals, value = raw.partition("=")
+    try:
+        if key and equals:
+            return key, json.loads(value)
+    except ValueError:
+        pass
+    raise ValueError(f"{raw!r}: give KEY=VALUE, the value in JSON, e.g. hidden_size=2048")
+
+
+@dataclass(frozen=True)
+class StepsOptions:
+    """what one forward step costs: transformers' eager step against the engine's batched step
+
+    For each shape ROWSxTOKENS (sessions × tokens per session, every session holding --context
+    cached tokens) it times, median of --repeats: hf, transformers' forward with a DynamicCache,
+    one session (the rows of a batch would be that many such calls); engine, the worker's runner
+    (outrider.engine): all rows in one forward pass over the paged cache; graph, the same step
+    replayed from a captured CUDA graph (CUDA only); with --linears (CPU), the engine's step with
+    every linear on F.linear, with every small batch as (W @ x.T).T, and with every one on
+    oneDNN's packed weights, each call of the four taking turns (outrider/engine/ops.py chose one
+    per count of rows at start, as a worker does). Each is printed also as a multiple of
+    transformers' single-token step. The model is a real one (default: the default model, fetched
+    by `outrider models fetch`), or random weights in its shape with --shape overrides (or from a
+    directory holding only a config).
+    """
+
+    model: str | None = None
+    """model, or a config directory (random weights) (default: the default model's directory)"""
+    shape: tuple[tuple[str, Any], ...] = field(
+        default=(),
+        metadata={"repeatable": True, "parse": parse_config_override, "metavar": "KEY=VALUE"},
+    )
+    """random weights in the model's shape with this config value overridden, e.g.
+    hidden_size=2048; repeatable"""
+    device: str = field(default="auto", metadata={"parse": check_device, "metavar": "DEVICE"})
+    """auto, cpu, cuda or cuda:N"""
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
+    """auto (bfloat16 on CUDA, float32 on the CPU) or a dtype"""
+    shapes: tuple[Shape, ...] = field(
+        default=parse_shapes("1x1,1x5,8x1,8x5"), metadata={"parse": parse_shapes, "metavar": "LIST"}
+    )
+    """ROWSxTOKENS, comma-separated"""
+    context: int = 512
+    """cached tokens per session"""
+    repeats: int = 20
+    """timed calls per measurement"""
+    threads: int | None = None
+    """torch threads (CPU)"""
+    no_hf: bool = False
+    """skip transformers' steps but the 1×1 unit"""
+    linears: bool = False
+    """CPU: also the engine's step with every linear on F.linear, with every small batch
+    transposed and with every one packed, taking turns with the tuned choice"""
+    json: Path | None = None
+    """also write the table as JSON"""
+    no_progress: bool = False
+    """no progress bars"""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--context", self.context), ("--repeats", self.repeats)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1")
