@@ -17,7 +17,7 @@ import sys
 from typing import Any, NamedTuple
 
 from outrider import flags
-from outrider.bench.options import BenchOptions, PoolOptions, StepsOptions
+from outrider.bench.options import BenchOptions, HttpOptions, PoolOptions, StepsOptions
 
 
 class Tool(NamedTuple):
@@ -30,6 +30,7 @@ class Tool(NamedTuple):
 TOOLS = {
     "steps": Tool(StepsOptions, "outrider.bench.step_costs"),
     "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
+    "http": Tool(HttpOptions, "outrider.bench.http_overhead"),
 }
 """``outrider bench TOOL``, by name."""
 

@@ -328,3 +328,44 @@ class StepsOptions:
         for flag, value in (("--context", self.context), ("--repeats", self.repeats)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1")
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """time to first token and inter-token latency through the OpenAI HTTP API against gRPC
+
+    Starts the three services (the coordinator with --http-port 0) with --threads 1 on a tiny
+    random float32 Llama (the default model's tokenizer, its forward pass next to nothing, so what
+    the APIs add shows), the draft an exact copy of the target: every draft is accepted, so every
+    round streams K + 1 tokens. For each concurrency N it runs --repeats waves of N requests at
+    once through each API in turn, the order rotating from wave to wave: gRPC (the asyncio SDK's
+    stream), and HTTP (POST /v1/completions, stream: true) with two clients, httpx (which the
+    openai package rides on) and a minimal HTTP/1.1 client on asyncio streams, which shows what the
+    server adds without httpx's own cost. Every request sends the same token ids, greedy, K = 4,
+    ignore_eos and --max-tokens tokens, so every API streams the same chunks (one a round): that is
+    checked. Reports per API and N the time to first token (request sent → first chunk) and the
+    inter-token latency (between consecutive chunks) at p50 and p99, and HTTP − gRPC at p50.
+    Needs httpx (pip install httpx).
+    """
+
+    concurrency: tuple[int, ...] = field(
+        default=(1, 16),
+        metadata={"parse": _as_tuple(parse_concurrency_list), "metavar": "LIST"},
+    )
+    """N, the requests at once, comma-separated"""
+    repeats: int = 30
+    """waves of N requests per API"""
+    max_tokens: int = 64
+    """tokens per request"""
+    model: str | None = None
+    """a model to serve instead of the tiny random one (target and draft alike): embedded name,
+    directory or hub id"""
+    json: Path | None = None
+    """also write the samples' quantiles as JSON"""
+    no_progress: bool = False
+    """no progress bar"""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--repeats", self.repeats), ("--max-tokens", self.max_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1")
