@@ -17,7 +17,13 @@ import sys
 from typing import Any, NamedTuple
 
 from outrider import flags
-from outrider.bench.options import BenchOptions, HttpOptions, PoolOptions, StepsOptions
+from outrider.bench.options import (
+    BenchOptions,
+    HttpOptions,
+    MemoryOptions,
+    PoolOptions,
+    StepsOptions,
+)
 
 
 class Tool(NamedTuple):
@@ -31,6 +37,7 @@ TOOLS = {
     "steps": Tool(StepsOptions, "outrider.bench.step_costs"),
     "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
     "http": Tool(HttpOptions, "outrider.bench.http_overhead"),
+    "memory": Tool(MemoryOptions, "outrider.bench.resident_memory"),
 }
 """``outrider bench TOOL``, by name."""
 

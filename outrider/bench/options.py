@@ -9,6 +9,7 @@ raised as the options are built (``outrider bench`` prints it and exits 1).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable
@@ -369,3 +370,20 @@ class HttpOptions:
         for flag, value in (("--repeats", self.repeats), ("--max-tokens", self.max_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """resident memory of each process of `outrider up`, after one chat generation
+
+    Starts the services as `outrider up` does with the flags given after -- (the default model on
+    this machine, by default), asks for one chat generation, and prints each service's resident
+    memory (VmRSS in /proc/PID/status: Linux) and their total.
+    """
+
+    max_new_tokens: int = 64
+    """tokens of the one chat generation"""
+    up_flags: tuple[str, ...] = field(
+        default=(), metadata={"nargs": argparse.REMAINDER, "metavar": "-- UP_FLAGS"}
+    )
+    """flags of `outrider up`, after -- (e.g. -- --drafter int4 --device cpu)"""
