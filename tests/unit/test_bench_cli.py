@@ -72,3 +72,14 @@ def test_bench_reads_no_environment_variables(monkeypatch, capsys):
 def test_the_bench_s_own_flags_before_a_tool_are_refused(capsys):
     assert main(["bench", "--k", "8", "--no-hf", "pool", "run.json"]) == 1
     assert "--k, --no-hf: a flag of `outrider bench` itself" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["steps", "pool", "http", "memory"])
+def test_every_tool_has_help_from_its_options(tool, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["bench", tool, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith(f"usage: outrider bench {tool}")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    assert tool in capsys.readouterr().out.split("TOOL", 1)[1]
