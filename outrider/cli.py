@@ -528,7 +528,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from outrider.bench.command import main
+    from outrider.bench.cli import main
 
     return main(args)
 

@@ -10,7 +10,12 @@ on the command line wins.
 
 A field's ``metadata`` may refine its flag: ``parse`` (a function from the
 text to the value, raising ValueError with a message), ``choices``,
-``metavar``, and ``flag=False`` to leave it out of the command line.
+``metavar``, and ``flag=False`` to leave it out of the command line. A
+tuple-valued field may be ``repeatable`` (``--flag A --flag B``) or a
+positional argument (``nargs``: ``"+"``, ``"*"`` or ``argparse.REMAINDER``);
+each of its items is then parsed alone. With ``late=True`` the text stays
+text until :func:`build` parses it, so that its ValueError reaches the
+command as a config check's does, instead of being a usage error.
 """
 
 from __future__ import annotations
@@ -92,17 +97,28 @@ class _Flag:
     def is_bool(self) -> bool:
         return self.kind is bool
 
+    @property
+    def is_list(self) -> bool:
+        """Given item by item: repeated, or as positional arguments."""
+        return bool(self.field.metadata.get("repeatable")) or "nargs" in self.field.metadata
+
     def parser(self) -> Callable[[str], Any]:
         parse = self.field.metadata.get("parse")
         if parse is not None:
             return parse
         if self.is_bool:
             return parse_bool
-        if typing.get_origin(self.kind) is tuple:
+        kind = typing.get_args(self.kind)[0] if self.is_list else self.kind
+        if typing.get_origin(kind) is tuple:
             return parse_list
-        if self.kind in (int, float, str, Path):
-            return self.kind
+        if kind in (int, float, str, Path):
+            return kind
         raise TypeError(f"no flag parser for {self.name}: {self.kind}")
+
+    def argparse_parser(self) -> Callable[[str], Any]:
+        """What argparse applies to the text: :meth:`parser`, or nothing when
+        :func:`build` parses it (``late``)."""
+        return str if self.field.metadata.get("late") else self.parser()
 
 
 def _flags(cls: type, overrides: dict[str, Any] | None = None) -> list[_Flag]:
@@ -148,22 +164,26 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, read_env: bool = True) -> None:
     """Adds a flag for every field of ``cls`` (see the module docstring).
-    A bad ``OUTRIDER_*`` value is a usage error naming the variable."""
+    A bad ``OUTRIDER_*`` value is a usage error naming the variable.
+    ``read_env=False``: no variable is read (nor is one for a list-valued field)."""
     for flag in _flags(cls):
-        env = env_name(flag.name)
+        env = env_name(flag.name) if read_env and not flag.is_list else None
         default = flag.default
-        if env in os.environ:
+        if env is not None and env in os.environ:
             raw = os.environ[env]
             try:
-                default = flag.parser()(raw)
+                default = flag.argparse_parser()(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
+        positional = "nargs" in flag.field.metadata
         shown = (
-            "" if flag.default is None or flag.is_bool else f" (default: {_shown(flag.default)})"
+            ""
+            if flag.default is None or flag.is_bool or positional
+            else f" (default: {_shown(flag.default)})"
         )
-        help_text = f"{flag.doc}{shown} [env {env}]".replace("%", "%%")
+        help_text = f"{flag.doc}{shown}{f' [env {env}]' if env else ''}".replace("%", "%%")
         options: dict[str, Any] = dict(dest=flag.name, default=default, help=help_text)
         if flag.is_bool:
             parser.add_argument(flag_name(flag.name), action="store_true", **options)
@@ -173,7 +193,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 options[key] = flag.field.metadata[key]
         if "choices" not in options and "metavar" not in options:
             options["metavar"] = _metavar(flag)
-        parser.add_argument(flag_name(flag.name), type=_argparse_type(flag.parser()), **options)
+        options["type"] = _argparse_type(flag.argparse_parser())
+        if positional:  # its name is its dest
+            del options["dest"]
+            parser.add_argument(flag.name, nargs=flag.field.metadata["nargs"], **options)
+            continue
+        if flag.is_list:  # (argparse appends to a default list: the field's comes in build)
+            options.update(action="append", default=None)
+        parser.add_argument(flag_name(flag.name), **options)
 
 
 def _metavar(flag: _Flag) -> str:
@@ -211,8 +238,20 @@ def build(cls: type[Config], args: argparse.Namespace, **values: Any) -> Config:
         elif dataclasses.is_dataclass(kind) and isinstance(kind, type):
             kwargs[field.name] = build(kind, args)
         elif field.metadata.get("flag", True) and hasattr(args, field.name):
-            kwargs[field.name] = getattr(args, field.name)
+            value = getattr(args, field.name)
+            if value is None and field.metadata.get("repeatable"):
+                continue  # not given: the field's default
+            if isinstance(value, list):  # repeated, or positional
+                value = tuple(_late(field, item) for item in value)
+            kwargs[field.name] = _late(field, value)
     return cls(**kwargs)
+
+
+def _late(field: dataclasses.Field, value: Any) -> Any:
+    """A ``late`` flag's text parsed; any other value as it is."""
+    if field.metadata.get("late") and isinstance(value, str):
+        return field.metadata["parse"](value)
+    return value
 
 
 def flag_defaults(cls: type) -> dict[str, Any]:

@@ -11,7 +11,7 @@
 #    EOS ignored, target-only and prompt lookup K=4 against Hugging Face
 #    `generate` (padded batches) and `generate_batch`, in float32 (outputs
 #    must equal Hugging Face's) and bfloat16;
-# 3. the cost of one step by shape (scripts/measure_engine_step.py).
+# 3. the cost of one step by shape (`outrider bench steps`).
 #
 # Everything lands in OUT (default docs/gpu-<date>): tables, JSON, plots.
 set -euo pipefail
@@ -29,6 +29,6 @@ for dtype in float32 bfloat16; do
         --json "$OUT/bench-concurrency-$dtype.json" --plot "$OUT/bench-concurrency-$dtype.png" --no-progress \
         2>&1 | tee "$OUT/bench-concurrency-$dtype.txt"
 done
-"$PYTHON" scripts/measure_engine_step.py --device cuda --shapes 1x1,1x5,8x5,32x5,64x5 \
-    --json "$OUT/engine-step-smollm2.json" 2>&1 | tee "$OUT/engine-step-smollm2.txt"
+"$PYTHON" -m outrider bench steps --device cuda --shapes 1x1,1x5,8x5,32x5,64x5 \
+    --json "$OUT/engine-step-smollm2.json" --no-progress 2>&1 | tee "$OUT/engine-step-smollm2.txt"
 echo "results in $OUT"

@@ -50,11 +50,19 @@ Outrider's ``ignore_eos``, and Hugging Face with no end-of-sequence token,
 which keeps generating past one without masking it, as Outrider does (so the
 outputs stay comparable).
 
-The modules, in the order a run uses them: ``prompts`` (the prompt set),
-``configs`` (configuration names, drafters), ``hf`` and ``endpoints`` (the
-Hugging Face and Outrider configurations), ``runner`` (the interleaved run),
-``measurements`` and ``bound`` (sums and the bound), ``report`` (the JSON),
-``render`` and ``plot`` (the terminal tables and the figure), ``command``
-(flags, services, the whole run); ``concurrency/`` holds the same steps for
-N streams at once.
+Beside the bench, ``outrider bench TOOL`` runs the measurements around it:
+``steps`` (what one forward step costs, :mod:`outrider.bench.step_costs`),
+``pool`` (several runs' reports pooled, :mod:`outrider.bench.pooled_runs`),
+``http`` (the OpenAI HTTP API against gRPC, :mod:`outrider.bench.http_overhead`)
+and ``memory`` (each service's resident memory,
+:mod:`outrider.bench.resident_memory`).
+
+The modules, in the order a run uses them: ``cli`` and ``options`` (the
+command line, and the options dataclasses its flags come from), ``prompts``
+(the prompt set), ``configs`` (configuration names, drafters), ``hf`` and
+``endpoints`` (the Hugging Face and Outrider configurations), ``runner`` (the
+interleaved run), ``measurements`` and ``bound`` (sums and the bound),
+``report`` (the JSON), ``render`` and ``plot`` (the terminal tables and the
+figure), ``command`` (services, the whole run); ``concurrency/`` holds the
+same steps for N streams at once.
 """

@@ -1,4 +1,5 @@
-"""``outrider bench`` itself: its options, the services it starts, the whole run."""
+"""``outrider bench`` itself: the services it starts, the whole run (its options:
+:mod:`outrider.bench.options`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,10 @@ import json
 import os
 import platform
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,72 +20,25 @@ from outrider.bench.concurrency.render import render as concurrency_render
 from outrider.bench.concurrency.report import build_report as build_concurrency_report
 from outrider.bench.concurrency.run import run_concurrency
 from outrider.bench.concurrency.services import Replicas, outrider_load_configs
-from outrider.bench.configs import Drafter, parse_config_globs, parse_drafter, parse_k_list
+from outrider.bench.configs import Drafter, parse_drafter
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import HuggingFace
+from outrider.bench.options import BenchOptions
 from outrider.bench.plot import plot, pyplot
-from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompts, prompt_file
+from outrider.bench.prompts import load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import build_report
 from outrider.bench.runner import run_interleaved, selected, warm_up, without_ignored_options
 
-DEFAULT_DRAFTERS = ("prompt-lookup", "int4")
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    prompt_files: tuple[Path, ...]
-    limit: int | None = None
-    max_new_tokens: int = 64
-    ks: tuple[int, ...] = (4,)
-    drafters: tuple[str, ...] = DEFAULT_DRAFTERS
-    hf: bool = True
-    adaptive: bool = True
-    pipelined: bool = True
-    """Each Outrider drafter configuration also runs with pipelined rounds (``-pipelined``)."""
-    target_model: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    ignore_eos: bool = False
-    concurrency: tuple[int, ...] = ()
-    """Empty: the sequential bench; else the concurrency levels listed (the
-    run adds N = 1: :attr:`levels`)."""
-    configs: tuple[str, ...] = ()
-    """Globs of configuration names to run besides the references
-    (``hf-generate``, ``outrider-k0``); empty: every configuration."""
-    coordinators: int = 1
-    repeat: int = 1
-    """Batches of each configuration at each concurrency; the median is reported."""
-    threads: int = os.cpu_count() or 1
-    target_tp: int = 1
-    draft_tp: int = 1
-    """Tensor-parallel size of the model drafters' workers (prompt lookup runs no model)."""
-    json_path: Path | None = None
-    plot_path: Path | None = None
-    progress: bool = True
-    log_level: str = "warning"
-
-    @property
-    def levels(self) -> tuple[int, ...]:
-        """The concurrency levels that run: those listed, and 1, the
-        reference for outputs and speedup."""
-        return tuple(sorted({1, *self.concurrency})) if self.concurrency else ()
-
-    @property
-    def reference_once(self) -> bool:
-        """N = 1 runs once, whatever ``repeat``: it was not listed, and runs
-        only as the reference."""
-        return bool(self.concurrency) and 1 not in self.concurrency
-
 
 def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
     common = ("--log-level", options.log_level)
-    workers = [*common, "--threads", str(options.threads), "--device", options.device]
+    workers = [*common, "--threads", str(options.torch_threads), "--device", options.device]
     if (
         options.concurrency
     ):  # every stream holds a session on each worker, and one may linger as the next opens
         workers += ["--max-sessions", str(max(64, 2 * max(options.concurrency)))]
-    max_k = str(max(16, *options.ks))
+    max_k = str(max(16, *options.k))
     target = [*workers, "--dtype", options.dtype]
     if options.target_tp != 1:
         target += ["--tensor-parallel-size", str(options.target_tp)]
@@ -124,7 +76,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     from outrider.stack import start_shared_target_stack
 
     out = out or sys.stdout
-    if options.plot_path is not None:
+    if options.plot is not None:
         pyplot()  # fail before an hour of measuring, not after
     started = time.time()
     prompts = [p for path in options.prompt_files for p in load_prompts(path, options.limit)]
@@ -132,7 +84,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
         raise ValueError("no prompts: give --prompts FILE (JSONL rows with `turns` or `prompt`)")
     drafters = [parse_drafter(d, target_model=options.target_model) for d in options.drafters]
     model_dir = models.resolve(options.target_model)
-    torch.set_num_threads(options.threads)
+    torch.set_num_threads(options.torch_threads)
     hf_logging.set_verbosity_error()
     meta = _meta(options, model_dir, len(prompts), started)
 
@@ -160,11 +112,11 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
         render(report, out)
         runs = f"{len(report['configs'])} configurations"
     print(f"{len(prompts)} prompts × {runs} in {report['elapsed_s']:.0f} s", file=out)
-    if options.json_path is not None:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    if options.plot_path is not None:
-        (concurrency_plot if options.concurrency else plot)(report, options.plot_path)
+    if options.json is not None:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    if options.plot is not None:
+        (concurrency_plot if options.concurrency else plot)(report, options.plot)
     return report
 
 
@@ -176,12 +128,12 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
     configs = outrider_configs(
-        endpoints, options.ks, adaptive=options.adaptive, pipelined=options.pipelined
+        endpoints, options.k, adaptive=options.adaptive, pipelined=options.pipelined
     )
     if hf is not None:
-        generate, *assisted = hf.configs(drafters, options.ks)
+        generate, *assisted = hf.configs(drafters, options.k)
         configs = [generate, *configs, *assisted]
-    configs = selected(configs, options.configs)
+    configs = selected(configs, options.configs or ())
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
     configs = without_ignored_options(configs, warm)
     results = run_interleaved(
@@ -197,13 +149,13 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         for label, services in stack.coordinators.items()
     }
     configs = outrider_load_configs(
-        replicas, options.ks, adaptive=options.adaptive, pipelined=options.pipelined
+        replicas, options.k, adaptive=options.adaptive, pipelined=options.pipelined
     )
     if hf is not None:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
     configs, batches, not_run = run_concurrency(
-        selected(configs, options.configs),
+        selected(configs, options.configs or ()),
         prompts,
         options.levels,
         options.max_new_tokens,
@@ -233,11 +185,11 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
         "draft_tp": options.draft_tp,
         "ignore_eos": options.ignore_eos,
         "max_new_tokens": options.max_new_tokens,
-        "k": list(options.ks),
+        "k": list(options.k),
         "drafters": list(options.drafters),
         "prompt_files": [str(p) for p in options.prompt_files],
         "limit": options.limit,
-        "threads": options.threads,
+        "threads": options.torch_threads,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -249,93 +201,6 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
     if options.concurrency:
         meta["coordinators"] = options.coordinators
     return meta
-
-
-def parse_concurrency_list(raw: str) -> list[int]:
-    """``64,8,32`` → [8, 32, 64]: the levels listed, sorted (the run adds
-    N = 1, the reference for outputs and speedup, where it is not among
-    them)."""
-    try:
-        levels = {int(part) for part in raw.split(",") if part.strip()}
-    except ValueError:
-        raise ValueError(
-            f"--concurrency {raw!r}: give comma-separated integers, e.g. 1,8,32,64"
-        ) from None
-    if not levels or any(n < 1 for n in levels):
-        raise ValueError(
-            f"--concurrency {raw!r}: give one or more numbers of streams, each at least 1"
-        )
-    return sorted(levels)
-
-
-def options_from_args(args: Any) -> BenchOptions:
-    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
-    raises ValueError on bad flags."""
-    files = tuple(prompt_file(p) for p in (args.prompts or [DEFAULT_PROMPT_SET]))
-    for path in files:
-        if not path.is_file():
-            raise ValueError(
-                f"--prompts {path}: no such file (the shipped sets are {', '.join(PROMPT_SETS)})"
-            )
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be at least 1")
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
-    if args.coordinators < 1:
-        raise ValueError("--coordinators must be at least 1")
-    if args.coordinators > 1 and not args.concurrency:
-        raise ValueError(
-            "--coordinators needs --concurrency (one request at a time needs one coordinator)"
-        )
-    if args.repeat < 1:
-        raise ValueError("--repeat must be at least 1")
-    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
-    for d in drafters:
-        parse_drafter(d, target_model=None)
-    return BenchOptions(
-        prompt_files=files,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        ks=tuple(parse_k_list(args.k)),
-        drafters=drafters,
-        hf=not args.no_hf,
-        adaptive=not args.no_adaptive,
-        pipelined=not args.no_pipelined,
-        target_model=args.target_model,
-        dtype=args.dtype,
-        device=args.device,
-        ignore_eos=args.ignore_eos,
-        concurrency=tuple(parse_concurrency_list(args.concurrency)) if args.concurrency else (),
-        configs=parse_config_globs(args.configs) if args.configs is not None else (),
-        coordinators=args.coordinators,
-        repeat=args.repeat,
-        threads=args.threads or os.cpu_count() or 1,
-        target_tp=args.target_tp,
-        draft_tp=args.draft_tp,
-        json_path=args.json,
-        plot_path=args.plot,
-        progress=not args.no_progress,
-        log_level=args.log_level,
-    )
-
-
-def main(args: Any) -> int:
-    """``outrider bench``: returns the exit status."""
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # unwinds through the stack's cleanup: no orphaned services
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        options = options_from_args(args)
-        run_bench(options)
-    except (ValueError, RuntimeError) as exc:
-        print(f"outrider bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("outrider bench: interrupted", file=sys.stderr)
-        return 130
-    return 0
 
 
 def _count(n: int, noun: str) -> str:

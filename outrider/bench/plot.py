@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +26,32 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     """Two panels: speedup by configuration (bars by category), and acceptance by configuration."""
     plt = pyplot()
     rows = report["configs"]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(11, 0.95 * len(rows) + 4), 10), sharex=True
+    )
+    _speedup_panel(top, report)
+    _acceptance_panel(bottom, rows)
+    fig.text(
+        0.01,
+        0.01,
+        "Hugging Face configurations in red, Outrider in black.",
+        fontsize=8,
+        color="0.3",
+    )
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _speedup_panel(top, report: Mapping[str, Any]) -> None:
+    """Speedup, one bar per category, the all-prompts bar first and labelled."""
+    rows = report["configs"]
     x = list(range(len(rows)))
     groups = [("all prompts", [r["speedup"] for r in rows])] + [
         (f"{c} ({report['prompt_counts'][c]})", [r["by_category"][c]["speedup"] for r in rows])
         for c in report["categories"]
     ]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(max(11, 0.95 * len(rows) + 4), 10), sharex=True
-    )
-
-    # 1. Speedup, one bar per category, the all-prompts bar first and labelled.
     width = 0.8 / len(groups)
     for g, (label, values) in enumerate(groups):
         offsets = [i - 0.4 + width * (g + 0.5) for i in x]
@@ -52,7 +68,11 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     top.grid(axis="y", alpha=0.3)
     top.set_ylim(0, max([v or 0 for _, values in groups for v in values] + [1.0]) * 1.15)
 
-    # 2. Acceptance rate (left axis) and mean acceptance length (right axis).
+
+def _acceptance_panel(bottom, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Acceptance rate (left axis) and mean acceptance length (right axis), by
+    configuration, Hugging Face's names in red."""
+    x = list(range(len(rows)))
     rates = [r["acceptance_rate"] for r in rows]
     lengths = [r["mean_acceptance_length"] or 0 for r in rows]
     rate_bars = bottom.bar([i - 0.2 for i in x], [v or 0 for v in rates], 0.4, color="tab:blue")
@@ -76,14 +96,3 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     for label, row in zip(bottom.get_xticklabels(), rows, strict=True):
         label.set_color("tab:red" if row["family"] == "hf" else "black")
     bottom.grid(axis="y", alpha=0.3)
-    fig.text(
-        0.01,
-        0.01,
-        "Hugging Face configurations in red, Outrider in black.",
-        fontsize=8,
-        color="0.3",
-    )
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from outrider.bench.command import options_from_args
 from outrider.bench.configs import Config, Drafter, outrider_variants, parse_drafter, parse_k_list
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.measurements import Measurement
+from outrider.bench.options import options_from_args
 from outrider.bench.plot import plot
 from outrider.bench.prompts import PROMPT_SETS, Prompt, category_of_file, load_prompts
 from outrider.bench.render import render

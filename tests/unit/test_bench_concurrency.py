@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import outrider.client
-from outrider.bench.command import options_from_args, parse_concurrency_list
 from outrider.bench.concurrency.plot import plot as plot_concurrency
 from outrider.bench.concurrency.render import render as render_concurrency
 from outrider.bench.concurrency.report import (
@@ -32,6 +31,7 @@ from outrider.bench.concurrency.streams import (
     closed_loop_send_times,
     stream_from_arrivals,
 )
+from outrider.bench.options import options_from_args, parse_concurrency_list
 from outrider.bench.prompts import Prompt
 from tests.bench_numbers import approx4
 

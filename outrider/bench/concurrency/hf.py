@@ -111,9 +111,33 @@ def continuous_batching(
     creation to the last token: the manager's start-up and warm-up (CUDA
     graph capture) stay out.
     """
+    rows = [hf.prompt_ids(p) for p in requests]
+    batching, generation = _continuous_configs(hf, rows, concurrency, max_new_tokens)
+    with _kept_log() as errors:
+        outputs = hf.model.generate_batch(
+            inputs=rows,
+            generation_config=generation,
+            continuous_batching_config=batching,
+            record_timestamps=True,
+        )
+    results = _finished(list(outputs.values()), len(rows), errors)  # in the order of the inputs
+    done(len(rows))
+    ends = [r.timestamps[-1] for r in results]
+    sent = closed_loop_send_times([r.created_time for r in results], ends, concurrency)
+    streams = [
+        _one_token_a_step(hf.cut_at_eos(list(r.generated_tokens)), s, r.timestamps)
+        for r, s in zip(results, sent, strict=True)
+    ]
+    return Batch(concurrency, tuple(streams), max(ends) - min(r.created_time for r in results))
+
+
+def _continuous_configs(
+    hf: HuggingFace, rows: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int
+) -> tuple[Any, Any]:
+    """transformers' continuous batching and generation configs for ``rows``
+    at concurrency N (see :func:`continuous_batching`)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    rows = [hf.prompt_ids(p) for p in requests]
     pages = math.ceil((max(map(len, rows)) + max_new_tokens) / 32) + 1
     # transformers 5.17 names the cache unit block_size; later releases, page_size.
     unit: dict[str, Any] = (
@@ -134,28 +158,19 @@ def continuous_batching(
         eos_token_id=-1 if hf.ignore_eos else sorted(hf.eos_token_ids),  # -1: none
         pad_token_id=_pad_token_id(hf),
     )
-    with _kept_log() as errors:
-        outputs = hf.model.generate_batch(
-            inputs=rows,
-            generation_config=generation,
-            continuous_batching_config=batching,
-            record_timestamps=True,
-        )
-    results = list(outputs.values())  # in the order of the inputs
+    return batching, generation
+
+
+def _finished(results: list[Any], requests: int, errors: Sequence[str]) -> list[Any]:
+    """``results``, where every one of the ``requests`` came back with its
+    tokens; else a RuntimeError with the first failure, or the error logged."""
     failed = [r.error for r in results if r.error is not None]
-    if len(results) != len(rows) or failed or any(not r.timestamps for r in results):
+    if len(results) != requests or failed or any(not r.timestamps for r in results):
         logged = next(
             (m for m in errors if m.startswith("Error during")), errors[-1] if errors else None
         )
         raise RuntimeError(failed[0] if failed else logged or "a request came back without tokens")
-    done(len(rows))
-    ends = [r.timestamps[-1] for r in results]
-    sent = closed_loop_send_times([r.created_time for r in results], ends, concurrency)
-    streams = [
-        _one_token_a_step(hf.cut_at_eos(list(r.generated_tokens)), s, r.timestamps)
-        for r, s in zip(results, sent, strict=True)
-    ]
-    return Batch(concurrency, tuple(streams), max(ends) - min(r.created_time for r in results))
+    return results
 
 
 def _one_token_a_step(token_ids: list[int], sent_s: float, step_times: Sequence[float]) -> Stream:

@@ -1,11 +1,9 @@
-"""scripts/pool_bench_runs.py: adaptive against fixed K over several bench runs."""
+"""`outrider bench pool`: adaptive against fixed K over several bench runs."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "pool_bench_runs.py"
+from outrider.cli import main
 
 
 def report(path: Path, batches: dict[str, list[float]]) -> Path:
@@ -18,7 +16,7 @@ def report(path: Path, batches: dict[str, list[float]]) -> Path:
     return path
 
 
-def test_runs_are_pooled_rotation_by_rotation_and_the_best_fixed_k_by_its_mean(tmp_path):
+def test_runs_are_pooled_rotation_by_rotation_and_the_best_fixed_k_by_its_mean(tmp_path, capsys):
     first = report(
         tmp_path / "a.json",
         {
@@ -37,12 +35,8 @@ def test_runs_are_pooled_rotation_by_rotation_and_the_best_fixed_k_by_its_mean(t
             "outrider-lookup-adaptive": [18.0],
         },
     )
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), str(first), str(second), "--resamples", "200"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    assert main(["bench", "pool", str(first), str(second), "--resamples", "200"]) == 0
+    out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
     assert len(rows) == 1
     drafter, n, rotations, tok_s, over_k0, best, over_best = (cell.strip() for cell in rows[0])
@@ -51,9 +45,7 @@ def test_runs_are_pooled_rotation_by_rotation_and_the_best_fixed_k_by_its_mean(t
     assert over_k0.startswith("1.05 (") and over_best.startswith("0.95 (")
 
 
-def test_reports_without_target_only_runs_are_refused(tmp_path):
+def test_reports_without_target_only_runs_are_refused(tmp_path, capsys):
     only = report(tmp_path / "a.json", {"outrider-lookup-adaptive": [1.0]})
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(only)], capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 2 and "no outrider-k0 runs" in done.stderr
+    returncode = main(["bench", "pool", str(only)])
+    assert returncode == 2 and "no outrider-k0 runs" in capsys.readouterr().err
