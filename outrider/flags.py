@@ -10,7 +10,12 @@ on the command line wins.
 
 A field's ``metadata`` may refine its flag: ``parse`` (a function from the
 text to the value, raising ValueError with a message), ``choices``,
-``metavar``, and ``flag=False`` to leave it out of the command line.
+``metavar``, ``flag=False`` to leave it out of the command line,
+``positional=True`` for an argument given without a flag, ``repeat=True``
+for a tuple given one flag per item (instead of comma-separated), and
+``env`` to say whether it reads its variable (default: ``add_flags``'s
+``env``). A ``bool | None`` field (None: leave the choice to someone
+else) is ``--name`` / ``--no-name``.
 """
 
 from __future__ import annotations
@@ -148,25 +153,36 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Adds a flag for every field of ``cls`` (see the module docstring).
-    A bad ``OUTRIDER_*`` value is a usage error naming the variable."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, env: bool = True) -> None:
+    """Adds a flag for every field of ``cls`` (see the module docstring);
+    with ``env=False`` only fields whose metadata says ``env=True`` read a
+    variable. A bad ``OUTRIDER_*`` value is a usage error naming the variable."""
     for flag in _flags(cls):
-        env = env_name(flag.name)
+        if flag.field.metadata.get("positional"):
+            parser.add_argument(flag.name, help=flag.doc.replace("%", "%%"))
+            continue
+        reads_env = flag.field.metadata.get("env", env)
+        env_var = env_name(flag.name)
         default = flag.default
-        if env in os.environ:
-            raw = os.environ[env]
+        if reads_env and env_var in os.environ:
+            raw = os.environ[env_var]
             try:
                 default = flag.parser()(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{env}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
+                parser.error(f"{env_var}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
         shown = (
             "" if flag.default is None or flag.is_bool else f" (default: {_shown(flag.default)})"
         )
-        help_text = f"{flag.doc}{shown} [env {env}]".replace("%", "%%")
+        variable = f" [env {env_var}]" if reads_env else ""
+        help_text = f"{flag.doc}{shown}{variable}".replace("%", "%%")
         options: dict[str, Any] = dict(dest=flag.name, default=default, help=help_text)
         if flag.is_bool:
-            parser.add_argument(flag_name(flag.name), action="store_true", **options)
+            action = argparse.BooleanOptionalAction if flag.default is None else "store_true"
+            parser.add_argument(flag_name(flag.name), action=action, **options)
+            continue
+        if flag.field.metadata.get("repeat"):
+            item = _argparse_type(typing.get_args(flag.kind)[0])
+            parser.add_argument(flag_name(flag.name), type=item, action=_Repeated, **options)
             continue
         for key in ("choices", "metavar"):
             if key in flag.field.metadata:
@@ -174,6 +190,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if "choices" not in options and "metavar" not in options:
             options["metavar"] = _metavar(flag)
         parser.add_argument(flag_name(flag.name), type=_argparse_type(flag.parser()), **options)
+
+
+class _Repeated(argparse.Action):
+    """A ``repeat=True`` tuple: each flag adds one item."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
 
 
 def _metavar(flag: _Flag) -> str:
