@@ -14,7 +14,7 @@ from outrider.drafters import Drafter
 from outrider.engine import Feed, Job
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.sampling_params import SamplingParams
-from outrider.session import SessionStore
+from outrider.session import Session, SessionStore
 from outrider.speculation import Proposal
 from outrider.validation import check_context, check_token_ids
 
@@ -98,26 +98,9 @@ class DraftSessions:
         the assumption is committed; the next round's new tokens say what
         was."""
         session = self.store.get(session_id)
-        if session.committed_len + len(new_tokens) != committed_len:
-            raise FailedPrecondition(
-                f"round builds on committed length {committed_len} but this session has "
-                f"{session.committed_len} plus {len(new_tokens)} new tokens; reopen the session "
-                "with the full history"
-            )
-        if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
-            raise InvalidArgument(
-                f"num_draft_tokens = {num_draft_tokens};"
-                f" it must lie in [1, {self.info.max_draft_tokens}]"
-            )
         guessing = assumed is not None
         assumed = assumed or []
-        if len(assumed) > self.info.max_draft_tokens:
-            raise InvalidArgument(
-                f"{len(assumed)} assumed_token_ids; a speculation assumes at most "
-                f"{self.info.max_draft_tokens} (one round's drafts)"
-            )
-        check_token_ids(new_tokens, self.drafter.vocab_size, what="new_token_ids")
-        check_token_ids(assumed, self.drafter.vocab_size, what="assumed_token_ids")
+        self._check_round(session, committed_len, new_tokens, num_draft_tokens, assumed)
         # Rollback: the cache agrees with the history up to the last round's
         # committed length; keep the longest prefix it shares with the
         # history to draft after, never its last token (the draft feeds it).
@@ -133,14 +116,46 @@ class DraftSessions:
         proposal = yield from self.drafter.propose(session, history, k)
         if not guessing or not proposal.tokens:  # (no guess: nothing to speculate on)
             return proposal
-        guess, *tokens = proposal.tokens
-        return replace(
-            proposal,
-            tokens=tokens,
-            probs=proposal.probs[1:],
-            follows_len=len(history) + 1,
-            guess=guess,
-        )
+        return _after_the_guess(proposal, len(history))
+
+    def _check_round(
+        self,
+        session: Session,
+        committed_len: int,
+        new_tokens: Sequence[int],
+        num_draft_tokens: int,
+        assumed: Sequence[int],
+    ) -> None:
+        """The round builds on what the session holds, asks for a K it may,
+        assumes no more than one round's drafts, and names tokens of the
+        drafter's vocabulary."""
+        if session.committed_len + len(new_tokens) != committed_len:
+            raise FailedPrecondition(
+                f"round builds on committed length {committed_len} but this session has "
+                f"{session.committed_len} plus {len(new_tokens)} new tokens; reopen the session "
+                "with the full history"
+            )
+        if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
+            raise InvalidArgument(
+                f"num_draft_tokens = {num_draft_tokens};"
+                f" it must lie in [1, {self.info.max_draft_tokens}]"
+            )
+        if len(assumed) > self.info.max_draft_tokens:
+            raise InvalidArgument(
+                f"{len(assumed)} assumed_token_ids; a speculation assumes at most "
+                f"{self.info.max_draft_tokens} (one round's drafts)"
+            )
+        check_token_ids(new_tokens, self.drafter.vocab_size, what="new_token_ids")
+        check_token_ids(assumed, self.drafter.vocab_size, what="assumed_token_ids")
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
+
+
+def _after_the_guess(proposal: Proposal, history_len: int) -> Proposal:
+    """A speculation's proposal as the coordinator takes it: its first token
+    is the guess of the target's bonus token, which the drafts follow."""
+    guess, *tokens = proposal.tokens
+    return replace(
+        proposal, tokens=tokens, probs=proposal.probs[1:], follows_len=history_len + 1, guess=guess
+    )

@@ -302,33 +302,81 @@ def _build_request(
     if len(given) != 1:
         got = ", ".join(given) or "none"
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {got})")
-    if isinstance(stop, str):  # a lone string is one stop string, not one per character
-        stop = [stop]
-
     request = pb.GenerateRequest(
-        sampling=pb.SamplingParams(
-            max_new_tokens=max_new_tokens or 0,  # 0: the server default
-            stop=list(stop),
-            stop_token_ids=list(stop_token_ids),
+        sampling=_sampling_to_pb(
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             min_p=min_p,
+            seed=seed,
         ),
         request_id=request_id or "",
     )
+    if verification is not None:
+        request.speculation.verification = _verification_to_pb(verification)
+    _set_prompt(request, prompt, messages, token_ids)
+    # Explicit presence: 0 means "no drafting", unset the server default.
+    if num_speculative_tokens is not None:
+        request.speculation.num_speculative_tokens = num_speculative_tokens
+    if adaptive:
+        request.speculation.adaptive = True
+    # Explicit presence: unset means the server's default.
+    if pipeline is not None:
+        request.speculation.pipeline = pipeline
+    return request, timeout
+
+
+def _sampling_to_pb(
+    *,
+    max_new_tokens: int | None,
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    ignore_eos: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float | None,
+    min_p: float,
+    seed: int | None,
+) -> pb.SamplingParams:
+    if isinstance(stop, str):  # a lone string is one stop string, not one per character
+        stop = [stop]
+    sampling = pb.SamplingParams(
+        max_new_tokens=max_new_tokens or 0,  # 0: the server default
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        top_k=top_k,
+        min_p=min_p,
+    )
     # Explicit presence: unset means "off" (top_p) or "pick a fresh one" (seed).
     if top_p is not None:
-        request.sampling.top_p = top_p
+        sampling.top_p = top_p
     if seed is not None:
-        request.sampling.seed = seed
-    if verification is not None:
-        try:
-            request.speculation.verification = _VERIFICATIONS[verification]
-        except KeyError:
-            raise ValueError(
-                f"verification must be one of {', '.join(_VERIFICATIONS)}, not {verification!r}"
-            ) from None
+        sampling.seed = seed
+    return sampling
+
+
+def _verification_to_pb(verification: str) -> pb.Verification:
+    try:
+        return _VERIFICATIONS[verification]
+    except KeyError:
+        raise ValueError(
+            f"verification must be one of {', '.join(_VERIFICATIONS)}, not {verification!r}"
+        ) from None
+
+
+def _set_prompt(
+    request: pb.GenerateRequest,
+    prompt: str | None,
+    messages: Sequence[ChatMessage | Mapping[str, str]] | None,
+    token_ids: Sequence[int] | None,
+) -> None:
+    """Sets the request's prompt: the one of the three that is given."""
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
@@ -339,15 +387,6 @@ def _build_request(
     elif token_ids is not None:
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(token_ids)
-    # The field has explicit presence: 0 means "no drafting", unset the server default.
-    if num_speculative_tokens is not None:
-        request.speculation.num_speculative_tokens = num_speculative_tokens
-    if adaptive:
-        request.speculation.adaptive = True
-    # Explicit presence: unset means the server's default.
-    if pipeline is not None:
-        request.speculation.pipeline = pipeline
-    return request, timeout
 
 
 def _chat_message(message: ChatMessage | Mapping[str, str]) -> ChatMessage:

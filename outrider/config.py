@@ -1,11 +1,14 @@
-"""Configuration: one frozen dataclass per service, built once from flags and
-``OUTRIDER_*`` environment variables, validated once, and passed down.
-Nothing here reads the environment at import time.
+"""Configuration: one frozen dataclass per service and per command, built
+once from flags (and, for the services, ``OUTRIDER_*`` environment
+variables), validated once, and passed down. Nothing here reads the
+environment at import time.
 
-Each field is a flag of ``outrider serve ROLE`` (``outrider.flags``): its
-name, type, default and help (the docstring under it) are written here and
-nowhere else, and ``--some-flag`` can also be given as ``OUTRIDER_SOME_FLAG``.
-Validation errors name the flag, so the CLI can print them as they are.
+Each field is a flag (``outrider.flags``): its name, type, default and help
+(the docstring under it) are written here and nowhere else. A service's
+``--some-flag`` can also be given as ``OUTRIDER_SOME_FLAG``; the commands'
+flags read no variables, but ``outrider up --device`` reads the workers'
+``OUTRIDER_DEVICE``. Validation errors name the flag, so the CLI can print
+them as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider.device import DTYPES, check_device, check_dtype
+from outrider.sampling_params import UINT64_MAX, Verification
 from outrider.security import ClientTls, ServerTls, server_tls
 
 MODEL_DRAFTERS = ("model", "int4", "early-exit")
@@ -40,6 +44,7 @@ CUDA_TOKENS_PER_STEP = 2048
 CPU_PREFILL_TOKENS = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def default_drafter(device: str, *, draft_model: str | None = None) -> str:
@@ -87,6 +92,16 @@ def _at_least(value: int, least: int, flag: str) -> None:
         raise ValueError(f"{flag} {value}: must be at least {least}")
 
 
+def _port_number(port: int | None, flag: str) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
+
+
+def _existing_file(path: Path | None, flag: str) -> None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"{flag} {path}: {'not a file' if path.exists() else 'no such file'}")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """What every service has: where it listens, how it shows itself, how it stops."""
@@ -115,9 +130,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s {self.shutdown_grace_s}: must be 0 or more")
-        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
+        _port_number(self.port, "--port")
+        _port_number(self.metrics_port, "--metrics-port")
         if self.metrics_port not in (None, 0) and self.metrics_port == self.port:
             raise ValueError(
                 f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC "
@@ -378,17 +392,15 @@ class CoordinatorConfig:
             raise ValueError("--worker-tls-key needs --worker-tls-cert")
         if self.worker_tls_cert is not None and self.worker_tls_key is None:
             raise ValueError("--worker-tls-cert needs --worker-tls-key")
-        if self.http_port is not None:
-            if not 0 <= self.http_port <= 65535:
-                raise ValueError(f"--http-port {self.http_port}: not a port number (0 to 65535)")
-            if self.http_port != 0 and self.http_port in (
-                self.service.port,
-                self.service.metrics_port,
-            ):
-                raise ValueError(
-                    f"--http-port {self.http_port}: the HTTP port must differ from --port and "
-                    "--metrics-port"
-                )
+        _port_number(self.http_port, "--http-port")
+        if self.http_port not in (None, 0) and self.http_port in (
+            self.service.port,
+            self.service.metrics_port,
+        ):
+            raise ValueError(
+                f"--http-port {self.http_port}: the HTTP port must differ from --port and "
+                "--metrics-port"
+            )
 
     @property
     def adaptive(self) -> bool:
@@ -409,6 +421,145 @@ class CoordinatorConfig:
         return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
 
 
+@dataclass(frozen=True)
+class StackConfig:
+    """The three services ``outrider up`` and ``outrider demo`` start on this
+    machine (``outrider.stack``), each option passed on to the flags of the
+    services' ``outrider serve``."""
+
+    target_model: str | None = None
+    """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
+    draft_model: str | None = None
+    """draft model sharing the target's tokenizer (implies --drafter model)"""
+    drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
+    """drafter kind: model, int4 (the target in 4 bits), prompt-lookup or early-exit (default:
+    int4 on the CPU, prompt-lookup on CUDA)"""
+    draft_layers: int | None = None
+    """layers kept by the early-exit drafter"""
+    device: str = field(
+        default=EngineConfig.device,
+        metadata={"parse": check_device, "metavar": "DEVICE", "env": True},
+    )
+    """where both workers run their models: auto, cpu, cuda or cuda:N"""
+    dtype: str = field(default=EngineConfig.dtype, metadata={"parse": check_dtype})
+    """dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)"""
+    draft_dtype: str = field(default=EngineConfig.dtype, metadata={"parse": check_dtype})
+    """dtype of the draft model (auto: as the target's default)"""
+    k: int | str = field(
+        default=CoordinatorConfig.num_speculative_tokens,
+        metadata={"parse": num_speculative_tokens, "metavar": "K"},
+    )
+    """default draft tokens per round, or 'auto' (adaptive)"""
+    pipeline: bool = False
+    """draft the next round while the target verifies this one (requests may override)"""
+    threads: int | None = None
+    """torch threads per worker (default: all cores)"""
+    target_tp: int = field(default=1, metadata={"metavar": "N"})
+    """tensor-parallel size of the target worker: its model split over N ranks (GPUs, or
+    processes on the CPU)"""
+    draft_tp: int = field(default=1, metadata={"metavar": "N"})
+    """tensor-parallel size of the draft worker: its model split over N ranks (GPUs, or
+    processes on the CPU)"""
+    log_level: str = field(default="warning", metadata={"choices": LOG_LEVELS})
+    """log level of the three services"""
+
+    def __post_init__(self) -> None:
+        if self.drafter == "early-exit" and not self.draft_layers:
+            raise ValueError("--drafter early-exit needs --draft-layers L")
+        _at_least(self.target_tp, 1, "--target-tp")
+        _at_least(self.draft_tp, 1, "--draft-tp")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """``outrider up``: the stack, serving until Ctrl-C."""
+
+    stack: StackConfig = StackConfig()
+    port: int = DEFAULT_PORTS["coordinator"]
+    """coordinator port (0: any free port)"""
+    http_port: int | None = None
+    """serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on this
+    port too (0: any free port), printed at start (default: gRPC only)"""
+    metrics_port: int | None = None
+    """serve the coordinator's Prometheus metrics at /metrics on this port (0: any free port)
+    and each worker's on a free port, all printed at start (default: no metrics)"""
+
+    def __post_init__(self) -> None:
+        _port_number(self.port, "--port")
+        _port_number(self.http_port, "--http-port")
+        _port_number(self.metrics_port, "--metrics-port")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """``outrider demo``: the stack, one chat answer streamed and its statistics, then stop."""
+
+    stack: StackConfig = StackConfig()
+    prompt: str = DEMO_PROMPT
+    """the chat message to send"""
+    max_new_tokens: int = 96
+    """most tokens to generate"""
+
+    def __post_init__(self) -> None:
+        _at_least(self.max_new_tokens, 0, "--max-new-tokens")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """``outrider generate``: one request to a coordinator (``outrider.client``)."""
+
+    prompt: str = field(metadata={"positional": True})
+    """the prompt text (a user message with --chat)"""
+    address: str = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
+    """coordinator HOST:PORT"""
+    chat: bool = False
+    """send the prompt as a user chat message (the target's chat template)"""
+    max_new_tokens: int | None = None
+    """most tokens to generate (default: the server's)"""
+    k: int | str | None = field(
+        default=None, metadata={"parse": num_speculative_tokens, "metavar": "K"}
+    )
+    """draft tokens per round (0: target only; 'auto': adaptive; default: the server's)"""
+    pipeline: bool | None = None
+    """draft the next round while the target verifies this one, or not (default: the
+    server's)"""
+    stop: tuple[str, ...] = field(default=(), metadata={"repeatable": True})
+    """stop string (repeatable)"""
+    temperature: float = 0.0
+    """sampling temperature (0: greedy)"""
+    top_k: int = 0
+    """keep the k most likely tokens (0: off)"""
+    top_p: float | None = None
+    """nucleus sampling mass in (0, 1] (default: off)"""
+    min_p: float = 0.0
+    """drop tokens below min-p times the top probability"""
+    seed: int | None = None
+    """seed of the random draws (default: a fresh one, reported in the stats)"""
+    verification: str | None = field(
+        default=None, metadata={"choices": tuple(v.value for v in Verification)}
+    )
+    """how drafts are verified when sampling (default: rejection)"""
+    json: bool = False
+    """print one JSON object with text, token ids, finish reason and stats"""
+    timeout: float | None = field(default=None, metadata={"metavar": "SECONDS"})
+    """deadline in seconds"""
+    tls_ca: Path | None = None
+    """connect over TLS, trusting this CA (PEM)"""
+    token_file: Path | None = None
+    """send the bearer token in this file"""
+
+    def __post_init__(self) -> None:
+        # What the request's unsigned fields cannot hold, and files that are
+        # not there; the server validates the rest.
+        if self.max_new_tokens is not None:
+            _at_least(self.max_new_tokens, 0, "--max-new-tokens")
+        _at_least(self.top_k, 0, "--top-k")
+        if self.seed is not None and not 0 <= self.seed <= UINT64_MAX:
+            raise ValueError(f"--seed {self.seed}: must lie in [0, 2^64)")
+        _existing_file(self.tls_ca, "--tls-ca")
+        _existing_file(self.token_file, "--token-file")
+
+
 def http_port_file(ready_file: Path) -> Path:
     """Where a coordinator with ``--ready-file F`` writes its bound HTTP port."""
     return ready_file.with_suffix(".http-port")
@@ -417,10 +568,14 @@ def http_port_file(ready_file: Path) -> Path:
 __all__ = [
     "DRAFTERS",
     "CoordinatorConfig",
+    "DemoConfig",
     "DraftWorkerConfig",
     "EngineConfig",
+    "GenerateConfig",
     "Recovery",
     "ServiceConfig",
+    "StackConfig",
     "TargetWorkerConfig",
+    "UpConfig",
     "WorkerLimits",
 ]

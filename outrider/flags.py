@@ -10,12 +10,16 @@ on the command line wins.
 
 A field's ``metadata`` may refine its flag: ``parse`` (a function from the
 text to the value, raising ValueError with a message), ``choices``,
-``metavar``, and ``flag=False`` to leave it out of the command line. A
+``metavar``, ``flag=False`` to leave it out of the command line,
+``positional=True`` for a text given without a flag, and ``env`` to say
+whether it reads its variable (default: :func:`add_flags`'s ``env``). A
 tuple-valued field may be ``repeatable`` (``--flag A --flag B``) or a
 positional argument (``nargs``: ``"+"``, ``"*"`` or ``argparse.REMAINDER``);
-each of its items is then parsed alone. With ``late=True`` the text stays
-text until :func:`build` parses it, so that its ValueError reaches the
-command as a config check's does, instead of being a usage error.
+each of its items is then parsed alone, and it reads no variable. With
+``late=True`` the text stays text until :func:`build` parses it, so that
+its ValueError reaches the command as a config check's does, instead of
+being a usage error. A ``bool | None`` field (None: leave the choice to
+someone else) is ``--name`` / ``--no-name``.
 """
 
 from __future__ import annotations
@@ -164,29 +168,35 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, read_env: bool = True) -> None:
-    """Adds a flag for every field of ``cls`` (see the module docstring).
-    A bad ``OUTRIDER_*`` value is a usage error naming the variable.
-    ``read_env=False``: no variable is read (nor is one for a list-valued field)."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, env: bool = True) -> None:
+    """Adds a flag for every field of ``cls`` (see the module docstring);
+    with ``env=False`` only fields whose metadata says ``env=True`` read a
+    variable. A bad ``OUTRIDER_*`` value is a usage error naming the variable."""
     for flag in _flags(cls):
-        env = env_name(flag.name) if read_env and not flag.is_list else None
+        if flag.field.metadata.get("positional"):
+            parser.add_argument(flag.name, help=flag.doc.replace("%", "%%"))
+            continue
+        reads_env = flag.field.metadata.get("env", env) and not flag.is_list
+        variable = env_name(flag.name) if reads_env else None
         default = flag.default
-        if env is not None and env in os.environ:
-            raw = os.environ[env]
+        if variable is not None and variable in os.environ:
+            raw = os.environ[variable]
             try:
                 default = flag.argparse_parser()(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{env}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
+                parser.error(f"{variable}={raw!r} is not a valid {flag_name(flag.name)}: {exc}")
         positional = "nargs" in flag.field.metadata
         shown = (
             ""
             if flag.default is None or flag.is_bool or positional
             else f" (default: {_shown(flag.default)})"
         )
-        help_text = f"{flag.doc}{shown}{f' [env {env}]' if env else ''}".replace("%", "%%")
+        named = f" [env {variable}]" if variable else ""
+        help_text = f"{flag.doc}{shown}{named}".replace("%", "%%")
         options: dict[str, Any] = dict(dest=flag.name, default=default, help=help_text)
         if flag.is_bool:
-            parser.add_argument(flag_name(flag.name), action="store_true", **options)
+            action = argparse.BooleanOptionalAction if flag.default is None else "store_true"
+            parser.add_argument(flag_name(flag.name), action=action, **options)
             continue
         for key in ("choices", "metavar"):
             if key in flag.field.metadata:
@@ -198,9 +208,19 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, read_env: bool = Tr
             del options["dest"]
             parser.add_argument(flag.name, nargs=flag.field.metadata["nargs"], **options)
             continue
-        if flag.is_list:  # (argparse appends to a default list: the field's comes in build)
-            options.update(action="append", default=None)
+        if flag.is_list:
+            options["action"] = _Repeated
         parser.add_argument(flag_name(flag.name), **options)
+
+
+class _Repeated(argparse.Action):
+    """A ``repeatable`` field: each use of the flag adds one item, the first
+    in place of the default (argparse's ``append`` would add to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, self.dest)
+        items = () if given is self.default else tuple(given)
+        setattr(namespace, self.dest, (*items, values))
 
 
 def _metavar(flag: _Flag) -> str:
@@ -239,9 +259,7 @@ def build(cls: type[Config], args: argparse.Namespace, **values: Any) -> Config:
             kwargs[field.name] = build(kind, args)
         elif field.metadata.get("flag", True) and hasattr(args, field.name):
             value = getattr(args, field.name)
-            if value is None and field.metadata.get("repeatable"):
-                continue  # not given: the field's default
-            if isinstance(value, list):  # repeated, or positional
+            if isinstance(value, list | tuple):  # repeated, or positional
                 value = tuple(_late(field, item) for item in value)
             kwargs[field.name] = _late(field, value)
     return cls(**kwargs)

@@ -196,19 +196,7 @@ class WorkerMetrics:
     ROUND_STEP = {"draft": "propose", "target": "verify"}
 
     def __init__(self, registry: CollectorRegistry, store: SessionStore, *, role: str) -> None:
-        Gauge(
-            PREFIX + "worker_sessions_active", "Sessions open on this worker.", registry=registry
-        ).set_function(lambda: len(store))
-        Gauge(
-            PREFIX + "worker_cached_tokens",
-            "Tokens held in the KV caches of this worker's sessions.",
-            registry=registry,
-        ).set_function(lambda: store.cached_tokens)
-        Gauge(
-            PREFIX + "kv_cache_usage_perc",
-            "Fraction of the worker's KV cache blocks in use, 0 to 1.",
-            registry=registry,
-        ).set_function(lambda: store.usage)
+        _add_store_gauges(registry, store)
         self.opened = Counter(
             PREFIX + "worker_sessions_opened", "Sessions opened (prefilled).", registry=registry
         )
@@ -268,3 +256,21 @@ class WorkerMetrics:
         self.opened.inc()
         self.prefill_tokens.inc(tokens)
         self.prefill_seconds.observe(seconds)
+
+
+def _add_store_gauges(registry: CollectorRegistry, store: SessionStore) -> None:
+    """The worker's sessions, cached tokens and KV cache usage, read from
+    ``store`` at scrape time."""
+    Gauge(
+        PREFIX + "worker_sessions_active", "Sessions open on this worker.", registry=registry
+    ).set_function(lambda: len(store))
+    Gauge(
+        PREFIX + "worker_cached_tokens",
+        "Tokens held in the KV caches of this worker's sessions.",
+        registry=registry,
+    ).set_function(lambda: store.cached_tokens)
+    Gauge(
+        PREFIX + "kv_cache_usage_perc",
+        "Fraction of the worker's KV cache blocks in use, 0 to 1.",
+        registry=registry,
+    ).set_function(lambda: store.usage)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,108 +117,119 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        method = handler_call_details.method
-        sent_request_id = metadata.get(REQUEST_ID_KEY)
-        request_id = sent_request_id or uuid.uuid4().hex[:16]
+        call = _Call.of(handler_call_details)
         # grpc parses a single request before the handler runs, and answers a
         # failure there UNKNOWN, uncounted, with a traceback in the log; so a
         # single request reaches the wrapped handler as bytes and is parsed
         # inside it. A streamed request is parsed as the handler reads it.
         parse = parsing(handler.request_deserializer)
         single = not handler.request_streaming
-        deserializer = None if single else parse
+        guarded = functools.partial(self._guarded, call, parse if single else None)
+        return _rewrapped(handler, guarded, request_deserializer=None if single else parse)
 
-        async def guard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-            if isinstance(exc, errors.OutriderError):
-                log.info(
-                    "request refused", method=method, status=status_of(exc).name, error=str(exc)
-                )
-                await context.abort(status_of(exc), str(exc))
-            log.exception("internal error", method=method)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
-            )
+    @contextlib.asynccontextmanager
+    async def _guarded(
+        self,
+        call: _Call,
+        parse: Callable[[bytes], Any] | None,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Any]:
+        """Around one call's handler: binds its request id into the logs,
+        checks its token and request id, parses a single request (with
+        ``parse``) and admits it through the drain; yields the request. Maps
+        what the handler raises to its status code, and counts the call."""
+        bind_contextvars(request_id=call.request_id)
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            self._authorize(call.metadata, call.method)
+            if call.sent_request_id:
+                check_request_id(call.sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
+            if parse is not None:
+                request = parse(request)
+            with self._drain.admit(call.method):
+                yield request
+            code = _returned_code(context)
+        except Exception as exc:
+            code = _code_of(exc, context)
+            if _is_abort(exc):
+                raise
+            await _abort(context, call, exc)
+        except (asyncio.CancelledError, GeneratorExit):
+            code = _cancelled_code(context)
+            raise
+        finally:
+            if self._metrics:
+                self._metrics.observe(call.method, code, time.perf_counter() - started)
 
-        def wrap_unary(behavior):
-            async def wrapped(request, context):
-                bind_contextvars(request_id=request_id)
-                started, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    self._authorize(metadata, method)
-                    if sent_request_id:
-                        check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
-                    if single:
-                        request = parse(request)
-                    with self._drain.admit(method):
-                        response = await behavior(request, context)
-                    code = _returned_code(context)
-                    return response
-                except Exception as exc:
-                    code = _code_of(exc, context)
-                    if _is_abort(exc):
-                        raise
-                    await guard(context, exc)
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = _cancelled_code(context)
-                    raise
-                finally:
-                    if self._metrics:
-                        self._metrics.observe(method, code, time.perf_counter() - started)
 
-            return wrapped
+@dataclass(frozen=True)
+class _Call:
+    """What the interceptor knows of a call before its handler runs."""
 
-        def wrap_stream(behavior):
-            async def wrapped(request, context):
-                bind_contextvars(request_id=request_id)
-                started, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    self._authorize(metadata, method)
-                    if sent_request_id:
-                        check_request_id(sent_request_id, what=f"metadata {REQUEST_ID_KEY}")
-                    if single:
-                        request = parse(request)
-                    with self._drain.admit(method):
-                        async for response in behavior(request, context):
-                            yield response
-                    code = _returned_code(context)
-                except Exception as exc:
-                    code = _code_of(exc, context)
-                    if _is_abort(exc):
-                        raise
-                    await guard(context, exc)
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = _cancelled_code(context)
-                    raise
-                finally:
-                    if self._metrics:
-                        self._metrics.observe(method, code, time.perf_counter() - started)
+    method: str
+    metadata: dict[str, Any]
+    sent_request_id: str | None
+    """The client's ``x-request-id``, if it sent one."""
+    request_id: str
+    """The one bound into the logs: the client's, or a fresh one."""
 
-            return wrapped
+    @classmethod
+    def of(cls, details: grpc.HandlerCallDetails) -> _Call:
+        metadata = dict(details.invocation_metadata or ())
+        sent = metadata.get(REQUEST_ID_KEY)
+        return cls(details.method, metadata, sent, sent or uuid.uuid4().hex[:16])
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            wrap_stream(handler.stream_stream),
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
+
+async def _abort(context: grpc.aio.ServicerContext, call: _Call, exc: Exception) -> None:
+    """Ends the call with ``exc``'s status: a domain error's own, else
+    INTERNAL, whose details name only the request id (the trace is logged)."""
+    if isinstance(exc, errors.OutriderError):
+        log.info("request refused", method=call.method, status=status_of(exc).name, error=str(exc))
+        await context.abort(status_of(exc), str(exc))
+    log.exception("internal error", method=call.method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {call.request_id})")
+
+
+_Guarded = Callable[[Any, grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[Any]]
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
+def _rewrapped(
+    handler: grpc.RpcMethodHandler,
+    guarded: _Guarded,
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    """``handler`` with its behavior run inside ``guarded``: one wrapper for a
+    single response, one for a stream of them."""
+
+    def single(behavior):
+        async def wrapped(request, context):
+            async with guarded(request, context) as request:
+                return await behavior(request, context)
+
+        return wrapped
+
+    def streamed(behavior):
+        async def wrapped(request, context):
+            async with guarded(request, context) as request:
+                async for response in behavior(request, context):
+                    yield response
+
+        return wrapped
+
+    kind, make = next((k, m) for k, m in _HANDLER_KINDS if getattr(handler, k))
+    wrap = streamed if kind.endswith("_stream") else single
+    return make(
+        wrap(getattr(handler, kind)),
+        request_deserializer=request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _is_abort(exc: BaseException) -> bool:

@@ -61,31 +61,13 @@ async def session_stream(
                     raise InvalidArgument(
                         "the session is already open: later messages must be rounds"
                     )
-                if request.open.request_id:
-                    check_request_id(request.open.request_id, what="open.request_id")
-                    bind_contextvars(request_id=request.open.request_id)
-                started = time.perf_counter()
-                try:
-                    response = await on_open(session_id, request.open)
-                except OutriderError as exc:
-                    if metrics:
-                        metrics.rejected.labels(status_of(exc).name).inc()
-                    raise
+                response = await _open(session_id, request.open, on_open, metrics)
                 opened = True
-                if metrics:
-                    metrics.session_opened(
-                        len(request.open.token_ids), time.perf_counter() - started
-                    )
-                log.debug("session opened", committed_len=len(request.open.token_ids))
                 yield response
             elif kind == "round":
                 if not opened:
                     raise FailedPrecondition("the first message of a session must open it")
-                started = time.perf_counter()
-                response = await on_round(session_id, request.round)
-                if metrics:
-                    metrics.round_seconds.observe(time.perf_counter() - started)
-                yield response
+                yield await _round(session_id, request.round, on_round, metrics)
             elif kind == "close":
                 ended = "done"
                 return
@@ -104,6 +86,44 @@ async def session_stream(
         if metrics and opened:
             metrics.closed.labels(ended).inc()
         log.debug("session closed", ended=ended)
+
+
+async def _open(
+    session_id: str,
+    open_: Any,
+    on_open: Callable[[str, Any], Awaitable[Response]],
+    metrics: WorkerMetrics | None,
+) -> Response:
+    """Opens the session: binds the request id it names into the logs, then
+    prefills (its time counted, or its refusal by status)."""
+    if open_.request_id:
+        check_request_id(open_.request_id, what="open.request_id")
+        bind_contextvars(request_id=open_.request_id)
+    started = time.perf_counter()
+    try:
+        response = await on_open(session_id, open_)
+    except OutriderError as exc:
+        if metrics:
+            metrics.rejected.labels(status_of(exc).name).inc()
+        raise
+    if metrics:
+        metrics.session_opened(len(open_.token_ids), time.perf_counter() - started)
+    log.debug("session opened", committed_len=len(open_.token_ids))
+    return response
+
+
+async def _round(
+    session_id: str,
+    round_: Any,
+    on_round: Callable[[str, Any], Awaitable[Response]],
+    metrics: WorkerMetrics | None,
+) -> Response:
+    """One round (its time counted)."""
+    started = time.perf_counter()
+    response = await on_round(session_id, round_)
+    if metrics:
+        metrics.round_seconds.observe(time.perf_counter() - started)
+    return response
 
 
 async def _until_idle(requests: AsyncIterable[Any], idle_timeout_s: float) -> AsyncIterator[Any]:

@@ -22,12 +22,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from outrider.config import http_port_file
+from outrider.config import StackConfig, default_drafter, http_port_file
 from outrider.metrics import metrics_port_file
 
 
@@ -213,6 +213,40 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_flags(config: StackConfig) -> dict[str, Any]:
+    """:func:`start_stack`'s arguments for ``config``: the flags of each
+    service's ``outrider serve``, and no draft worker for prompt lookup
+    (it drafts in the coordinator)."""
+    common = ["--log-level", config.log_level, "--device", config.device]
+    target = [*common, "--dtype", config.dtype]
+    draft = [*common, "--dtype", config.draft_dtype]
+    if config.threads:
+        target += ["--threads", str(config.threads)]
+        draft += ["--threads", str(config.threads)]
+    if config.target_tp != 1:
+        target += ["--tensor-parallel-size", str(config.target_tp)]
+    if config.draft_tp != 1:
+        draft += ["--tensor-parallel-size", str(config.draft_tp)]
+    if config.target_model:
+        target += ["--model", config.target_model]
+    coordinator = ["--log-level", config.log_level, "--num-speculative-tokens", str(config.k)]
+    if config.pipeline:
+        coordinator += ["--pipeline"]
+    if config.target_model:
+        coordinator += ["--tokenizer", config.target_model]
+    drafter = config.drafter or default_drafter(config.device, draft_model=config.draft_model)
+    if drafter == "prompt-lookup":
+        coordinator += ["--prompt-lookup"]
+        return dict(target_args=target, coordinator_args=coordinator, with_draft=False)
+    draft += ["--drafter", drafter]
+    if drafter == "early-exit":
+        draft += ["--draft-layers", str(config.draft_layers)]
+    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut).
+    if model := config.draft_model or config.target_model:
+        draft += ["--model", model]
+    return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
 
 
 def start_stack(

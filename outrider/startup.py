@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         CoordinatorConfig,
         DraftWorkerConfig,
         ServiceConfig,
+        StackConfig,
         TargetWorkerConfig,
     )
 
@@ -95,6 +96,28 @@ def check_coordinator(config: CoordinatorConfig) -> None:
     check_service(config.service)
     check_model("--tokenizer", config.tokenizer, checkpoint=False)
     check_client_tls(config.worker_tls_ca, config.worker_tls_cert, config.worker_tls_key)
+
+
+def check_stack(config: StackConfig) -> None:
+    """The checks of ``outrider up`` and ``outrider demo``, by their own
+    flags: the device, the models, and that the draft model shares the
+    target's vocabulary."""
+    from outrider import models
+
+    check_device(config.device)
+    check_model("--target-model", config.target_model)
+    if config.draft_model:
+        check_model("--draft-model", config.draft_model)
+        target, draft = (
+            models.vocab_fingerprint_of(spec) for spec in (config.target_model, config.draft_model)
+        )
+        if target and draft and target != draft:
+            raise StartupError(
+                "--draft-model",
+                config.draft_model,
+                "its vocabulary differs from the target's (--target-model): pick a draft model "
+                "that shares the target's tokenizer, or --drafter prompt-lookup",
+            )
 
 
 def check_service(service: ServiceConfig) -> None:

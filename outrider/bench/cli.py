@@ -61,7 +61,7 @@ def _add_command(commands, name: str, options: type):
     summary, _, description = inspect.cleandoc(options.__doc__ or "").partition("\n\n")
     help_text = summary.replace("%", "%%")  # (argparse formats it)
     parser = commands.add_parser(name, help=help_text, description=description or summary)
-    flags.add_flags(parser, options, read_env=False)
+    flags.add_flags(parser, options, env=False)
     return parser
 
 

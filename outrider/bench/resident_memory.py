@@ -26,12 +26,16 @@ def resident_mib(pid: int) -> float:
 def stack_args(up_flags: Sequence[str]) -> dict[str, Any]:
     """What ``outrider up`` with ``up_flags`` (after an optional ``--``)
     passes to ``start_stack``."""
-    from outrider.cli import _stack_args, build_parser
+    from outrider import flags
+    from outrider.cli import build_parser
+    from outrider.config import UpConfig
+    from outrider.stack import serve_flags
 
-    flags = list(up_flags)
-    if flags[:1] == ["--"]:
-        flags = flags[1:]
-    return _stack_args(build_parser().parse_args(["up", *flags]))
+    given = list(up_flags)
+    if given[:1] == ["--"]:
+        given = given[1:]
+    up = flags.build(UpConfig, build_parser().parse_args(["up", *given]))
+    return serve_flags(up.stack)
 
 
 def main(options: MemoryOptions) -> int:

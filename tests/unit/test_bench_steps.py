@@ -34,7 +34,7 @@ def test_steps_flags_keep_the_script_s_defaults():
         None, "auto", "auto", 512, 20
     )  # fmt: skip
     assert args.shapes == parse_shapes("1x1,1x5,8x1,8x5")
-    assert args.shape == [("a", 1), ("b", [2])]
+    assert args.shape == (("a", 1), ("b", [2]))
 
 
 def test_every_shape_is_timed_against_transformers_one_token_step(tmp_path, capsys):

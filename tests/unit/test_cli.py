@@ -10,6 +10,15 @@ import pytest
 from outrider.cli import build_parser
 
 
+def serve_flags_of(argv):
+    """What ``outrider up``/``demo`` with ``argv`` passes to each service."""
+    from outrider import flags
+    from outrider.config import StackConfig
+    from outrider.stack import serve_flags
+
+    return serve_flags(flags.build(StackConfig, build_parser().parse_args(argv)))
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -99,11 +108,8 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
 ):
     import torch
 
-    from outrider.cli import _stack_args
-
     monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
-    args = build_parser().parse_args(["up", *flags])
-    stack = _stack_args(args)
+    stack = serve_flags_of(["up", *flags])
     if drafter == "prompt-lookup":  # in the coordinator, no draft worker
         assert stack["with_draft"] is False and "--prompt-lookup" in stack["coordinator_args"]
         return
@@ -171,12 +177,10 @@ def test_serve_coordinator_puts_pipeline_into_its_config(monkeypatch):
 
 @pytest.mark.parametrize("command", ["up", "demo"])
 def test_up_and_demo_pass_pipeline_to_the_coordinator(command):
-    from outrider.cli import _stack_args
-
-    args = build_parser().parse_args([command, "--drafter", "prompt-lookup", "--pipeline"])
-    assert "--pipeline" in _stack_args(args)["coordinator_args"]
-    args = build_parser().parse_args([command, "--drafter", "prompt-lookup"])
-    assert "--pipeline" not in _stack_args(args)["coordinator_args"]
+    stack = serve_flags_of([command, "--drafter", "prompt-lookup", "--pipeline"])
+    assert "--pipeline" in stack["coordinator_args"]
+    stack = serve_flags_of([command, "--drafter", "prompt-lookup"])
+    assert "--pipeline" not in stack["coordinator_args"]
 
 
 @pytest.mark.parametrize(
@@ -293,3 +297,61 @@ main({argv!r})
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("command", ["up", "demo", "generate"])
+def test_every_command_flag_defaults_to_its_config_field_and_says_what_it_does(command):
+    import argparse
+
+    from outrider import flags
+    from outrider.cli import COMMAND_CONFIGS
+
+    config = COMMAND_CONFIGS[command]
+    required = ["hello"] if command == "generate" else []
+    args = build_parser().parse_args([command, *required])
+    for name, default in flags.flag_defaults(config).items():
+        if (command, name) != ("generate", "prompt"):
+            assert getattr(args, name) == default, name
+    values = {"prompt": "hello"} if command == "generate" else {}
+    assert flags.build(config, args) == config(**values)
+
+    parser = argparse.ArgumentParser()
+    flags.add_flags(parser, config, env=False)
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help and action.help[0].isalpha(), f"{action.dest} has no help"
+
+
+def test_up_reads_the_workers_device_variable_and_no_other(monkeypatch):
+    monkeypatch.setenv("OUTRIDER_DEVICE", "cpu")
+    monkeypatch.setenv("OUTRIDER_PORT", "6001")
+    monkeypatch.setenv("OUTRIDER_LOG_LEVEL", "debug")
+    monkeypatch.setenv("OUTRIDER_TEMPERATURE", "0.5")
+    args = build_parser().parse_args(["up"])
+    assert (args.device, args.port, args.log_level) == ("cpu", 50051, "warning")
+    assert build_parser().parse_args(["generate", "hello"]).temperature == 0.0
+
+
+def test_generate_takes_one_stop_string_per_flag():
+    args = build_parser().parse_args(["generate", "hello", "--stop", "a,b", "--stop", "c"])
+    assert args.stop == ("a,b", "c")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["up", "--port", "70000"], "--port 70000: not a port number (0 to 65535)"),
+        (["up", "--target-tp", "0"], "--target-tp 0: must be at least 1"),
+        (["demo", "--drafter", "early-exit"], "--drafter early-exit needs --draft-layers L"),
+        (["demo", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be at least 0"),
+        (["generate", "hi", "--top-k", "-1"], "--top-k -1: must be at least 0"),
+        (["generate", "hi", "--seed", "-1"], "--seed -1: must lie in [0, 2^64)"),
+        (["generate", "hi", "--tls-ca", "/no/ca.pem"], "--tls-ca /no/ca.pem: no such file"),
+    ],
+)
+def test_a_bad_command_flag_is_one_line_naming_it(capsys, argv, message):
+    from outrider.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"outrider {argv[0]}: {message}\n"
