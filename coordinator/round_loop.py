@@ -86,6 +86,19 @@ async def generate(
         await generation.close()  # 7. close both sessions: the workers free their caches
 
 
+def _stats(request: GenerationRequest, k_max: int, *, pipeline: bool) -> Stats:
+    """A generation's statistics before its first round."""
+    return Stats(
+        prompt_tokens=len(request.prompt_ids),
+        accepted_per_position=[0] * k_max,
+        num_speculative_tokens=k_max,
+        seed=request.sampling.seed,
+        verification=request.sampling.verification.value,
+        adaptive=request.adaptive and k_max > 0,
+        pipeline=pipeline and k_max > 0,
+    )
+
+
 class Generation:
     """One request's run through the round loop: its history, its worker
     sessions, its speculation policy and its statistics."""
@@ -115,16 +128,8 @@ class Generation:
         if request.adaptive:
             k_max = adaptive_k_max(k_max, models.target.graphed_tokens_per_row)
         self.k_max = k_max
-        self.stats = Stats(
-            prompt_tokens=len(self.history),
-            accepted_per_position=[0] * k_max,
-            num_speculative_tokens=k_max,
-            seed=request.sampling.seed,
-            verification=request.sampling.verification.value,
-            adaptive=request.adaptive and k_max > 0,
-            # (A lookup takes microseconds: there is nothing to overlap.)
-            pipeline=request.pipeline and k_max > 0 and self.lookup is None,
-        )
+        # (A lookup takes microseconds: there is nothing to overlap.)
+        self.stats = _stats(request, k_max, pipeline=request.pipeline and self.lookup is None)
         self.policy = (
             AdaptiveK(k_max, self.costs, pipeline=self.stats.pipeline)
             if self.stats.adaptive
@@ -152,17 +157,23 @@ class Generation:
                 self.costs.prefill_cost(tokens)
             ),
         )
-        self.drafts = (
-            DraftLink(
-                draft,
-                request_id=request.request_id,
-                target=models.target,
-                sampling=request.sampling,
-                deadline_s=recovery.draft_deadline_s,
-                backoff_s=recovery.draft_backoff_s,
-            )
-            if draft is not None and not isinstance(draft, PromptLookup) and k_max > 0
-            else None
+        self.drafts = self._draft_link(draft, models) if k_max > 0 else None
+
+    def _draft_link(
+        self, draft: DraftClient | PromptLookup | None, models: Models
+    ) -> DraftLink | None:
+        """The session on the draft workers (none for prompt lookup, which
+        drafts here)."""
+        if draft is None or isinstance(draft, PromptLookup):
+            return None
+        request, recovery = self.request, self.recovery
+        return DraftLink(
+            draft,
+            request_id=request.request_id,
+            target=models.target,
+            sampling=request.sampling,
+            deadline_s=recovery.draft_deadline_s,
+            backoff_s=recovery.draft_backoff_s,
         )
 
     async def open(self) -> Delta:
