@@ -37,13 +37,16 @@ demo: model
 
 # Two pytest-xdist workers, each given a whole test file at a time (so a
 # module's fixtures are built once). On two cores the suite took 556 s with
-# two workers, 824 s with none and 621 s with three. TEST_WORKERS=0 runs it
-# in one process.
+# two workers, 824 s with none and 621 s with three. The e2e tests then run
+# alone: the real model's tensor-parallel ranks wait on each other, and
+# beside another worker that test took 132 s instead of 35 s (474 s on a
+# machine busy besides). TEST_WORKERS=0 runs the first part in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: model tools lint
-	$(PYTEST)
+	$(PYTEST) -m "not e2e"
+	$(PY) -m pytest -m e2e
 
 test-fast: venv
 	$(PYTEST) tests/unit tests/integration
