@@ -174,6 +174,20 @@ def handled(stack, service: str, method: str) -> Counter[str]:
     return counts
 
 
+async def counted_calls(
+    stack, service: str, method: str, before: Counter[str], calls: int, timeout_s: float = 5.0
+) -> Counter[str]:
+    """The calls of one method counted since ``before``, once there are
+    ``calls`` of them or ``timeout_s`` has passed: a refused call is counted
+    after its status is sent, so its client may hear it a moment before."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        counted = handled(stack, service, method) - before
+        if counted.total() >= calls or asyncio.get_running_loop().time() > deadline:
+            return counted
+        await asyncio.sleep(0.01)
+
+
 async def test_mutated_requests_are_refused_unparsed_and_counted_and_the_services_keep_serving(
     tiny_target_dir, tiny_draft_same_dir
 ):
@@ -245,7 +259,9 @@ async def test_mutated_requests_are_refused_unparsed_and_counted_and_the_service
                 [(await case()).name for _ in range(MUTATIONS_PER_METHOD)]
             )
             await stack.sessions_left()
-            counted[service, method] = handled(stack, service, method) - before
+            counted[service, method] = await counted_calls(
+                stack, service, method, before, MUTATIONS_PER_METHOD
+            )
         print("\nstatus codes of mutated requests, by method:")
         for (_, method), codes in seen.items():
             print(f"  {method}: {dict(codes.most_common())}")

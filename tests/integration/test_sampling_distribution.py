@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,14 +132,14 @@ class TableLM(torch.nn.Module):
         super().__init__()
         self.config = model.config
         self._device_anchor = torch.nn.Parameter(torch.zeros(()), requires_grad=False)
-        vocab = model.config.vocab_size
-        seqs = torch.tensor([[*prompt, *s] for s in itertools.product(range(vocab), repeat=depth)])
-        with torch.inference_mode():
-            logits = model(input_ids=seqs).logits
-        self.table: dict[tuple[int, ...], torch.Tensor] = {}
-        for seq, rows in zip(seqs.tolist(), logits, strict=True):
-            for i in range(len(seq)):
-                self.table.setdefault(tuple(seq[: i + 1]), rows[i].clone())
+        prompt_rows, *levels = prefix_logits(model, prompt, depth)
+        self.table: dict[tuple[int, ...], torch.Tensor] = {
+            prompt[: i + 1]: row for i, row in enumerate(prompt_rows)
+        }
+        for j, rows in enumerate(levels, start=1):
+            vocab_j = itertools.product(range(model.config.vocab_size), repeat=j)
+            for s, row in zip(vocab_j, rows, strict=True):
+                self.table[(*prompt, *s)] = row
 
     def forward(self, input_ids, past_key_values, use_cache=True, logits_to_keep=0, **_):
         new = input_ids[0].tolist()
@@ -180,9 +181,43 @@ def load_llama(path: Path, seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
 
+_LOGITS: weakref.WeakKeyDictionary[
+    torch.nn.Module, dict[tuple[tuple[int, ...], int], list[torch.Tensor]]
+] = weakref.WeakKeyDictionary()
+
+
+def prefix_logits(
+    model: torch.nn.Module, prompt: tuple[int, ...], depth: int
+) -> list[torch.Tensor]:
+    """The model's logits after every prefix of ``prompt + s`` for all ``s``
+    of ``depth`` tokens, from one batched forward pass (kept per model for
+    the module's other tables and references): ``[prompt_rows, level_1, ...,
+    level_depth]``, where ``prompt_rows`` (``[len(prompt), V]``) are those
+    after each prefix of the prompt and ``level_j`` (``[V**j, V]``) those
+    after ``prompt + s`` for each ``s`` of ``j`` tokens, in lexicographic
+    order."""
+    cached = _LOGITS.setdefault(model, {})
+    if (prompt, depth) not in cached:
+        vocab = model.config.vocab_size
+        seqs = torch.tensor([[*prompt, *s] for s in itertools.product(range(vocab), repeat=depth)])
+        with torch.inference_mode():  # in chunks: faster, and the same logits to the bit
+            logits = torch.cat([model(input_ids=c).logits for c in seqs.split(4096)])
+        # logits: [V**depth, P+depth, V].
+        n = len(prompt)
+        # The sequences that begin with a j-token ``s`` run from row
+        # index(s) * V**(depth - j) on: every V**(depth - j)-th row is one
+        # of each (the prompt's rows are alike in every sequence).
+        cached[prompt, depth] = [logits[0, :n].clone()] + [
+            logits[:: vocab ** (depth - j), n - 1 + j].clone() for j in range(1, depth + 1)
+        ]
+    return cached[prompt, depth]
+
+
 def runner(model: torch.nn.Module) -> FallbackRunner:
     """The model's own forward, one session at a time (TableLM is no Llama)."""
-    return FallbackRunner(model, BlockPool(1 << 20, 1))
+    # Ample for 8 sessions of at most 23 tokens; a small pool keeps the
+    # free list short (it is sorted each time the pool empties).
+    return FallbackRunner(model, BlockPool(1024, 1))
 
 
 def paged_runner(model: torch.nn.Module) -> PagedRunner:
@@ -210,17 +245,12 @@ def exact_marginals(
     """``[positions, V]``: the exact distribution of each of the first
     ``positions`` tokens of target-only sampling, by enumerating every prefix
     (float64)."""
-    vocab = model.config.vocab_size
-    depth = positions - 1
-    seqs = torch.tensor([[*PROMPT, *s] for s in itertools.product(range(vocab), repeat=depth)])
-    with torch.inference_mode():
-        logits = model(input_ids=seqs).logits  # [V**depth, P+depth, V], rows in lexicographic order
-    n = len(PROMPT)
+    prompt_rows, *levels = prefix_logits(model, PROMPT, positions - 1)
     prefix_probs = torch.ones(1, dtype=torch.float64)  # [V**i]: each i-token prefix's probability
     marginals = []
-    for i in range(positions):
-        # One row per i-token prefix (the rest all zeros), in the same order.
-        next_probs = probabilities(logits[:: vocab ** (depth - i), n - 1 + i], params)  # [V**i, V]
+    for logits in [prompt_rows[-1:], *levels]:
+        # Level i: one row per i-token prefix, in the same order.
+        next_probs = probabilities(logits, params)  # [V**i, V]
         marginals.append(prefix_probs @ next_probs)
         prefix_probs = (prefix_probs[:, None] * next_probs).reshape(-1)
     marginals = torch.stack(marginals)
