@@ -34,7 +34,7 @@ Coordinator (per request, recorded when it finishes unless said otherwise):
   ``outrider_generation_tokens_total``;
 * ``outrider_num_requests_running`` — requests in the round loop (live);
 * ``outrider_round_overhead_seconds`` — per round, the wall time outside the
-  workers' compute and the lockstep waits for other sessions (RPC +
+  workers' compute and the waits behind other sessions' steps (RPC +
   coordinator).
 
 The hot path stays cheap: a request's aggregates are recorded once, when it

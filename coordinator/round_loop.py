@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.adaptive.session import AdaptiveK, adaptive_k_max
-from coordinator.lockstep import Lockstep
 from coordinator.lookup import NO_MATCH, PromptLookup
 from coordinator.requests import GenerationRequest
 from coordinator.served_models import Models
@@ -59,15 +57,10 @@ async def generate(
     draft: DraftClient | PromptLookup | None,
     costs: CostModels | None = None,
     recovery: Recovery = Recovery(),
-    lockstep: Lockstep | None = None,
 ) -> AsyncIterator[Delta]:
     """Runs ``request`` round by round, yielding what each round streams;
-    ``draft``: the draft workers, prompt lookup in this process, or none;
-    ``lockstep``: the coordinator's, for rounds where draft and target
-    share CPU cores (:mod:`coordinator.lockstep`)."""
-    generation = Generation(
-        request, models, target, draft, costs or CostModels(), recovery, lockstep
-    )
+    ``draft``: the draft workers, prompt lookup in this process, or none."""
+    generation = Generation(request, models, target, draft, costs or CostModels(), recovery)
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
         #    streamed at once; a draft model's session opens beside it, or
@@ -111,7 +104,6 @@ class Generation:
         draft: DraftClient | PromptLookup | None,
         costs: CostModels,
         recovery: Recovery,
-        lockstep: Lockstep | None = None,
     ) -> None:
         self.request = request
         self.cost_models = costs
@@ -137,14 +129,7 @@ class Generation:
         )
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
-        self.draft_competes = models.draft_competes
         self.draft_beside = models.draft_prefills_beside
-        # Synchronous rounds that draft on a model sharing the target's cores
-        # run in lockstep with the coordinator's others (a round with no
-        # drafts has nothing to wait for); pipelined ones overlap draft and
-        # verify by design.
-        in_step = self.draft_competes and k_max > 0 and not self.stats.pipeline
-        self.lockstep = lockstep if in_step else None
         self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
@@ -183,14 +168,10 @@ class Generation:
         target's (unless drafting does not pay now), so drafting can start
         from the second round — or, where the two would share CPU cores,
         once the first token is streamed (:func:`generate`), so that it
-        comes as fast as without a draft (``Models.draft_prefills_beside``).
-        In the lockstep the target's prefill is a verify: it waits for a
-        verify phase, and a draft phase waits for it — beside drafts, each
-        would slow the other on the shared cores."""
+        comes as fast as without a draft (``Models.draft_prefills_beside``)."""
         record = RoundRecord()
         self.open_draft(beside=True)
-        async with self.verifying():
-            reply = await self.target.open(self.history, first_token=True)
+        reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
         self.placed(reply.load)
@@ -222,85 +203,23 @@ class Generation:
         if load is not None:
             self.costs.target = load
 
-    def verifying(self) -> AbstractAsyncContextManager[float]:
-        """The session's verify phase in the lockstep, if it is in one;
-        yields the seconds it waited for it."""
-        return self.lockstep.verifying(self) if self.lockstep is not None else nullcontext(0.0)
-
     def open_draft(self, *, beside: bool) -> None:
         """Starts the draft session's prefill beside the target's, or after
-        it (``Models.draft_prefills_beside``) — but in the lockstep, where it
-        shares the target's cores, in the session's first draft phase
-        (:meth:`draft`), so that it never runs beside a target step."""
-        if self.drafts is None or beside != self.draft_beside or self.lockstep is not None:
+        it (``Models.draft_prefills_beside``), if the session will draft."""
+        if self.drafts is None or beside != self.draft_beside:
             return
-        if self.finish_reason is None and self.choose_k(len(self.history) + beside, beside) > 0:
+        if self.finish_reason is None and self.choose_k(len(self.history) + beside) > 0:
             self.drafts.open_soon(self.history)
 
-    def choose_k(self, history_len: int, beside: bool = False) -> int:
+    def choose_k(self, history_len: int) -> int:
         """K for a round after ``history_len`` tokens: never past the length
-        limit (a round commits up to K + 1). ``beside``: asked as the target
-        prefills, where a draft opened now prefills beside it."""
+        limit (a round commits up to K + 1)."""
         room = max(0, self.max_len - history_len - 1)
         if self.lookup is not None:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
-        unopened = self.drafts is not None and not self.drafts.begun
-        if unopened and self.draft_waits():
-            return 0
-        k = self.policy.choose(room)
-        if unopened and not self.draft_opens(k, history_len, beside):
-            return 0
-        return k
-
-    def draft_waits(self) -> bool:
-        """Whether a draft never opened waits, without a plan, for others to
-        draft: on cores shared with the draft (in the lockstep), beside
-        other sessions none of which drafts. There K = 0's points of the
-        target's surface are measured at every step, and drafting's (the
-        verifies of drafts, the draft's steps) only while some session
-        drafts: a plan that compares them compares the machine now with
-        the machine then, and a shared machine's speed moves by more than
-        drafting gains beside others (docs/design.md#adaptive-k). A session
-        alone has no others to slow, and measures what it opens."""
-        return self.lockstep is not None and not self.lockstep.active and not self.costs.alone
-
-    def draft_opens(self, k: int, history_len: int, beside: bool) -> bool:
-        """Whether a draft never opened opens for a round of ``k`` drafts:
-        where its prefill pays (``CostModel.draft_prefill_pays``). Where it
-        does not, it will only pay less as the tokens to come run out: the
-        session drafts no more (:meth:`target_only`). On cores shared with
-        the draft (in the lockstep) a session that waits (:meth:`draft_waits`)
-        is not asked, and one alone asks again each round while it does
-        not pay: a round of its costs only its row. Beside drafting
-        sessions it cannot wait — it would wait in their phases, a token a
-        phase, or its steps would run beside their drafts — so it joins
-        them or drafts no more."""
-        others_draft = self.lockstep is not None and self.lockstep.active
-        tokens_left = self.max_len - history_len
-        if k > 0 and self.costs.draft_prefill_pays(
-            history_len, tokens_left, beside=beside, others_draft=others_draft
-        ):
-            return True
-        if others_draft or (k > 0 and self.lockstep is None):
-            self.target_only()
-        return False
-
-    def target_only(self) -> None:
-        """Drafts no more: the session leaves the plan, where its row becomes
-        one of the others' in the target's steps, and the lockstep, whose
-        draft phases it would wait for at a token a phase of K draft steps
-        (docs/design.md#adaptive-k)."""
-        self.k_max = 0
-        self.lookup = None
-        if self.policy is not None:
-            self.policy.close()
-            self.policy = None
-        if self.lockstep is not None:
-            self.lockstep.leave(self)
-            self.lockstep = None
-        self.drafts = None
+        return self.policy.choose(room)
 
     async def draft(self, record: RoundRecord) -> Proposal | None:
         """This round's proposal: the speculation's when it holds (a hit),
@@ -320,13 +239,7 @@ class Generation:
         if reply is not None:
             record.k = len(reply.value.tokens)
         else:
-            k = self.choose_k(len(self.history))  # (which may end drafting for good)
-            if self.lockstep is not None and (k > 0 or self.lockstep.active):
-                # (never pipelined; at K = 0 too, where others draft: its
-                # verify waits for their drafts)
-                started = time.perf_counter()
-                await self.lockstep.draft(self, drafts=k > 0)
-                record.lockstep_s += time.perf_counter() - started
+            k = self.choose_k(len(self.history))
             if k > 0:
                 record.k = k
                 reply, record.open_s = await self.drafts.propose(self.history, k)
@@ -354,11 +267,9 @@ class Generation:
         reopening a lost or frozen target session on the history."""
         drafts = proposal or Proposal([])
         expected_s = self.costs.verify_cost(len(drafts.tokens)) or self.prefill_s
-        async with self.verifying() as waited:
-            record.lockstep_s += waited
-            reply, record.reopen_s = await self.target.verify(
-                self.history, drafts, self.recovery.verify_deadline_s(expected_s)
-            )
+        reply, record.reopen_s = await self.target.verify(
+            self.history, drafts, self.recovery.verify_deadline_s(expected_s)
+        )
         record.verify_s, record.queued_s = reply.compute_s, reply.queued_s
         self.placed(reply.load)
         self.stats.verify_time_s += record.reopen_s
@@ -457,8 +368,6 @@ class Generation:
         went away). The workers free their caches either way."""
         if self.policy is not None:
             self.policy.close()
-        if self.lockstep is not None:
-            self.lockstep.leave(self)
         finished = self.finish_reason is not None
         self.target.close(finished=finished)
         if self.drafts is not None:

@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 
 from coordinator.adaptive.cost_model import CostModels
-from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.requests import (
@@ -50,7 +49,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = metrics
         # Round costs are each target replica's, taught by every session on it.
         self.costs = CostModels()
-        self.lockstep = Lockstep(max_wait_s=recovery.draft_deadline_s)
         self.requests = RequestBuilder(models, defaults, drafts=draft is not None)
 
     def deltas(self, request: GenerationRequest, received: float) -> AsyncIterator[Delta]:
@@ -63,7 +61,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.draft,
             self.costs,
             self.recovery,
-            self.lockstep,
         )
         return self.metrics.track(deltas, received) if self.metrics else deltas
 

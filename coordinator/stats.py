@@ -33,8 +33,6 @@ class RoundRecord:
     """How long the verify waited at the target for its engine to take it:
     behind the rest of a step of other sessions under way — their work,
     priced in the step costs, not this round's overhead."""
-    lockstep_s: float = 0.0
-    """Waiting for the other sessions of a lockstep phase to do their part."""
     round_s: float = 0.0
     hit: bool | None = None
     """Pipelined: whether the drafts were drafted during the last verify."""
@@ -54,10 +52,10 @@ class RoundRecord:
     @property
     def overhead_s(self) -> float:
         """Wall time outside the workers' compute and the other sessions'
-        work — their lockstep phases, the steps the verify waited behind —
-        priced as such: RPCs and the coordinator."""
+        work — the steps the verify waited behind — priced as such: RPCs and
+        the coordinator."""
         compute = self.open_s + self.waited_for_draft_s + self.verify_s + self.reopen_s
-        return max(0.0, self.round_s - compute - self.lockstep_s - self.queued_s)
+        return max(0.0, self.round_s - compute - self.queued_s)
 
     @property
     def critical_path_s(self) -> float:

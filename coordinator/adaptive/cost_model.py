@@ -17,13 +17,7 @@ from typing import Protocol
 from coordinator.adaptive.acceptance import Acceptance
 from coordinator.adaptive.planner import Bid, Plan, plan
 from coordinator.adaptive.step_costs import StepCosts
-from outrider.logging import get_logger
 
-log = get_logger(__name__)
-
-DRAFT_STALE_S = 10.0
-"""Seconds without a draft answer after which a session alone measures
-the draft's costs again (:meth:`CostModel.explores`)."""
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
 again only once this share of the time since the last has passed its
@@ -32,17 +26,6 @@ of a small target, on the core that runs every session's rounds."""
 MAX_IDLE_MODELS = 16
 """Cost models of target replicas with no adaptive session kept, the most
 recently used (:class:`CostModels`)."""
-PLAN_ERROR = 0.1
-"""How far a plan's goodput may be off what its rounds then make, with
-many sessions beside the one deciding: the engines' step times drift by
-up to 10% from minute to minute on a shared machine, the plan prices K = 0
-and drafting from different steps, and the others' rounds, waits and
-drafts are theirs. A draft opens only where it pays at the end of this
-error that favours K = 0, in proportion to the share of the others in the
-steps — none for a session alone, whose plan met its rounds: where
-drafting gains a few percent, the prefill of a draft that gains nothing
-is a loss, and sessions that draft slow those beside them that do not
-(docs/design.md#adaptive-k)."""
 
 
 class Bidder(Protocol):
@@ -102,28 +85,6 @@ class CostModel(StepCosts):
             draft_steps=draft_steps,
         )
 
-    @property
-    def explores(self) -> bool:
-        """Whether the session alone is to measure the draft's costs again, as
-        though they were unknown: no draft has answered for
-        :data:`DRAFT_STALE_S` (every session at K = 0 or target-only), so
-        its curve is of steps run then — maybe while something else held the
-        cores — and no answer would ever correct it. Only a session alone
-        in the target's steps does: under load a round of many drafts beside
-        target-only sessions would hold their steps (or, on shared cores,
-        overlap them), and there drafting rarely pays."""
-        return (
-            self.draft is not None
-            and bool(self.draft.curve)
-            and time.perf_counter() - self.draft_at >= DRAFT_STALE_S
-            and self.alone
-        )
-
-    @property
-    def alone(self) -> bool:
-        """Whether one adaptive session runs, alone in the target's steps."""
-        return len(self.sessions) <= 1 and self.target.rows_per_step <= 1
-
     # --- planning --------------------------------------------------------------
 
     def join(self, session: Bidder) -> int:
@@ -156,56 +117,6 @@ class CostModel(StepCosts):
             self._planned_at, self._planned_time = stamp, now
             self._planning_s = time.perf_counter() - now
         return self._plan
-
-    def draft_prefill_pays(
-        self, tokens: int, tokens_left: int, *, beside: bool = False, others_draft: bool = False
-    ) -> bool:
-        """Whether a draft session opened now on ``tokens`` tokens repays its
-        prefill, which the round that first drafts waits for (and, where the
-        draft shares the target's cores, every session) — what of it outlasts
-        the target's prefill where it runs ``beside`` it: the ``tokens_left``
-        tokens still to come, made at the plan's goodput G rather than at
-        K = 0's G₀, must save more than the prefill costs — each goodput
-        taken at the end of its error that favours the other, since an open
-        draft is not undone: ε = :data:`PLAN_ERROR` · (1 − 1/R) with R the
-        rows of the target's steps (these sessions' at least),
-
-            tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
-
-        Where the draft shares the target's cores and ``others_draft`` (in
-        the coordinator's lockstep), a session without a draft has no round
-        that costs the deployment only its row: it waits in the others'
-        phases, a token a phase, or its steps run beside their drafts,
-        slowing both. There the prefill is the price of joining them, and
-        the draft opens wherever drafting pays at the end of the error,
-        G(1 − ε) > G₀(1 + ε).
-
-        A session whose draft never opened does not probe it either: its
-        acceptance is the deployment's. True before the draft's steps are
-        measured, and where the session alone is to measure them again
-        (:attr:`explores`): an open teaches them."""
-        if self.draft is None or not self.draft.curve or self.explores:
-            return True
-        plan = self.plan()
-        if plan.goodput <= plan.target_only or plan.target_only <= 0:
-            return False
-        error = PLAN_ERROR * (1 - 1 / max(1.0, self.target.rows_per_step, len(self.sessions)))
-        worst_target_only = plan.target_only * (1 + error)
-        worst_goodput = plan.goodput * (1 - error)
-        if others_draft:
-            return worst_goodput > worst_target_only
-        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
-        if beside:
-            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
-        saved = tokens_left * (1 / worst_target_only - 1 / worst_goodput)
-        log.debug(
-            "draft prefill priced",
-            saved_ms=round(saved * 1e3, 1),
-            prefill_ms=round(prefill * 1e3, 1),
-            goodput=round(plan.goodput, 1),
-            target_only=round(plan.target_only, 1),
-        )
-        return saved > prefill
 
 
 class CostModels:

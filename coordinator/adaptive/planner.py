@@ -201,7 +201,7 @@ def _prefixes(
     goodput and no end)."""
     count = np.cumsum(kept, axis=1)
     committed = others.committed + np.cumsum(drafts.gain * kept, axis=1)
-    drafting = np.cumsum(drafts.draft_add * kept, axis=1) + (costs.draft_extra.value or 0.0)
+    drafting = np.cumsum(drafts.draft_add * kept, axis=1)
     # A verify's cost depends only on how many drafts it holds.
     verify = costs.verify_costs(others.tokens, others.rows, len(drafts.gain))
     one_rpc, two_rpcs = costs.rpc_cost(False), costs.rpc_cost(True)
@@ -249,14 +249,13 @@ def _best_prefix(
 
 def _first_draft_cost(ks: np.ndarray, others: _Others, costs: StepCosts) -> float:
     """What a first draft of a session now at K = 0 would cost a round: a
-    token in the step, a row in the first draft step — or that step, where
-    none drafts yet."""
+    token in the step, and a row in the first draft step — or that step,
+    where none drafts yet."""
     drafting_first = others.drafting + int((ks > 0).sum())
     tokens = others.tokens + ks.sum()
     token = costs.target.step_costs(np.array([tokens, tokens + 1]), others.rows)
     row = costs.draft_step_costs(np.array([drafting_first, drafting_first + 1]))
-    first_step = (costs.draft_extra.value or 0.0) if drafting_first == 0 else 0.0
-    return max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0]) + first_step
+    return max(0.0, np.diff(token)[0]) + max(0.0, np.diff(row)[0])
 
 
 def _log_plan(
@@ -278,7 +277,6 @@ def _log_plan(
         target=[(r, t, round(s * 1e3, 1)) for r, t, s in costs.target.curve],
         draft=[(r, t, round(s * 1e3, 1)) for r, t, s in costs.draft.curve] if costs.draft else None,
         overhead=(round(costs.rpc_cost(False) * 1e3, 1), round(costs.rpc_cost(True) * 1e3, 1)),
-        draft_extra=round((costs.draft_extra.value or 0.0) * 1e3, 1),
         work_per_row=(
             round(costs.target.work_per_row_s * 1e3, 2),
             round(costs.draft.work_per_row_s * 1e3, 2) if costs.draft else None,

@@ -1,16 +1,13 @@
-"""A session's adaptive K: how many tokens it drafts next round — its K in
-the plan of the cost model of the target replica it runs on
-(:mod:`coordinator.adaptive.cost_model`), within the target's CUDA graphs.
+"""One session's adaptive K: how many tokens it drafts next round.
 
-While K = 0 nothing is learnt about α; after ``probe_every`` rounds a
-session drafts one token to look again, and after each look that changed
-nothing it waits twice as long — unless its first draft would not pay even
-at a far better α (halfway to 1) — its α^1 would not beat what one more
-draft token costs — when looking again cannot change the answer, or its
-α is the deployment's record of drafts on the same evidence (prompt
-lookup's), which every session's drafting rounds keep. A probe is not
-free under load: its row of two tokens slows the step of every session in
-it.
+Its K is its share of the plan of the target replica it runs on
+(:mod:`coordinator.adaptive.cost_model`), and never more than the
+target's CUDA graphs hold. The plan weighs its drafts by its acceptance α:
+its own drafting rounds, drawn toward what every session has seen. At
+K = 0 a session learns nothing of its α, so every ``probe_every`` rounds
+it drafts one token to look again — unless the look could not change the
+answer: its α is already known from every session's rounds on the same
+evidence, or a first draft would not pay even at a far better α.
 """
 
 from __future__ import annotations
@@ -21,23 +18,12 @@ import numpy as np
 
 from coordinator.adaptive.cost_model import CostModel
 from coordinator.adaptive.planner import Bid
-from outrider.load import WINDOW
 
 LEARNING_K = 4
 """K of a round drafted to learn what drafting costs, before any was measured."""
 PRIOR_TOKENS = 8.0
-"""The least weight, in judged draft tokens, of the deployment's acceptance
-in each session's estimate. A session's own last few rounds alone are
-noisy, and the plan drafts deepest where they happened to be lucky: under
-load, estimates from a session's own rounds alone ran above what those
-rounds then accepted."""
-PRIOR_TOKENS_MAX = 64.0
-"""The most weight of the deployment's acceptance α₀: it weighs as one run
-of its drafts up to a rejection, 1/(1 − α₀) judged drafts, between
-:data:`PRIOR_TOKENS` and this. Where α₀ is high a rejection is rare, and
-one in a session's first rounds is no sign that its drafts are worse; with
-the least prior it took the estimate far below α₀ and the session's K
-down to one or two for many rounds (docs/design.md#adaptive-k)."""
+"""The weight, in judged draft tokens, of the deployment's acceptance in
+each session's estimate: a session's own few rounds alone are noisy."""
 
 
 def adaptive_k_max(k_max: int, graphed_tokens_per_row: int) -> int:
@@ -63,8 +49,7 @@ class AdaptiveK:
     pipeline: bool = False
     """Rounds are pipelined: their costs follow the pipelined model."""
     probe_every: int = 8
-    """Rounds at K = 0 before the first probe; each probe doubles the wait
-    for the next, until the plan drafts again."""
+    """Rounds at K = 0 between two probes."""
     decay: float = 0.9
     """Weight of older rounds in the session's own counts."""
     accepted: float = 0.0
@@ -72,8 +57,7 @@ class AdaptiveK:
     """The session's drafting rounds (decayed sums): accepted drafts, and
     rejected ones."""
     rounds_at_zero: int = 0
-    probe_wait: int = 0
-    """Rounds at K = 0 before the next probe."""
+    """Rounds at K = 0 since the last that drafted."""
     k_last: int | None = None
     """The K of this session's last verified round (its share of the load)."""
     evidence: int | None = None
@@ -86,7 +70,6 @@ class AdaptiveK:
     """Its key in its cost model's plan."""
 
     def __post_init__(self) -> None:
-        self.probe_wait = self.probe_every
         self.key = self.costs.join(self)
 
     def close(self) -> None:
@@ -115,7 +98,7 @@ class AdaptiveK:
     def alpha(self) -> float:
         """Its per-token acceptance: its own rounds', drawn toward what every
         session of the deployment has seen (its drafter's typical α; 0.5
-        before any) by one run of its drafts (:data:`PRIOR_TOKENS_MAX`). For
+        before any) by :data:`PRIOR_TOKENS` judged drafts. For
         drafts on evidence, the acceptance of the first draft that every
         session's drafts on the same evidence had: that says more of the
         next drafts than the session's past does (:meth:`gains`)."""
@@ -123,10 +106,8 @@ class AdaptiveK:
             return float(self.gains(1)[0])
         prior = self.costs.acceptance.alpha
         prior = 0.5 if prior is None else prior
-        weight = PRIOR_TOKENS_MAX if prior >= 1.0 else 1.0 / (1.0 - prior)
-        weight = min(max(weight, PRIOR_TOKENS), PRIOR_TOKENS_MAX)
-        judged = self.accepted + self.rejected + weight
-        return (self.accepted + weight * prior) / judged
+        judged = self.accepted + self.rejected + PRIOR_TOKENS
+        return (self.accepted + PRIOR_TOKENS * prior) / judged
 
     def gains(self, k: int) -> np.ndarray:
         """What each of its next ``k`` drafts adds to the tokens its round
@@ -143,21 +124,19 @@ class AdaptiveK:
         k_max = min(self.k_most, limit)
         if k_max <= 0:
             return 0
-        if self.exploring:
-            return min(k_max, WINDOW)  # draft steps enough to be most of their median
         if not self.costs.measured or not self.costs.draft_measured:
             return min(k_max, LEARNING_K)  # draft, and learn what a round costs
         plan = self.costs.plan()
         k = min(plan.ks.get(self.key, 0), k_max)
         if k > 0:
-            self.rounds_at_zero, self.probe_wait = 0, self.probe_every
+            self.rounds_at_zero = 0
             return k
         if self.alpha_known or 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
             return 0  # a look would teach nothing, or not pay even at a far better α
         self.rounds_at_zero += 1
-        if self.rounds_at_zero < self.probe_wait:
+        if self.rounds_at_zero < self.probe_every:
             return 0
-        self.rounds_at_zero, self.probe_wait = 0, 2 * self.probe_wait
+        self.rounds_at_zero = 0
         return 1
 
     @property
@@ -169,11 +148,6 @@ class AdaptiveK:
         if self.evidence is None:
             return False
         return self.costs.acceptance.judged_on(self.evidence) >= PRIOR_TOKENS
-
-    @property
-    def exploring(self) -> bool:
-        """Whether this session measures the draft's costs again (:attr:`CostModel.explores`)."""
-        return self.costs.explores and self.key in self.costs.sessions
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """Updates α with one round: its accepted drafts, and the rejected one."""

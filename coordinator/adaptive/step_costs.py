@@ -2,20 +2,17 @@
 them: the target's and the draft's step costs by rows and tokens, which the
 engines measure and report with every answer (``outrider.load``), each
 with the engine's own work between its forward passes; and what the
-coordinator measures itself — its overhead per round, a drafting round's
-cost beyond its draft steps, the target's prefill per token.
+coordinator measures itself — its overhead per round, and the target's
+prefill per token.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.load import DECODE_TOKENS_PER_ROW, WINDOW, EngineLoad
+from outrider.load import DECODE_TOKENS_PER_ROW, EngineLoad
 
 
 class _Ema:
@@ -30,24 +27,6 @@ class _Ema:
             self.value = sample
         else:
             self.value = self.decay * self.value + (1 - self.decay) * sample
-
-
-class _Median:
-    """The median of the last :data:`WINDOW` samples. A rare sample far off
-    the others (a round whose draft ran a shape's first, eager, step, many
-    times its usual drafts) says nothing of the rounds to come, and a mean
-    would carry it for dozens of rounds — for ever, where the price it sets
-    stops the drafting whose samples would replace it."""
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=WINDOW)
-
-    def update(self, sample: float) -> None:
-        self.samples.append(sample)
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.samples) if self.samples else None
 
 
 class _Floor:
@@ -78,16 +57,8 @@ class StepCosts:
     round loop keeps it current)."""
     draft: EngineLoad | None = None
     """The draft engine's; None for prompt lookup (or before any answer)."""
-    draft_at: float = field(init=False, default_factory=time.perf_counter)
-    """When the draft last answered (:meth:`draft_answered`)."""
     draft_per_token: _Ema = field(init=False)
     """Draft compute per drafted token, where the draft reports no curve."""
-    draft_extra: _Median = field(init=False)
-    """What a round's drafts took beyond their steps' prices on the draft's
-    curve: its first step feeds the tokens the last round committed that
-    the draft has not seen — two, the last draft and the bonus token, where
-    every draft was accepted — and a round of one draft pays it as one of K
-    does. Priced as a fixed cost of a drafting round."""
     prefill_per_token: _Ema = field(init=False)
     overhead: dict[bool, _Floor] = field(init=False)
     """Keyed by whether the round waited for a draft RPC (two RPCs or one).
@@ -98,7 +69,6 @@ class StepCosts:
 
     def __post_init__(self) -> None:
         self.draft_per_token = _Ema(self.decay)
-        self.draft_extra = _Median()
         self.prefill_per_token = _Ema(self.decay)
         self.overhead = {False: _Floor(), True: _Floor()}
 
@@ -116,17 +86,12 @@ class StepCosts:
         steps = num_drafts if draft_steps is None else draft_steps
         if steps:
             self.draft_per_token.update(draft_s / steps)
-            if drafted and self.draft is not None and self.draft.curve:
-                rows = max(1.0, self.draft.rows_per_step)
-                priced = steps * float(self.draft_step_costs(np.array([rows]))[0])
-                self.draft_extra.update(max(0.0, draft_s - priced))
         self.overhead[drafted].update(overhead_s)
 
     def draft_answered(self, load: EngineLoad | None) -> None:
         """The draft answered a round, with its costs and load if it reports them."""
         if load is not None:
             self.draft = load
-        self.draft_at = time.perf_counter()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A target session opened on ``tokens`` tokens in ``seconds``."""

@@ -161,9 +161,9 @@ class _Returns:
     Where it is longer (a draft model's K steps between two verifies), the
     engine holds only for the rest of a step's sessions once the first of
     them is back, and only while they come back together (the spread of
-    their returns, its moving average, within the wait): rounds in lockstep
-    (coordinator/lockstep.py) send their verifies at once, and an engine
-    that stepped on the first would split them; sessions that drift apart
+    their returns, its moving average, within the wait): sessions whose
+    drafts ran in the same draft steps send their verifies at once, and an
+    engine that stepped on the first would split them; sessions that drift apart
     take turns, and nobody waits. A session that misses a wait is not
     waited for again until its next answer; a closed one is forgotten."""
 

@@ -61,7 +61,6 @@ from transformers import AutoModelForCausalLM
 
 import coordinator.round_loop as loop_module
 import target_worker.sessions as target_sessions_module
-from coordinator.lockstep import Lockstep
 from coordinator.lookup import PromptLookup
 from coordinator.requests import GenerationRequest
 from coordinator.round_loop import generate
@@ -417,10 +416,8 @@ def request(
     )
 
 
-async def run_once(models, target, draft, req, lockstep=None) -> tuple[list[int], object]:
-    deltas = [
-        delta async for delta in generate(req, models, target, draft, None, Recovery(), lockstep)
-    ]
+async def run_once(models, target, draft, req) -> tuple[list[int], object]:
+    deltas = [delta async for delta in generate(req, models, target, draft, None, Recovery())]
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == req.max_new_tokens and deltas[-1].finish_reason == "length"
     return tokens, deltas[-1].stats
@@ -607,19 +604,16 @@ async def trimmed_samples(
     target = InProcessTargetClient(TargetSessions(target_runner, store, info), engine)
     out = np.empty((n, NEW_TOKENS), dtype=np.int64)
     proposed = verified = 0
-    # As served where the draft model shares the target's CPU cores: rounds in lockstep.
+    # As served where the draft model shares the target's CPU cores.
     on_cpu = replace(world.models.target, device="cpu", dtype="float64")
     models = replace(world.models, target=on_cpu, draft=replace(on_cpu, model="good"))
     assert models.draft_competes
-    lockstep = Lockstep(max_wait_s=5.0)
     try:
         for start in range(0, n, concurrency):
             seeds = range(start, min(n, start + concurrency))
             results = await asyncio.gather(
                 *(
-                    run_once(
-                        models, target, world.drafts["good"], request(setting, mode, s, K), lockstep
-                    )
+                    run_once(models, target, world.drafts["good"], request(setting, mode, s, K))
                     for s in seeds
                 )
             )

@@ -407,7 +407,7 @@ def test_a_step_is_held_only_for_sessions_whose_round_trip_is_short():
 
 
 def test_a_step_is_held_for_the_rest_of_a_group_that_comes_back_together():
-    # Rounds in lockstep: a draft phase between two verifies (a long round
+    # Rounds drafted together: draft steps between two verifies (a long round
     # trip), but a step's sessions send their next verifies at once.
     returns, a, b = returns_of_two_sessions()
     returns.answered(a, at=1.0)
