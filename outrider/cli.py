@@ -197,6 +197,10 @@ def _serve_until_stopped(stack: Stack) -> int:
         while all(s.process.poll() is None for s in stack.services):
             time.sleep(0.5)
     except KeyboardInterrupt:
+        # A second Ctrl-C or SIGTERM (a supervisor's, after its process
+        # group's) must not cut the services' stop short and orphan them.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("stopping", file=sys.stderr)
         return 0
     failed = [s.name for s in stack.services if s.process.poll() is not None]

@@ -43,8 +43,11 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def stack(default_model_dir):
-    """`outrider up` on free ports (gRPC and HTTP), stopped with SIGTERM at
-    the end: its gRPC address and the base URL of its OpenAI-compatible API."""
+    """`outrider up` on free ports (gRPC and HTTP), stopped at the end with
+    SIGTERM twice, as a supervisor that signals the process and then its
+    group does: its gRPC address and the base URL of its OpenAI-compatible
+    API. The second signal must not cut the stop short: no service of its
+    process group may outlive it."""
     process = subprocess.Popen(
         [sys.executable, "-m", "outrider", "up", "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
@@ -67,11 +70,25 @@ def stack(default_model_dir):
         yield address, api_url
     finally:
         process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # stopping its services
+        process.send_signal(signal.SIGTERM)
         try:
             assert process.wait(timeout=60) == 0
+            deadline = time.monotonic() + 10
+            while _group_alive(process.pid):
+                assert time.monotonic() < deadline, "a service outlived `outrider up`"
+                time.sleep(0.1)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
