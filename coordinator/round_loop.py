@@ -64,9 +64,8 @@ async def generate(
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
         #    streamed at once; a draft model's session opens beside it, or
-        #    once that token is on its way.
+        #    at the first round that drafts.
         yield generation.finish(await generation.open())
-        generation.open_draft(beside=False)
         while generation.finish_reason is None:
             record = RoundRecord()
             proposal = await generation.draft(record)  # 2. draft, or take the speculation
@@ -166,11 +165,11 @@ class Generation:
         and draws the token after it, as a round with no drafts would; that
         round's delta. A draft model's prefill starts at once, beside the
         target's (unless drafting does not pay now), so drafting can start
-        from the second round — or, where the two would share CPU cores,
-        once the first token is streamed (:func:`generate`), so that it
-        comes as fast as without a draft (``Models.draft_prefills_beside``)."""
+        from the second round — or, where the two would share CPU cores, at
+        the first round that drafts, so that the first token comes as fast
+        as without a draft (:meth:`open_draft`)."""
         record = RoundRecord()
-        self.open_draft(beside=True)
+        self.open_draft()
         reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
         record.verify_s = self.prefill_s = reply.compute_s
@@ -203,23 +202,36 @@ class Generation:
         if load is not None:
             self.costs.target = load
 
-    def open_draft(self, *, beside: bool) -> None:
-        """Starts the draft session's prefill beside the target's, or after
-        it (``Models.draft_prefills_beside``), if the session will draft."""
-        if self.drafts is None or beside != self.draft_beside:
+    def open_draft(self) -> None:
+        """Starts the draft session's prefill beside the target's, if the
+        session will draft and the two do not share CPU cores
+        (``Models.draft_prefills_beside``); else the draft opens at the
+        first round that drafts, so that a session that never drafts never
+        costs the draft worker a prefill."""
+        if self.drafts is None or not self.draft_beside:
             return
-        if self.finish_reason is None and self.choose_k(len(self.history) + beside) > 0:
+        if self.choose_k(len(self.history) + 1, beside=True) > 0:
             self.drafts.open_soon(self.history)
 
-    def choose_k(self, history_len: int) -> int:
+    def choose_k(self, history_len: int, beside: bool = False) -> int:
         """K for a round after ``history_len`` tokens: never past the length
-        limit (a round commits up to K + 1)."""
+        limit (a round commits up to K + 1). A session whose draft model has
+        not opened neither probes nor opens it where the tokens still to
+        come would not repay its prefill (``CostModel.draft_prefill_pays``;
+        ``beside``: asked as the target prefills, beside which it would
+        run)."""
         room = max(0, self.max_len - history_len - 1)
         if self.lookup is not None:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
-        return self.policy.choose(room)
+        unopened = self.drafts is not None and not self.drafts.begun
+        k = self.policy.choose(room, may_probe=not unopened)
+        if unopened and k > 0:
+            tokens_left = self.max_len - history_len
+            if not self.costs.draft_prefill_pays(history_len, tokens_left, beside=beside):
+                return 0
+        return k
 
     async def draft(self, record: RoundRecord) -> Proposal | None:
         """This round's proposal: the speculation's when it holds (a hit),

@@ -267,6 +267,7 @@ def _print_stats(stats) -> None:
             f" / {stats.overhead_time_s:.3f} s",
         ),
         *(_pipeline_rows(stats) if stats.pipeline else []),
+        *([("K chosen per round", _rounds_by_k(stats.rounds_by_k))] if stats.adaptive else []),
         (
             "throughput",
             f"{stats.generated_tokens / stats.total_time_s:.1f} tokens/s"
@@ -276,6 +277,17 @@ def _print_stats(stats) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+    if stats.adaptive and stats.draft_tokens == 0:
+        print(
+            "\nDrafting did not pay here: adaptive K ran every round at K = 0, "
+            "at target-only speed."
+        )
+
+
+def _rounds_by_k(rounds_by_k: Sequence[int]) -> str:
+    """``rounds_by_k`` as "K=4 ×15, K=0 ×3", the most frequent first."""
+    counts = sorted(((n, k) for k, n in enumerate(rounds_by_k) if n), reverse=True)
+    return ", ".join(f"K={k} ×{n}" for n, k in counts) or "-"
 
 
 def _pipeline_rows(stats) -> list[tuple[str, str]]:

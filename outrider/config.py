@@ -344,10 +344,10 @@ class CoordinatorConfig:
     tokenizer: str | None = None
     """tokenizer: embedded name, directory or hub id (default: the default model's)"""
     num_speculative_tokens: int | str = field(
-        default=4, metadata={"parse": num_speculative_tokens, "metavar": "K"}
+        default="auto", metadata={"parse": num_speculative_tokens, "metavar": "K"}
     )
-    """draft tokens per round (K) for requests that leave it unset, or 'auto': choose K per
-    round from acceptance and costs"""
+    """draft tokens per round (K) for requests that leave it unset; 'auto': choose K per
+    round from acceptance and costs, 0 where drafting does not pay"""
     pipeline: bool = False
     """draft the next round while the target verifies this one (requests may override)"""
     max_num_speculative_tokens: int = 16
@@ -449,7 +449,7 @@ class StackConfig:
         default=CoordinatorConfig.num_speculative_tokens,
         metadata={"parse": num_speculative_tokens, "metavar": "K"},
     )
-    """default draft tokens per round, or 'auto' (adaptive)"""
+    """default draft tokens per round, or 'auto' (adaptive K: 0 wherever drafting does not pay)"""
     pipeline: bool = False
     """draft the next round while the target verifies this one (requests may override)"""
     threads: int | None = None

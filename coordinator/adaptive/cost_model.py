@@ -26,6 +26,12 @@ of a small target, on the core that runs every session's rounds."""
 MAX_IDLE_MODELS = 16
 """Cost models of target replicas with no adaptive session kept, the most
 recently used (:class:`CostModels`)."""
+PLAN_ERROR = 0.1
+"""How far a plan's goodput may be off what its rounds then make, with
+many sessions beside the one deciding: the engines' step times drift by
+up to 10% on a shared machine, and the others' rounds are theirs. A draft
+opens only where it pays at the end of this error that favours K = 0, in
+proportion to the others' share of the steps (none for a session alone)."""
 
 
 class Bidder(Protocol):
@@ -117,6 +123,34 @@ class CostModel(StepCosts):
             self._planned_at, self._planned_time = stamp, now
             self._planning_s = time.perf_counter() - now
         return self._plan
+
+    def draft_prefill_pays(self, tokens: int, tokens_left: int, *, beside: bool = False) -> bool:
+        """Whether a draft session opened now on ``tokens`` tokens repays its
+        prefill — which the round that first drafts waits for and, where the
+        draft shares the target's cores, every session — or what of it
+        outlasts the target's prefill where it runs ``beside`` it: the
+        ``tokens_left`` still to come, made at the plan's goodput G rather
+        than at K = 0's G₀, each at the end of its error ε (:data:`PLAN_ERROR`
+        times the others' share of the target's R rows) that favours the
+        other, must save more than the prefill costs:
+
+            tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
+
+        True before the draft's steps are measured: an open teaches them."""
+        if self.draft is None or not self.draft.curve:
+            return True
+        plan = self.plan()
+        if plan.goodput <= plan.target_only or plan.target_only <= 0:
+            return False
+        rows = max(1.0, self.target.rows_per_step, len(self.sessions))
+        error = PLAN_ERROR * (1 - 1 / rows)
+        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        if beside:
+            prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
+        saved = tokens_left * (
+            1 / (plan.target_only * (1 + error)) - 1 / (plan.goodput * (1 - error))
+        )
+        return saved > prefill
 
 
 class CostModels:

@@ -119,8 +119,12 @@ class AdaptiveK:
             return self.costs.acceptance.survival_of(self.evidence, k, PRIOR_TOKENS)
         return self.alpha ** np.arange(1, k + 1)
 
-    def choose(self, limit: int) -> int:
-        """K for the next round, at most ``limit`` (the room left)."""
+    def choose(self, limit: int, *, may_probe: bool = True) -> int:
+        """K for the next round, at most ``limit`` (the room left). A session
+        whose draft model has not opened does not probe (``may_probe``
+        False): its look would first pay the draft's prefill — on cores
+        the draft shares with the target, in every session's steps — to
+        learn what the deployment's record already says of it."""
         k_max = min(self.k_most, limit)
         if k_max <= 0:
             return 0
@@ -131,7 +135,7 @@ class AdaptiveK:
         if k > 0:
             self.rounds_at_zero = 0
             return k
-        if self.alpha_known or 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
+        if not may_probe or self.alpha_known or 1.0 - (1.0 - self.alpha) / 2.0 <= plan.price:
             return 0  # a look would teach nothing, or not pay even at a far better α
         self.rounds_at_zero += 1
         if self.rounds_at_zero < self.probe_every:

@@ -128,7 +128,11 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
     configs = outrider_configs(
-        endpoints, options.k, adaptive=options.adaptive, pipelined=options.pipelined
+        endpoints,
+        options.k,
+        adaptive=options.adaptive,
+        pipelined=options.pipelined,
+        sampled=options.sampled,
     )
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.k)
@@ -149,7 +153,11 @@ def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
         for label, services in stack.coordinators.items()
     }
     configs = outrider_load_configs(
-        replicas, options.k, adaptive=options.adaptive, pipelined=options.pipelined
+        replicas,
+        options.k,
+        adaptive=options.adaptive,
+        pipelined=options.pipelined,
+        sampled=options.sampled,
     )
     if hf is not None:
         generate, continuous = hf_load_configs(hf)

@@ -13,6 +13,11 @@ BASELINE = "hf-generate"
 TARGET_ONLY = "outrider-k0"
 PIPELINED = "-pipelined"
 """The suffix of a pipelined configuration's name; without it, the name of its synchronous twin."""
+SAMPLED = "-t1"
+"""The suffix of a sampled twin: the same configuration at temperature 1
+with rejection sampling (OpenAI's default, what serving benchmarks send),
+each prompt seeded by its index."""
+SAMPLED_TEMPERATURE = 1.0
 UNPIPELINED = frozenset({"prompt-lookup"})
 """Drafters whose rounds are never pipelined: prompt lookup drafts in the
 coordinator, in microseconds, with nothing to overlap."""
@@ -33,6 +38,8 @@ class Config:
     adaptive: bool = False
     pipeline: bool = False
     """Pipelined rounds: the draft drafts round i+1 while the target verifies round i."""
+    temperature: float = 0.0
+    """0: greedy, its output checked; else sampled (a ``-t1`` twin), unchecked."""
 
 
 @dataclass(frozen=True)
@@ -64,13 +71,20 @@ class OutriderVariant:
     pipeline: bool = False
     """Sent as ``pipeline=``: True for the ``-pipelined`` configurations,
     False (explicitly) for the others."""
+    temperature: float = 0.0
 
 
 def outrider_variants(
-    labels: Sequence[str | None], ks: Sequence[int], *, adaptive: bool, pipelined: bool
+    labels: Sequence[str | None],
+    ks: Sequence[int],
+    *,
+    adaptive: bool,
+    pipelined: bool,
+    sampled: bool = False,
 ) -> list[OutriderVariant]:
     """``outrider-k0`` on the first coordinator, then for each drafter its fixed K and adaptive K,
-    each followed by its ``-pipelined`` twin when ``pipelined`` (and the drafter pipelines)."""
+    each followed by its ``-pipelined`` twin when ``pipelined`` (and the drafter pipelines); with
+    ``sampled``, last, the ``-t1`` twins of ``outrider-k0`` and of each adaptive configuration."""
     variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
     for label in labels:
         if label is None:
@@ -84,6 +98,11 @@ def outrider_variants(
             variants.append(v)
             if pipelined and label not in UNPIPELINED:
                 variants.append(replace(v, name=v.name + PIPELINED, pipeline=True))
+    if sampled:
+        twins = [v for v in variants if v.k == 0 or (v.adaptive and not v.pipeline)]
+        variants += [
+            replace(v, name=v.name + SAMPLED, temperature=SAMPLED_TEMPERATURE) for v in twins
+        ]
     return variants
 
 

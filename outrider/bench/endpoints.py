@@ -28,14 +28,17 @@ class OutriderEndpoint:
         k: int | None,
         adaptive: bool = False,
         pipeline: bool = False,
+        temperature: float = 0.0,
     ) -> Measurement:
         """One request: K fixed (0: target only), or adaptive K (``k=None, adaptive=True``);
-        pipelined rounds or not (sent either way, never left to the server's default)."""
+        pipelined rounds or not (sent either way, never left to the server's default); greedy,
+        or sampled at ``temperature`` with the prompt's seed."""
         started = time.perf_counter()
         result = self.client.generate(
             messages=[{"role": "user", "content": prompt.text}],
             max_new_tokens=max_new_tokens,
-            temperature=0.0,
+            temperature=temperature,
+            seed=prompt.seed,
             num_speculative_tokens=k,
             adaptive=adaptive,
             pipeline=pipeline,
@@ -54,20 +57,29 @@ def outrider_configs(
     *,
     adaptive: bool,
     pipelined: bool,
+    sampled: bool = False,
 ) -> list[Config]:
     """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K, each
-    synchronous and (with ``pipelined``) pipelined."""
+    synchronous and (with ``pipelined``) pipelined; with ``sampled``, the ``-t1`` twins."""
+    variants = outrider_variants(
+        list(endpoints), ks, adaptive=adaptive, pipelined=pipelined, sampled=sampled
+    )
     return [
         Config(
             v.name,
             "outrider",
             partial(
-                endpoints[v.coordinator].generate, k=v.k, adaptive=v.adaptive, pipeline=v.pipeline
+                endpoints[v.coordinator].generate,
+                k=v.k,
+                adaptive=v.adaptive,
+                pipeline=v.pipeline,
+                temperature=v.temperature,
             ),
             v.drafter,
             v.k,
             v.adaptive,
             v.pipeline,
+            v.temperature,
         )
-        for v in outrider_variants(list(endpoints), ks, adaptive=adaptive, pipelined=pipelined)
+        for v in variants
     ]

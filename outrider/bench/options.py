@@ -93,6 +93,10 @@ class BenchOptions:
     """skip the pipelined configurations (outrider-<drafter>-k<K>-pipelined,
     outrider-<drafter>-adaptive-pipelined: the draft drafts the next round while the target
     verifies this one); the others always run synchronous"""
+    no_sampled: bool = False
+    """skip the sampled twins: outrider-k0-t1 and outrider-<drafter>-adaptive-t1, at temperature
+    1 with rejection sampling (OpenAI's default) and a seed per prompt, their outputs unchecked
+    (the same distribution as target-only, other draws)"""
     target_model: str | None = None
     """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
     dtype: str = field(default="float32", metadata={"choices": TARGET_DTYPES})
@@ -184,6 +188,11 @@ class BenchOptions:
     @property
     def adaptive(self) -> bool:
         return not self.no_adaptive
+
+    @property
+    def sampled(self) -> bool:
+        """Adaptive K and target-only also run sampled (``-t1``)."""
+        return self.adaptive and not self.no_sampled
 
     @property
     def pipelined(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,13 @@ class Prompt:
     category: str
     text: str
     """Sent as one user message, rendered with the target's chat template."""
+
+    @property
+    def seed(self) -> int:
+        """A sampled request's seed: the same for a prompt in every
+        configuration and run, so that target-only and speculative decoding
+        draw from the same distribution with the same seeds."""
+        return zlib.crc32(self.id.encode())
 
 
 def category_of_file(path: Path) -> str:

@@ -6,6 +6,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from outrider.bench.configs import SAMPLED, TARGET_ONLY
+
 
 def fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     if value is None:
@@ -111,6 +113,9 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
             "overhead per round (RPC + coordinator), p50, worst config: "
             f"{h['max_overhead_ms_per_round_p50']:.2f} ms"
         )
+    if h.get("sampled_over_target_only"):
+        parts = ", ".join(f"{n} {fmt(v)}" for n, v in h["sampled_over_target_only"].items())
+        lines.append(f"sampled (temperature 1) ÷ {TARGET_ONLY}{SAMPLED}: {parts}")
     if h.get("pipelined_over_synchronous"):
         parts = ", ".join(
             f"{n} {fmt(v['tokens_per_s'])} "

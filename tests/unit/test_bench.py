@@ -130,6 +130,53 @@ def test_no_pipelined_leaves_the_twins_out():
     assert names == ["outrider-k0", "outrider-int4-k4", "outrider-int4-k4-pipelined"]
 
 
+def test_sampled_twins_of_target_only_and_adaptive_k_run_last_at_temperature_1():
+    variants = outrider_variants([None, "int4"], [4], adaptive=True, pipelined=True, sampled=True)
+    sampled = [(v.name, v.k, v.adaptive, v.temperature) for v in variants if v.temperature]
+    assert sampled == [
+        ("outrider-k0-t1", 0, False, 1.0),
+        ("outrider-int4-adaptive-t1", None, True, 1.0),
+    ]
+    assert variants[-2:] == [v for v in variants if v.temperature]
+    assert all(not v.pipeline for v in variants if v.temperature)
+
+
+def test_a_sampled_request_sends_its_temperature_and_its_prompts_seed():
+    endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
+    endpoint.client, endpoint.ignore_eos = FakeClient(), False
+    configs = outrider_configs({None: endpoint}, [4], adaptive=False, pipelined=False, sampled=True)
+    assert [c.name for c in configs] == ["outrider-k0", "outrider-k0-t1"]
+    for config in configs:
+        config.run(Prompt("q:1", "c", "x"), 8)
+        config.run(Prompt("q:2", "c", "y"), 8)
+    sent = [(r["temperature"], r["seed"]) for r in endpoint.client.requests]
+    seeds = {Prompt("q:1", "c", "x").seed, Prompt("q:2", "c", "y").seed}
+    assert len(seeds) == 2 and {seed for _, seed in sent} == seeds
+    assert {t for t, _ in sent} == {0.0, 1.0}
+
+
+def test_sampled_outputs_are_not_checked_against_greedy_ones():
+    prompts = [Prompt("q:1", "c", "a")]
+    configs = [
+        Config("outrider-k0", "outrider", None, k=0),
+        Config("outrider-k0-t1", "outrider", None, k=0, temperature=1.0),
+        Config(
+            "outrider-int4-adaptive-t1", "outrider", None, "int4", adaptive=True, temperature=1.0
+        ),
+    ]
+    results = {
+        "outrider-k0": [m(10, 1.0, 10)],
+        "outrider-k0-t1": [Measurement((7, 7), 10, 1.0, 2, 0, 0, (), 0.0, 0.9, 0.0, 0.0)],
+        "outrider-int4-adaptive-t1": [
+            Measurement((8, 8), 10, 0.5, 1, 1, 1, (1,), 0.1, 0.3, 0.0, 0.0)
+        ],
+    }
+    report = build_report(configs, prompts, results)
+    assert report["mismatches"] == []
+    assert report["headline"]["sampled_over_target_only"] == {"outrider-int4-adaptive-t1": 2.0}
+    assert report["headline"]["best_outrider"] is None
+
+
 class FakeClient:
     """The SDK's blocking client, recording what each request asked for."""
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.adaptive.cost_model import CostModel, CostModels
+from coordinator.adaptive.cost_model import PLAN_ERROR, CostModel, CostModels
 from coordinator.adaptive.planner import TIE, expected_tokens
 from coordinator.adaptive.session import LEARNING_K, AdaptiveK, adaptive_k_max
 from outrider.load import EngineLoad
@@ -134,6 +134,53 @@ def test_hopeless_drafts_fall_back_to_target_only_and_probe():
     # A probe every 8 rounds.
     assert [i for i, k in enumerate(choices) if k] == [7, 15, 23, 31, 39, 47, 55, 63]
     assert set(choices) == {0, 1}
+
+
+def test_a_session_whose_draft_never_opened_does_not_probe():
+    # Its probe would first pay the draft's prefill: on shared CPU cores, at
+    # 8 sampled streams of 48 tokens, probes of sessions at K = 0 halved
+    # every session's throughput (38.8 tok/s against target-only's 77.7).
+    policy = session(model(cpu, draft_per_token=0.05), alpha=0.0)
+    assert [policy.choose(limit=100, may_probe=False) for _ in range(64)] == [0] * 64
+    assert policy.choose(limit=100) == 0  # its count of rounds at K = 0 starts afresh
+
+
+def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
+    # Alone: K = 0 commits a token in 1 s; K = 8 at α = 0.9 about 6.1 in
+    # 2.6 s: each token to come saves about 0.58 s, against a prefill of 3 s.
+    costs = model(cpu, overhead=0.0)
+    assert costs.draft_prefill_pays(100, tokens_left=1)  # the draft's steps unknown: learn
+    costs.draft = EngineLoad(((1.0, 1.0, 0.1), (1.0, 100.0, 3.0)))
+    alone = session(costs, alpha=0.9)
+    plan = costs.plan()
+    saved_per_token = 1 / plan.target_only - 1 / plan.goodput
+    assert 0.5 < saved_per_token < 0.6
+    assert costs.draft_prefill_pays(100, tokens_left=6)  # 3.5 s saved
+    assert not costs.draft_prefill_pays(100, tokens_left=5)  # 2.9 s
+    # Opened beside the target's prefill of 2.5 s, the draft's holds the
+    # first drafting round only by what it takes beyond that.
+    costs.observe_prefill(100, 2.5)
+    assert costs.draft_prefill_pays(100, tokens_left=1, beside=True)  # 0.58 s saved, 0.5 waited
+    assert not costs.draft_prefill_pays(100, tokens_left=1)
+    alone.close()
+
+
+def test_beside_other_sessions_a_draft_pays_at_the_end_of_the_plans_error():
+    # Three other rows in the target's steps: each goodput is taken 7.5%
+    # (the others' share of 10%) toward the other's.
+    costs = model(cpu, overhead=0.0, rows=4.0)
+    costs.draft = EngineLoad(((1.0, 1.0, 0.01), (1.0, 100.0, 3.0)))
+    policy = session(costs, alpha=0.95)
+    plan = costs.plan()
+    error = PLAN_ERROR * 3 / 4
+    plain = 1 / plan.target_only - 1 / plan.goodput
+    worst = 1 / (plan.target_only * (1 + error)) - 1 / (plan.goodput * (1 - error))
+    assert 0 < worst < plain
+    needed = math.ceil(3.0 / worst)
+    assert needed > math.ceil(3.0 / plain)  # without the margin, fewer tokens would do
+    assert costs.draft_prefill_pays(100, tokens_left=needed)
+    assert not costs.draft_prefill_pays(100, tokens_left=needed - 1)
+    policy.close()
 
 
 def test_a_draft_slower_than_the_target_is_never_consulted_again():

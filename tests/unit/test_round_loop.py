@@ -183,10 +183,10 @@ async def test_a_session_is_planned_with_the_sessions_on_its_target_replica(
     planned_on: list[CostModel] = []
     choose = AdaptiveK.choose
 
-    def recording(self, limit):
+    def recording(self, limit, **kwargs):
         planned_on.append(self.costs)
         assert self.key in self.costs.sessions
-        return choose(self, limit)
+        return choose(self, limit, **kwargs)
 
     monkeypatch.setattr(AdaptiveK, "choose", recording)
     request = GenerationRequest(

@@ -213,7 +213,9 @@ def build_report(
     """The whole report: per configuration, one entry per concurrency; the
     output checks; what did not run."""
     reference = BASELINE if BASELINE in batches else TARGET_ONLY
-    mismatches = find_mismatches(batches, prompts, reference)
+    sampled = {c.name for c in configs if c.temperature}  # same distribution, other draws
+    greedy = {name: b for name, b in batches.items() if name not in sampled}
+    mismatches = find_mismatches(greedy, prompts, reference)
     rows = []
     for config in (c for c in configs if c.name in batches):
         runs = with_speedups([summarize_batch(b) for _, b in sorted(batches[config.name].items())])

@@ -31,6 +31,7 @@ class Replicas:
         k: int | None,
         adaptive: bool = False,
         pipeline: bool = False,
+        temperature: float = 0.0,
     ) -> Batch:
         """N streams at once, taking the requests in order from one queue, each
         as soon as its previous one has ended; stream s uses replica s mod replicas."""
@@ -43,11 +44,12 @@ class Replicas:
                 k=k,
                 adaptive=adaptive,
                 pipeline=pipeline,
+                temperature=temperature,
             )
         )
 
     async def _run(
-        self, requests, concurrency, max_new_tokens, done, *, k, adaptive, pipeline
+        self, requests, concurrency, max_new_tokens, done, *, k, adaptive, pipeline, temperature
     ) -> Batch:
         from outrider.client import AsyncClient
 
@@ -68,6 +70,7 @@ class Replicas:
                         k=k,
                         adaptive=adaptive,
                         pipeline=pipeline,
+                        temperature=temperature,
                     )
                     done(1)
 
@@ -87,6 +90,7 @@ class Replicas:
         k: int | None,
         adaptive: bool,
         pipeline: bool,
+        temperature: float,
     ) -> Stream:
         """One streamed request; a failure names the prompt."""
         token_ids: list[int] = []
@@ -97,7 +101,8 @@ class Replicas:
             async for chunk in client.stream(
                 messages=[{"role": "user", "content": prompt.text}],
                 max_new_tokens=max_new_tokens,
-                temperature=0.0,
+                temperature=temperature,
+                seed=prompt.seed,
                 num_speculative_tokens=k,
                 adaptive=adaptive,
                 pipeline=pipeline,
@@ -125,19 +130,34 @@ class Replicas:
 
 
 def outrider_load_configs(
-    replicas: Mapping[str | None, Replicas], ks: Sequence[int], *, adaptive: bool, pipelined: bool
+    replicas: Mapping[str | None, Replicas],
+    ks: Sequence[int],
+    *,
+    adaptive: bool,
+    pipelined: bool,
+    sampled: bool = False,
 ) -> list[LoadConfig]:
     """The configurations of the sequential bench (``outrider-k0``, each drafter's K and adaptive K,
-    synchronous and pipelined), N streams at once."""
+    synchronous and pipelined, and the sampled twins), N streams at once."""
+    variants = outrider_variants(
+        list(replicas), ks, adaptive=adaptive, pipelined=pipelined, sampled=sampled
+    )
     return [
         LoadConfig(
             v.name,
             "outrider",
-            partial(replicas[v.coordinator].run, k=v.k, adaptive=v.adaptive, pipeline=v.pipeline),
+            partial(
+                replicas[v.coordinator].run,
+                k=v.k,
+                adaptive=v.adaptive,
+                pipeline=v.pipeline,
+                temperature=v.temperature,
+            ),
             v.drafter,
             v.k,
             v.adaptive,
             v.pipeline,
+            temperature=v.temperature,
         )
-        for v in outrider_variants(list(replicas), ks, adaptive=adaptive, pipelined=pipelined)
+        for v in variants
     ]

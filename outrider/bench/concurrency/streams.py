@@ -131,6 +131,8 @@ class LoadConfig:
     k: int | None = None
     adaptive: bool = False
     pipeline: bool = False
+    temperature: float = 0.0
+    """0: greedy, its outputs checked; else sampled (a ``-t1`` twin), unchecked."""
     may_fail: bool = False
     """A failure leaves it out of the run, named in the report with its
     error, instead of stopping the run."""
