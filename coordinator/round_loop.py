@@ -158,6 +158,7 @@ class Generation:
             sampling=request.sampling,
             deadline_s=recovery.draft_deadline_s,
             backoff_s=recovery.draft_backoff_s,
+            on_open=lambda tokens, seconds: self.costs.observe_draft_prefill(tokens, seconds),
         )
 
     async def open(self) -> Delta:
@@ -229,7 +230,10 @@ class Generation:
         k = self.policy.choose(room, may_probe=not unopened)
         if unopened and k > 0:
             tokens_left = self.max_len - history_len
-            if not self.costs.draft_prefill_pays(history_len, tokens_left, beside=beside):
+            gains = self.policy.gains(k).tolist()
+            if not self.costs.draft_prefill_pays(
+                history_len, tokens_left, beside=beside, gains=gains
+            ):
                 return 0
         return k
 

@@ -177,6 +177,10 @@ def _up(config: UpConfig) -> int:
         return 130
     with stack:
         _print_endpoints(stack)
+        from outrider.client import Client
+
+        with Client(stack.coordinator.address) as client:
+            print(f"  {_drafting(client.model_info())}", flush=True)
         return _serve_until_stopped(stack)
 
 
@@ -250,6 +254,24 @@ def _print_model_info(info: ModelInfo, k: int | str) -> None:
     )
     pipelined = "   pipelined" if info.default_pipeline else ""
     print(f"target: {info.target_model}   drafter: {drafter}   K={k}{pipelined}")
+    print(_drafting(info))
+
+
+def _drafting(info: ModelInfo) -> str:
+    """What the stack's drafting will do on this machine, in a sentence."""
+    if not info.drafter:
+        return "drafting: none (target-only)"
+    where = (
+        f" on the {info.draft_device.upper()}, beside the target's steps on the same cores"
+        if info.draft_device == info.target_device == "cpu"
+        else ""
+    )
+    if not info.default_adaptive:
+        return f"drafting: {info.drafter}{where}, K={info.default_num_speculative_tokens} a round"
+    return (
+        f"drafting: {info.drafter}{where}, K chosen each round: it drafts only where drafting "
+        "pays, and serves at target-only speed where it does not"
+    )
 
 
 def _print_stats(stats) -> None:

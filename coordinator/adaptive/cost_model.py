@@ -10,13 +10,20 @@ own model; what the drafts had accepted is one record for all
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from coordinator.adaptive.acceptance import Acceptance
 from coordinator.adaptive.planner import Bid, Plan, plan
 from coordinator.adaptive.step_costs import StepCosts
+from outrider.logging import get_logger
+
+log = get_logger(__name__)
 
 PLANNING_SHARE = 0.1
 """The most of the coordinator's time planning takes: a plan is computed
@@ -124,7 +131,14 @@ class CostModel(StepCosts):
             self._planning_s = time.perf_counter() - now
         return self._plan
 
-    def draft_prefill_pays(self, tokens: int, tokens_left: int, *, beside: bool = False) -> bool:
+    def draft_prefill_pays(
+        self,
+        tokens: int,
+        tokens_left: int,
+        *,
+        beside: bool = False,
+        gains: Sequence[float] = (),
+    ) -> bool:
         """Whether a draft session opened now on ``tokens`` tokens repays its
         prefill — which the round that first drafts waits for and, where the
         draft shares the target's cores, every session — or what of it
@@ -136,6 +150,11 @@ class CostModel(StepCosts):
 
             tokens_left · (1/(G₀(1 + ε)) − 1/(G(1 − ε))) > d(prefill).
 
+        Nor more than it would save alone (its drafts' ``gains``): at a
+        wave of new sessions the steps hold their prompts' prefills, which
+        price K = 0 far above what it costs once they end, and drafting,
+        which adds a few tokens to such steps, far below — on 2 CPU cores
+        at 8 streams the plan priced K = 0 at 9.5 tok/s where it made 78.
         True before the draft's steps are measured: an open teaches them."""
         if self.draft is None or not self.draft.curve:
             return True
@@ -144,13 +163,36 @@ class CostModel(StepCosts):
             return False
         rows = max(1.0, self.target.rows_per_step, len(self.sessions))
         error = PLAN_ERROR * (1 - 1 / rows)
-        prefill = self.draft.step_cost(tokens, rows=1) or 0.0
+        prefill = self.draft_prefill_cost(tokens)
         if beside:
             prefill = max(0.0, prefill - (self.prefill_cost(tokens) or 0.0))
-        saved = tokens_left * (
-            1 / (plan.target_only * (1 + error)) - 1 / (plan.goodput * (1 - error))
+        saved = tokens_left * min(
+            1 / (plan.target_only * (1 + error)) - 1 / (plan.goodput * (1 - error)),
+            self._saved_alone(gains),
+        )
+        log.debug(
+            "draft prefill priced",
+            tokens=tokens,
+            tokens_left=tokens_left,
+            saved_ms=round(saved * 1e3, 1),
+            prefill_ms=round(prefill * 1e3, 1),
+            goodput=round(plan.goodput, 1),
+            target_only=round(plan.target_only, 1),
         )
         return saved > prefill
+
+    def _saved_alone(self, gains: Sequence[float]) -> float:
+        """Seconds a token of a session alone saves drafting ``gains`` (what
+        each of its drafts adds to a round) against K = 0 (inf: unknown)."""
+        k = len(gains)
+        if not k or not self.target.curve:
+            return math.inf
+        single = self.target.step_costs(np.array([1.0, k + 1.0]), 1.0)
+        work = self.target.work_per_row_s
+        drafting = k * float(self.draft_step_costs(np.array([1.0]))[0])
+        at_zero = self.rpc_cost(False) + single[0] + work
+        at_k = (self.rpc_cost(True) + drafting + single[1] + work) / (1.0 + sum(gains))
+        return float(at_zero - at_k)
 
 
 class CostModels:

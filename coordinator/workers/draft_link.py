@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.workers.protocol import (
@@ -65,8 +65,11 @@ class DraftLink:
         open_deadline_s: float = 60.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        on_open: Callable[[int, float], None] | None = None,
     ) -> None:
         self.client = client
+        self.on_open = on_open
+        """Told of each open: the tokens prefilled and the draft's seconds."""
         self.request_id = request_id
         self.target = target
         self.sampling = sampling
@@ -253,7 +256,7 @@ class DraftLink:
         return reply
 
     async def _open(self, history: Sequence[int]) -> DraftSession:
-        self.session, _ = await self.client.open(
+        self.session, compute_s = await self.client.open(
             history,
             request_id=self.request_id,
             target=self.target,
@@ -262,6 +265,8 @@ class DraftLink:
         )
         self.opened = True
         self.synced = len(history)
+        if self.on_open is not None:
+            self.on_open(len(history), compute_s)
         return self.session
 
     async def _drop(self, why: str) -> None:

@@ -228,6 +228,43 @@ def test_stats_show_speculation_hits_and_misses_when_pipelined(capsys):
     assert "speculation hits / misses  2 / 1" in capsys.readouterr().out
 
 
+def test_adaptive_stats_show_the_k_chosen_and_say_when_drafting_did_not_pay(capsys):
+    from outrider.cli import _print_stats
+    from outrider.client import GenerationStats
+
+    stats = GenerationStats(
+        prompt_tokens=5, generated_tokens=12, rounds=12, draft_tokens=0, accepted_tokens=0,
+        accepted_per_position=(), mean_acceptance_length=1.0, acceptance_rate=0.0,
+        draft_time_s=0.0, verify_time_s=0.2, overhead_time_s=0.01, time_to_first_token_s=0.05,
+        total_time_s=0.4, num_speculative_tokens=0, adaptive=True, rounds_by_k=(12,),
+    )  # fmt: skip
+    _print_stats(stats)
+    out = capsys.readouterr().out
+    assert "K chosen per round         K=0 ×12" in out
+    assert "Drafting did not pay here" in out
+    _print_stats(dataclasses.replace(stats, draft_tokens=9, rounds_by_k=(3, 0, 0, 9)))
+    out = capsys.readouterr().out
+    assert "K=3 ×9, K=0 ×3" in out and "did not pay" not in out
+
+
+def test_the_stack_says_what_its_drafting_will_do_on_this_machine():
+    from outrider.cli import _drafting
+    from outrider.client import ModelInfo
+
+    info = ModelInfo(
+        target_model="t", draft_model="t[int4]", drafter="int4", vocab_size=10,
+        max_context_length=64, default_num_speculative_tokens=0, max_num_speculative_tokens=16,
+        default_max_new_tokens=8, default_adaptive=True, target_device="cpu", draft_device="cpu",
+    )  # fmt: skip
+    line = _drafting(info)
+    assert "int4 on the CPU, beside the target's steps on the same cores" in line
+    assert "target-only speed where it does not" in line
+    fixed = dataclasses.replace(info, default_adaptive=False, default_num_speculative_tokens=4)
+    assert _drafting(fixed).endswith("K=4 a round")
+    assert "same cores" not in _drafting(dataclasses.replace(info, draft_device="cuda:0"))
+    assert _drafting(dataclasses.replace(info, drafter="")) == "drafting: none (target-only)"
+
+
 @pytest.mark.parametrize("role", ["coordinator", "target", "draft"])
 def test_every_serve_flag_defaults_to_its_config_field_and_says_what_it_does(role):
     import argparse

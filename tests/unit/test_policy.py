@@ -162,6 +162,12 @@ def test_a_draft_opens_where_the_tokens_to_come_repay_its_prefill():
     costs.observe_prefill(100, 2.5)
     assert costs.draft_prefill_pays(100, tokens_left=1, beside=True)  # 0.58 s saved, 0.5 waited
     assert not costs.draft_prefill_pays(100, tokens_left=1)
+    # A draft whose opens took 6 s for 100 tokens (a 4-bit CPU kernel's
+    # prefill, dearer than its steps of a token say) needs twice the tokens.
+    costs.observe_draft_prefill(100, 6.0)
+    assert costs.draft_prefill_cost(100) == pytest.approx(6.0)
+    assert not costs.draft_prefill_pays(100, tokens_left=6)
+    assert costs.draft_prefill_pays(100, tokens_left=11)  # 6.4 s saved
     alone.close()
 
 
