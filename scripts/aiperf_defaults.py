@@ -27,7 +27,7 @@ CONFIGS = {
     "defaults": [],
     "--k 0": ["--k", "0"],
     "prompt lookup": ["--drafter", "prompt-lookup"],
-    "int4, K=4": ["--drafter", "int4", "--k", "4"],
+    "int4 K=4": ["--drafter", "int4", "--k", "4"],
 }
 
 

@@ -52,6 +52,12 @@ def test_bench_runs_every_configuration_and_writes_json_and_plot(
     )
     assert not any(name.endswith("-pipelined") for name in names)  # (prompt lookup never is)
     assert "hf-assisted-prompt-lookup-k4" in names
+    # Sampled twins at temperature 1: run, compared with target-only sampled, not checked.
+    outrider = [name for name in names if name.startswith("outrider")]
+    assert outrider[-2:] == ["outrider-k0-t1", "outrider-prompt-lookup-adaptive-t1"]
+    sampled = report["headline"]["sampled_over_target_only"]
+    assert sampled["outrider-prompt-lookup-adaptive-t1"] > 0
+    assert "sampled (temperature 1) ÷ outrider-k0-t1" in out.stdout
     for config in report["configs"]:
         assert set(REQUIRED_CONFIG_KEYS) <= config.keys()
         assert config["generated_tokens"] > 0 and config["tokens_per_s"] > 0
