@@ -177,10 +177,15 @@ def _up(config: UpConfig) -> int:
         return 130
     with stack:
         _print_endpoints(stack)
+        import grpc
+
         from outrider.client import Client
 
-        with Client(stack.coordinator.address) as client:
-            print(f"  {_drafting(client.model_info())}", flush=True)
+        with Client(stack.coordinator.address, timeout=30) as client:
+            try:
+                print(f"  {_drafting(client.model_info())}", flush=True)
+            except grpc.RpcError:
+                pass  # a service that fails is reported as it exits, below
         return _serve_until_stopped(stack)
 
 
