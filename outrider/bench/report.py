@@ -170,9 +170,6 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
         for r in rows
         if r["family"] == "outrider" and r["overhead_ms_per_round"] is not None
     ]
-    twins = {
-        r["name"]: by_name.get(r["name"].removesuffix(PIPELINED)) for r in rows if r.get("pipeline")
-    }
     k0_vs_hf = ratio(k0["tokens_per_s"], hf["tokens_per_s"]) if k0 and hf else None
     return {
         "baseline": baseline,
@@ -191,21 +188,27 @@ def headline(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, Any]
         "min_achieved_over_bound": min(bounds.values(), default=None),
         "max_overhead_ms_per_round_p50": max(overheads, default=None),
         "sampled_over_target_only": sampled_over_target_only(rows),
-        "pipelined_over_synchronous": {
-            name: {
+        "pipelined_over_synchronous": pipelined_over_synchronous(rows),
+    }
+
+
+def pipelined_over_synchronous(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each pipelined configuration against its synchronous twin: tokens/s,
+    and the critical path's p50 of both."""
+    by_name = {r["name"]: r for r in rows}
+    found = {}
+    for row in rows:
+        twin = by_name.get(row["name"].removesuffix(PIPELINED)) if row.get("pipeline") else None
+        if twin is not None:
+            found[row["name"]] = {
                 "synchronous": twin["name"],
-                "tokens_per_s": round_or_none(
-                    ratio(by_name[name]["tokens_per_s"], twin["tokens_per_s"])
-                ),
+                "tokens_per_s": round_or_none(ratio(row["tokens_per_s"], twin["tokens_per_s"])),
                 "critical_path_ms_p50": [
                     twin["critical_path_ms_p50"],
-                    by_name[name]["critical_path_ms_p50"],
+                    row["critical_path_ms_p50"],
                 ],
             }
-            for name, twin in twins.items()
-            if twin is not None
-        },
-    }
+    return found
 
 
 def build_report(
