@@ -142,6 +142,8 @@ class Generation:
             ),
         )
         self.drafts = self._draft_link(draft, models) if k_max > 0 else None
+        if self.drafts is not None:
+            self.target.hidden_state_layers = models.hidden_state_layers
 
     def _draft_link(
         self, draft: DraftClient | PromptLookup | None, models: Models
@@ -173,6 +175,8 @@ class Generation:
         self.open_draft()
         reply = await self.target.open(self.history, first_token=True)
         assert reply.value is not None, "a target asked for the first token answers it"
+        if self.drafts is not None:
+            self.drafts.received(reply.hidden_states)
         record.verify_s = self.prefill_s = reply.compute_s
         self.placed(reply.load)
         self.costs.observe_prefill(len(self.history), reply.compute_s)
@@ -288,6 +292,8 @@ class Generation:
         )
         record.verify_s, record.queued_s = reply.compute_s, reply.queued_s
         self.placed(reply.load)
+        if self.drafts is not None:
+            self.drafts.received(reply.hidden_states)
         self.stats.verify_time_s += record.reopen_s
         return reply.value
 

@@ -28,13 +28,21 @@ class Models:
         return bool(draft and draft.dtype and draft.device == self.target.device == "cpu")
 
     @property
+    def hidden_state_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the draft reads (a head's), or none."""
+        return self.draft.hidden_state_layers if self.draft else ()
+
+    @property
     def draft_prefills_beside(self) -> bool:
         """Whether a draft session opens beside the target's prefill, so
         that drafting can start at the second round: where it does not slow
-        the target's (:attr:`draft_competes`). (Prompt lookup opens nothing:
-        it looks its drafts up in the coordinator.)"""
+        the target's (:attr:`draft_competes`) and does not read the target's
+        hidden states, which come with the target's prefill. (Prompt lookup
+        opens nothing: it looks its drafts up in the coordinator.)"""
         draft = self.draft
-        return bool(draft and draft.dtype) and not self.draft_competes
+        return (
+            bool(draft and draft.dtype) and not self.draft_competes and not self.hidden_state_layers
+        )
 
 
 def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:

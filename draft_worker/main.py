@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import functools
 
+import torch
+from transformers import AutoConfig
+
 from draft_worker.service import DraftWorkerService
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider import models
 from outrider.config import DraftWorkerConfig
+from outrider.device import resolve_device, resolve_dtype
 from outrider.drafters import (
     Drafter,
     EarlyExitDrafter,
     Int4Drafter,
     ModelDrafter,
 )
+from outrider.eagle.drafter import EagleDrafter
+from outrider.eagle.features import pack
+from outrider.eagle.forward import EagleForward, check_head, target_embeddings
+from outrider.eagle.head import load_head, shipped_head
 from outrider.engine import Engine, InlineEngine
-from outrider.engine.build import build_runner
+from outrider.engine.build import BLOCK_SIZE, build_runner
+from outrider.engine.kv_cache import BlockPool
+from outrider.engine.runner import PagedRunner
+from outrider.hidden_states import HiddenStates
 from outrider.logging import get_logger
 from outrider.rpc import run_service
+from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
-from outrider.startup import check_worker
+from outrider.startup import StartupError, check_worker, first_line
 from outrider.v1 import worker_pb2, worker_pb2_grpc
 from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
 
@@ -35,6 +47,8 @@ and syncs after the target-only rounds between two of adaptive K's probes
 def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     drafter: Drafter
     limits, kind = config.limits, config.drafter_kind
+    if kind == "eagle":
+        return eagle_sessions(config)
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
     info = DraftInfo(
         vocab_fingerprint=models.vocab_fingerprint_of(
@@ -68,6 +82,46 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     )
 
 
+def eagle_sessions(config: DraftWorkerConfig) -> DraftSessions:
+    """An EAGLE-3 head's sessions: the head (``--head``, else the one shipped
+    for the target) over a paged cache of its one layer, reading the
+    target's embeddings from its checkpoint."""
+    target = models.checkpoint_dir(config.model)
+    target_config = AutoConfig.from_pretrained(target)
+    head_dir = config.head or shipped_head(config.model)
+    if head_dir is None:
+        raise StartupError(
+            "--head",
+            "(none)",
+            f"no EAGLE-3 head is shipped for {config.model or models.DEFAULT_MODEL}: train one "
+            "(outrider draft train) and pass its directory",
+        )
+    device = resolve_device(config.engine.device)
+    dtype = resolve_dtype(config.engine.dtype, device)
+    try:
+        head = load_head(head_dir, target_num_layers=target_config.num_hidden_layers)
+        check_head(head.config, target_config)
+        embed = target_embeddings(target)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartupError("--head", str(head_dir), first_line(exc)) from None
+    forward = EagleForward(head, embed, dtype=dtype, device=device)
+    max_context = min(models.context_length(target_config), forward.max_positions)
+    tokens = config.limits.max_cached_tokens or config.limits.max_sessions * max_context
+    runner = PagedRunner(forward, BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE))
+    info = DraftInfo(
+        vocab_fingerprint=models.vocab_fingerprint_of(
+            config.model, trust_remote_code=config.trust_remote_code
+        ),
+        max_context=max_context,
+        max_draft_tokens=config.max_draft_tokens,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    drafter = EagleDrafter(runner, model_name=f"{config.model or models.DEFAULT_MODEL}[eagle3]")
+    store = SessionStore(max_sessions=config.limits.max_sessions, pool=runner.pool)
+    return DraftSessions(drafter, store, info)
+
+
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
     """Captures the CUDA graphs (on CUDA), then runs one short session end to end."""
     await engine.run(
@@ -77,8 +131,15 @@ async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
             max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
         )
     )
-    await engine.run(draft.open, "warmup", [0, 1, 2, 3], 0, "")
-    await engine.run(draft.propose, "warmup", 5, [0], min(3, draft.info.max_draft_tokens))
+    width = getattr(draft.runner.forward, "feature_width", 0)  # a head reads the target's
+
+    def features(rows: int) -> HiddenStates | None:
+        return pack(torch.zeros(rows, width)) if width else None
+
+    await engine.run(draft.open, "warmup", [0, 1, 2, 3], 0, "", SamplingParams(), features(3))
+    await engine.run(
+        draft.propose, "warmup", 5, [0], min(3, draft.info.max_draft_tokens), None, features(1)
+    )
     await engine.run(draft.close, "warmup")
 
 

@@ -8,7 +8,7 @@ from draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import proposal_to_pb, sampling_from_pb
+from outrider.wire import hidden_states_from_pb, proposal_to_pb, sampling_from_pb
 
 
 class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
@@ -22,6 +22,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             request.target_vocab_size,
             request.target_vocab_fingerprint,
             sampling_from_pb(request.sampling),
+            hidden_states_from_pb(request.hidden_states),
         )
         return pb.DraftResponse(
             opened=pb.SessionOpened(committed_len=committed_len, compute_s=timing.compute_s)
@@ -35,6 +36,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             list(request.new_token_ids),
             request.num_draft_tokens,
             list(request.assumed_token_ids) if request.speculate else None,
+            hidden_states_from_pb(request.hidden_states),
         )
         answer = replace(proposal, round_id=request.round_id)
         return pb.DraftResponse(
@@ -44,5 +46,8 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
     async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
         drafter = self.sessions.drafter
         return self._worker_info(
-            model=drafter.model_name, drafter=drafter.kind, vocab_size=drafter.vocab_size or 0
+            model=drafter.model_name,
+            drafter=drafter.kind,
+            vocab_size=drafter.vocab_size or 0,
+            hidden_state_layers=drafter.hidden_state_layers,
         )

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from outrider.drafters import Drafter
-from outrider.engine import Feed, Job
+from outrider.engine import Job
 from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.hidden_states import HiddenStates
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import Proposal
@@ -65,9 +66,12 @@ class DraftSessions:
         target_vocab_size: int,
         target_fingerprint: str,
         sampling: SamplingParams = SamplingParams(),
+        features: HiddenStates | None = None,
     ) -> Job[int]:
-        """Opens a session on the committed history and prefills all but its
-        last token. Returns the committed length."""
+        """Opens a session on the committed history and caches what its
+        first round builds on (the drafter's ``open``): given the target's
+        ``features`` of the history's last positions, for a drafter that
+        reads them. Returns the committed length."""
         self.check_pairing(target_vocab_size, target_fingerprint)
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
@@ -75,8 +79,7 @@ class DraftSessions:
         check_context(len(tokens), self.info.max_context, what="the history")
         kv = self.drafter.runner.new_kv()
         session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
-        if len(tokens) > 1:
-            yield Feed(kv, list(tokens[:-1]), num_logits=0)
+        yield from self.drafter.open(session, features)
         return session.committed_len
 
     def propose(
@@ -86,6 +89,7 @@ class DraftSessions:
         new_tokens: Sequence[int],
         num_draft_tokens: int,
         assumed: Sequence[int] | None = None,
+        features: HiddenStates | None = None,
     ) -> Job[Proposal]:
         """Appends the tokens committed since the last round, then proposes
         up to ``num_draft_tokens`` tokens, with their q in wire form when the
@@ -96,7 +100,8 @@ class DraftSessions:
         if the target accepted them whole: it drafts one token more, its guess
         of the target's bonus token, which the drafts then follow. Nothing of
         the assumption is committed; the next round's new tokens say what
-        was."""
+        was. ``features``: the target's, of the positions the new tokens
+        made committed (for a drafter that reads them)."""
         session = self.store.get(session_id)
         guessing = assumed is not None
         assumed = assumed or []
@@ -106,12 +111,13 @@ class DraftSessions:
         # history to draft after, never its last token (the draft feeds it).
         kv = session.kv
         agreed = min(len(kv), session.committed_len)
+        self.drafter.receive(session, len(new_tokens), features)
         session.tokens.extend(new_tokens)
         history = [*session.tokens, *assumed] if guessing else session.tokens
         k = min(num_draft_tokens + guessing, self.info.max_context - len(history))
         if k <= 0:
             return Proposal([], follows_len=len(history))
-        kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
+        self.drafter.rollback(session, history, agreed)
         kv.reserve(len(history) + k - 1)
         proposal = yield from self.drafter.propose(session, history, k)
         if not guessing or not proposal.tokens:  # (no guess: nothing to speculate on)

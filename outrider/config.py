@@ -21,11 +21,12 @@ from outrider.device import DTYPES, check_device, check_dtype
 from outrider.sampling_params import UINT64_MAX, Verification
 from outrider.security import ClientTls, ServerTls, server_tls
 
-MODEL_DRAFTERS = ("model", "int4", "early-exit")
+MODEL_DRAFTERS = ("model", "int4", "early-exit", "eagle")
 """What a draft worker runs — model: a small model of its own; int4: the
 target's checkpoint in 4 bits (``outrider.quantize``); early-exit: the
-target's first L layers."""
-DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit")
+target's first L layers; eagle: an EAGLE-3 head reading the target's
+hidden states (``outrider.eagle``)."""
+DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit", "eagle")
 """A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
 the history, in the coordinator (``coordinator.lookup``), no draft worker."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
@@ -240,13 +241,17 @@ class DraftWorkerConfig:
     """``outrider serve draft``."""
 
     service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["draft"])
-    drafter: str | None = field(default=None, metadata={"metavar": "{model,int4,early-exit}"})
-    """model (a small model), int4 (the checkpoint in 4 bits) or early-exit (default: model
-    if --model is given, else int4); prompt lookup needs no draft worker: it runs in the
-    coordinator (its --prompt-lookup)"""
+    drafter: str | None = field(default=None, metadata={"metavar": "{model,int4,early-exit,eagle}"})
+    """model (a small model), int4 (the checkpoint in 4 bits), early-exit, or eagle (an
+    EAGLE-3 head reading the target's hidden states) (default: model if --model is given,
+    else int4); prompt lookup needs no draft worker: it runs in the coordinator (its
+    --prompt-lookup)"""
     model: str | None = None
     """draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter
-    cuts (default: the default model)"""
+    cuts, or the target whose embeddings an EAGLE head reads (default: the default model)"""
+    head: str | None = None
+    """the EAGLE-3 head's directory (EAGLE's or speculators' layout) for --drafter eagle
+    (default: the head shipped for --model, if one is)"""
     engine: EngineConfig = EngineConfig()
     limits: WorkerLimits = WorkerLimits()
     draft_layers: int | None = None
@@ -270,6 +275,8 @@ class DraftWorkerConfig:
             raise ValueError("--drafter early-exit needs --draft-layers L (L >= 1)")
         if self.drafter != "early-exit" and self.draft_layers is not None:
             raise ValueError("--draft-layers only applies to --drafter early-exit")
+        if self.drafter != "eagle" and self.head is not None:
+            raise ValueError("--head only applies to --drafter eagle")
         _at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
         if self.int4_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
@@ -432,10 +439,13 @@ class StackConfig:
     draft_model: str | None = None
     """draft model sharing the target's tokenizer (implies --drafter model)"""
     drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
-    """drafter kind: model, int4 (the target in 4 bits), prompt-lookup or early-exit (default:
-    int4 on the CPU, prompt-lookup on CUDA)"""
+    """drafter kind: model, int4 (the target in 4 bits), prompt-lookup, early-exit or eagle
+    (an EAGLE-3 head) (default: int4 on the CPU, prompt-lookup on CUDA)"""
     draft_layers: int | None = None
     """layers kept by the early-exit drafter"""
+    head: str | None = None
+    """the EAGLE-3 head's directory for --drafter eagle (default: the one shipped for the
+    target)"""
     device: str = field(
         default=EngineConfig.device,
         metadata={"parse": check_device, "metavar": "DEVICE", "env": True},

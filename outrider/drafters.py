@@ -19,6 +19,8 @@ session's cache.
   predictions at a fraction of its weight bytes.
 * :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
   target's own) followed by its final norm and head.
+* ``EagleDrafter`` (:mod:`outrider.eagle.drafter`) — an EAGLE-3 head that
+  reads the target's hidden states, which come with each round.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from outrider.engine import Feed, Job
+from outrider.errors import InvalidArgument
+from outrider.hidden_states import HiddenStates
 from outrider.sampling import Stream, compact, draw
 from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
@@ -36,8 +40,10 @@ if TYPE_CHECKING:
 
 class Drafter(Protocol):
     kind: str
-    """"model", "int4" or "early-exit"."""
+    """"model", "int4", "early-exit" or "eagle"."""
     model_name: str
+    hidden_state_layers: tuple[int, ...]
+    """The target layers whose input hidden states it reads (none but an EAGLE head)."""
 
     @property
     def runner(self) -> PagedRunner | FallbackRunner:
@@ -47,6 +53,21 @@ class Drafter(Protocol):
     @property
     def vocab_size(self) -> int:
         """Size of the id space the drafter proposes from."""
+        ...
+
+    def open(self, session: Session, features: HiddenStates | None) -> Job[None]:
+        """An engine job caching what the session's first round builds on,
+        from its history (and the target's ``features`` of it)."""
+        ...
+
+    def receive(self, session: Session, new_tokens: int, features: HiddenStates | None) -> None:
+        """Takes the target's features that came with ``new_tokens`` committed tokens."""
+        ...
+
+    def rollback(self, session: Session, history: list[int], agreed: int) -> None:
+        """Crops the session's cache to what the next proposal builds on: its
+        first ``agreed`` tokens held the committed history as the last round
+        knew it."""
         ...
 
     def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
@@ -59,11 +80,31 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     kind = "model"
+    hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, runner, *, model_name: str) -> None:
         self.runner = runner
         self.model_name = model_name
         self.vocab_size = runner.vocab_size
+
+    def open(self, session: Session, features: HiddenStates | None) -> Job[None]:
+        """Prefills all of the history but its last token."""
+        self.receive(session, 0, features)
+        if len(session.tokens) > 1:
+            yield Feed(session.kv, list(session.tokens[:-1]), num_logits=0)
+
+    def receive(self, session: Session, new_tokens: int, features: HiddenStates | None) -> None:
+        if features is not None and features.rows:
+            raise InvalidArgument(
+                f"the {self.kind} drafter reads no hidden states: send none, or serve a drafter "
+                "that reads them (--drafter eagle)"
+            )
+
+    def rollback(self, session: Session, history: list[int], agreed: int) -> None:
+        """Keeps the longest prefix the cache shares with ``history``, never
+        its last token (the draft feeds it)."""
+        kv = session.kv
+        kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
 
     def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         # Sync: feed the tokens of the history the cache lacks (at least the

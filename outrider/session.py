@@ -46,6 +46,12 @@ class Session:
     """The model's cache."""
     sampling: SamplingParams = SamplingParams()
     """How this session turns logits into tokens (the same on both workers)."""
+    drafter_state: object | None = None
+    """What a drafter keeps of the session beside its cache (an EAGLE head's
+    features: ``outrider.eagle.drafter.HeadState``)."""
+    feature_layers: tuple[int, ...] = ()
+    """A target session's: the layers whose input hidden states its answers
+    carry, for a draft head that reads them (none: no draft head does)."""
 
     @property
     def committed_len(self) -> int:

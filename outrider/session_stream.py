@@ -176,7 +176,7 @@ class SessionServicer:
             yield response
 
     def _worker_info(
-        self, *, model: str, vocab_size: int, drafter: str = ""
+        self, *, model: str, vocab_size: int, drafter: str = "", hidden_state_layers=()
     ) -> worker_pb2.WorkerInfo:
         """What ``GetWorkerInfo`` answers: the model as the subclass names
         it, and what every worker reports of its sessions and its engine."""
@@ -193,4 +193,5 @@ class SessionServicer:
             dtype=info.dtype,
             load=load_to_pb(self.engine.load),
             graphed_tokens_per_row=getattr(self.sessions.runner, "graphed_tokens_per_row", 0),
+            hidden_state_layers=hidden_state_layers,
         )

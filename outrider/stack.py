@@ -243,7 +243,10 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
     draft += ["--drafter", drafter]
     if drafter == "early-exit":
         draft += ["--draft-layers", str(config.draft_layers)]
-    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut).
+    if drafter == "eagle" and config.head:
+        draft += ["--head", config.head]
+    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut; a
+    # head reads its embeddings).
     if model := config.draft_model or config.target_model:
         draft += ["--model", model]
     return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)

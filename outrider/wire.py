@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from outrider.errors import InvalidArgument
+from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
 from outrider.sampling_params import SamplingParams, Verification
 from outrider.speculation import CompactProbs, Proposal, Verdict
@@ -105,8 +106,10 @@ def verdict_to_pb(
     queued_s: float,
     num_verified: int,
     load: EngineLoad | None = None,
+    hidden_states: HiddenStates | None = None,
 ) -> worker_pb2.Verdict:
     return worker_pb2.Verdict(
+        hidden_states=hidden_states_to_pb(hidden_states),
         num_accepted=verdict.num_accepted,
         next_token_id=verdict.next_token,
         compute_s=compute_s,
@@ -151,3 +154,13 @@ def load_from_pb(message: worker_pb2.EngineLoad) -> EngineLoad:
         running_s=message.running_s,
         work_per_row_s=message.work_per_row_s,
     )
+
+
+def hidden_states_to_pb(states: HiddenStates | None) -> worker_pb2.HiddenStates | None:
+    if states is None or not states.rows:
+        return None
+    return worker_pb2.HiddenStates(bfloat16=states.data, rows=states.rows)
+
+
+def hidden_states_from_pb(message: worker_pb2.HiddenStates) -> HiddenStates:
+    return HiddenStates(message.bfloat16, message.rows) if message.rows else NONE

@@ -5,7 +5,13 @@ from __future__ import annotations
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import load_to_pb, probs_from_pb, sampling_from_pb, verdict_to_pb
+from outrider.wire import (
+    hidden_states_to_pb,
+    load_to_pb,
+    probs_from_pb,
+    sampling_from_pb,
+    verdict_to_pb,
+)
 from target_worker.sessions import TargetSessions
 
 
@@ -13,12 +19,13 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        (committed_len, first_token), timing = await self.engine.timed(
+        (committed_len, first_token, features), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
             sampling_from_pb(request.sampling),
             request.first_token,
+            list(request.hidden_state_layers),
         )
         return pb.VerifyResponse(
             opened=pb.SessionOpened(
@@ -26,11 +33,12 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
                 compute_s=timing.compute_s,
                 load=load_to_pb(self.engine.load),
                 first_token_id=first_token,
+                hidden_states=hidden_states_to_pb(features),
             )
         )
 
     async def _round(self, session_id: str, request: pb.VerifyRound) -> pb.VerifyResponse:
-        (verdict, verified), timing = await self.engine.timed(
+        (verdict, verified, features), timing = await self.engine.timed(
             self.sessions.verify,
             session_id,
             request.committed_len,
@@ -44,6 +52,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
                 queued_s=timing.queued_s,
                 num_verified=verified,
                 load=self.engine.load,
+                hidden_states=features,
             )
         )
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from outrider.eagle.features import pack
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.hidden_states import NONE, HiddenStates, concat
 from outrider.sampling import expand
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
@@ -45,24 +47,47 @@ class TargetSessions:
         tokens: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         first_token: bool = False,
-    ) -> Job[tuple[int, int | None]]:
+        feature_layers: Sequence[int] = (),
+    ) -> Job[tuple[int, int | None, HiddenStates]]:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. With ``first_token``, it then runs the
         stream's first round with no drafts: the token after the history is
         drawn and committed (the recovered token of an empty proposal).
-        Returns the committed length and that token (or None)."""
+        Returns the committed length, that token (or None), and the hidden
+        states entering ``feature_layers`` at every position now committed
+        but the last (none when no layers are named)."""
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
         check_token_ids(tokens, self.info.vocab_size, what="token_ids")
         check_context(len(tokens) + first_token, self.info.max_context, what="the history")
+        layers = self._check_layers(feature_layers)
         kv = self.runner.new_kv()
         session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
+        session.feature_layers = layers
+        features: list[torch.Tensor] | None = [] if layers else None
         if len(tokens) > 1:
-            yield Feed(kv, list(tokens[:-1]), num_logits=0)
+            yield Feed(
+                kv, list(tokens[:-1]), num_logits=0, features=features, feature_layers=layers
+            )
+        prefilled = _packed(features)
         if not first_token:
-            return session.committed_len, None
-        verdict, _ = yield from self._round(session, [], None)
-        return session.committed_len, verdict.next_token
+            return session.committed_len, None, prefilled
+        verdict, _, more = yield from self._round(session, [], None)
+        return session.committed_len, verdict.next_token, concat([prefilled, more])
+
+    def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """The layers a session's hidden states come from, checked."""
+        num_layers = getattr(self.runner.forward, "num_layers", 0) if layers else 0
+        if layers and not num_layers:
+            raise FailedPrecondition(
+                "this target's runner cannot send hidden states (a model outside the Llama "
+                "family): draft with a drafter that reads none"
+            )
+        if bad := [la for la in layers if not 0 <= la < num_layers]:
+            raise InvalidArgument(
+                f"hidden_state_layers {bad}: this target has layers 0 to {num_layers - 1}"
+            )
+        return tuple(layers)
 
     def verify(
         self,
@@ -70,7 +95,7 @@ class TargetSessions:
         committed_len: int,
         draft_tokens: Sequence[int],
         draft_probs: Sequence[CompactProbs] = (),
-    ) -> Job[tuple[Verdict, int]]:
+    ) -> Job[tuple[Verdict, int, HiddenStates]]:
         session = self.store.get(session_id)
         if committed_len != session.committed_len:
             raise FailedPrecondition(
@@ -85,10 +110,12 @@ class TargetSessions:
 
     def _round(
         self, session: Session, draft_tokens: Sequence[int], q: torch.Tensor | None
-    ) -> Generator[Feed, Logits, tuple[Verdict, int]]:
+    ) -> Generator[Feed, Logits, tuple[Verdict, int, HiddenStates]]:
         """Verifies ``draft_tokens`` after the session's history and commits
-        the verdict; returns it and the drafts verified (all, or a prefix
-        when the step had no room for the rest)."""
+        the verdict; returns it, the drafts verified (all, or a prefix when
+        the step had no room for the rest), and the hidden states of the
+        positions it made committed but the last (when the session sends
+        them)."""
         k, committed_len = len(draft_tokens), session.committed_len
 
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
@@ -96,7 +123,15 @@ class TargetSessions:
         kv = session.kv
         assert kv is not None  # a target session always keeps a cache
         tokens = [*session.tokens[len(kv) :], *draft_tokens]
-        out = yield Feed(kv, tokens, num_logits=len(tokens), trimmable=k)
+        features: list[torch.Tensor] | None = [] if session.feature_layers else None
+        out = yield Feed(
+            kv,
+            tokens,
+            num_logits=len(tokens),
+            trimmable=k,
+            features=features,
+            feature_layers=session.feature_layers,
+        )
         verified = len(out.argmax) - 1
         if verified < k:
             draft_tokens, q = draft_tokens[:verified], None if q is None else q[:verified]
@@ -115,10 +150,11 @@ class TargetSessions:
 
         # 3. Commit the accepted drafts and the recovered/bonus token; keep in
         #    the cache everything committed but that last token.
+        committed = len(tokens) - k + verdict.num_accepted  # fed history, accepted drafts
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
         kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)
-        return verdict, verified
+        return verdict, verified, _packed(features, committed)
 
     def draft_distribution(self, rows: Sequence[CompactProbs], k: int) -> torch.Tensor | None:
         """q as the draft sent it, [K, vocab]; None for a deterministic draft."""
@@ -135,3 +171,10 @@ class TargetSessions:
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
+
+
+def _packed(features: list[torch.Tensor] | None, rows: int | None = None) -> HiddenStates:
+    """The first ``rows`` (default: all) of a feed's hidden states, packed."""
+    if not features:
+        return NONE
+    return pack(torch.cat(features)[:rows])

@@ -7,6 +7,7 @@ tokenizer files), so `AutoTokenizer.from_pretrained(dir)` and
 * `tiny_target_dir` — the target model (seed 0).
 * `tiny_draft_same_dir` — an exact copy of the target (same seed): every draft is accepted.
 * `tiny_draft_other_dir` — an unrelated model (seed 1): most drafts are rejected.
+* `tiny_head_dir` — a random EAGLE-3 head for the target (most drafts are rejected).
 * `cluster` — real service processes (`tests/stress/cluster.py`), stopped after the test.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import build_tiny_model_dir, build_tiny_tokenizer
+from tests.tiny import build_tiny_head, build_tiny_model_dir, build_tiny_tokenizer
 
 TARGET_SEED = 0
 OTHER_DRAFT_SEED = 1
@@ -61,3 +62,8 @@ async def cluster(tmp_path: Path):
         yield cluster
     finally:
         await cluster.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dir(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> Path:
+    return build_tiny_head(tmp_path_factory.mktemp("tiny-head"), tiny_target_dir, seed=2)

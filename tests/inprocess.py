@@ -12,6 +12,7 @@ from dataclasses import replace
 from coordinator.workers.protocol import Judged, Reply, WorkerInfo
 from draft_worker.sessions import DraftSessions
 from outrider.engine import Engine, InlineEngine
+from outrider.hidden_states import NONE, HiddenStates
 from outrider.sampling import SamplingParams
 from outrider.speculation import Proposal
 from target_worker.sessions import TargetSessions
@@ -40,13 +41,19 @@ class InProcessTargetClient:
         sampling: SamplingParams,
         deadline_s: float | None = None,
         first_token: bool = False,
+        hidden_state_layers: Sequence[int] = (),
     ):
         session_id = uuid.uuid4().hex[:16]
-        (_, token), timing = await self.engine.timed(
-            self.sessions.open, session_id, list(tokens), sampling, first_token
+        (_, token, features), timing = await self.engine.timed(
+            self.sessions.open,
+            session_id,
+            list(tokens),
+            sampling,
+            first_token,
+            list(hidden_state_layers),
         )
         session = _InProcessTargetSession(self, session_id)
-        return session, Reply(token, timing.compute_s, self.engine.load)
+        return session, Reply(token, timing.compute_s, self.engine.load, hidden_states=features)
 
 
 class _InProcessTargetSession:
@@ -58,7 +65,7 @@ class _InProcessTargetSession:
     async def verify(
         self, committed_len: int, proposal: Proposal, deadline_s: float | None = None
     ) -> Reply[Judged]:
-        (verdict, verified), timing = await self.client.engine.timed(
+        (verdict, verified, features), timing = await self.client.engine.timed(
             self.client.sessions.verify,
             self.session_id,
             committed_len,
@@ -66,7 +73,8 @@ class _InProcessTargetSession:
             list(proposal.probs),
         )
         judged = Judged(proposal.prefix(verified), verdict)
-        return Reply(judged, timing.compute_s, self.client.engine.load, timing.queued_s)
+        load = self.client.engine.load
+        return Reply(judged, timing.compute_s, load, timing.queued_s, features)
 
     def failing(self) -> None:
         pass
@@ -94,6 +102,7 @@ class InProcessDraftClient:
             i.max_context,
             i.device,
             i.dtype,
+            hidden_state_layers=d.hidden_state_layers,
         )
 
     async def open(
@@ -104,6 +113,7 @@ class InProcessDraftClient:
         target: WorkerInfo,
         sampling: SamplingParams,
         deadline_s: float | None = None,
+        hidden_states: HiddenStates = NONE,
     ):
         session_id = uuid.uuid4().hex[:16]
         _, timing = await self.engine.timed(
@@ -113,6 +123,7 @@ class InProcessDraftClient:
             target.vocab_size,
             target.vocab_fingerprint,
             sampling,
+            hidden_states,
         )
         return _InProcessDraftSession(self, session_id), timing.compute_s
 
@@ -122,7 +133,9 @@ class _InProcessDraftSession:
         self.client = client
         self.session_id = session_id
 
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
+    async def propose(
+        self, committed_len, new_tokens, k, assumed=None, round_id=0, hidden_states=NONE
+    ):
         proposal, timing = await self.client.engine.timed(
             self.client.sessions.propose,
             self.session_id,
@@ -130,6 +143,7 @@ class _InProcessDraftSession:
             list(new_tokens),
             k,
             assumed,
+            hidden_states,
         )
         proposal = replace(proposal, round_id=round_id)
         return Reply(proposal, timing.compute_s, self.client.engine.load)

@@ -14,6 +14,7 @@ accepted) and one built with another seed is unrelated (most are rejected).
   kind whose first generated token decodes differently alone than after the prompt.
 * `build_tiny_llama` — a random Llama whose logits are far from ties.
 * `build_tiny_model_dir` — a self-contained model directory (weights + tokenizer).
+* `build_tiny_head` — a random EAGLE-3 draft head for a tiny target, saved as published.
 * `LLAMA_FAMILY` — one tiny model of each architecture the Llama-family forward runs.
 """
 
@@ -234,4 +235,27 @@ def build_tiny_model_dir(
     build_tiny_llama(path, vocab_size=vocab_size, seed=seed, **llama_kwargs)
     for file in tokenizer_files:
         shutil.copyfile(file, path / file.name)
+    return path
+
+
+def build_tiny_head(path: Path, target_dir: Path, *, seed: int, draft_vocab_size: int = 0) -> Path:
+    """Save a random EAGLE-3 head for the target in ``target_dir`` to ``path``
+    (its draft vocabulary: a random ``draft_vocab_size`` of the target's ids,
+    by default half of them) and return ``path``."""
+    from transformers import AutoConfig
+
+    from outrider.eagle.head import EagleHead, HeadConfig
+
+    target = AutoConfig.from_pretrained(target_dir)
+    size = draft_vocab_size or target.vocab_size // 2
+    generator = torch.Generator().manual_seed(seed)
+    head = EagleHead(HeadConfig.for_target(target, draft_vocab_size=size))
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5, generator=generator)
+            else:
+                parameter.normal_(0.0, 0.5, generator=generator)
+        head.set_draft_vocab(torch.randperm(target.vocab_size, generator=generator)[:size])
+    head.save(path)
     return path

@@ -26,6 +26,7 @@ from coordinator.workers.protocol import (
     WorkerInfo,
 )
 from outrider.errors import FailedPrecondition, OutriderError, ResourceExhausted, Unavailable
+from outrider.hidden_states import NONE, HiddenStates, concat
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal
@@ -93,6 +94,20 @@ class DraftLink:
         """Ids of the rounds asked for: a proposal must answer the last one."""
         self.speculation: Speculation | None = None
         """At most one speculation in flight."""
+        self.hidden_states: list[HiddenStates] = []
+        """For a draft head: the target's hidden states of the positions
+        committed since the last round (or since the start, before the
+        first open), which go with the next round's tokens."""
+
+    def received(self, hidden_states: HiddenStates) -> None:
+        """Takes the target's hidden states of the positions its last answer
+        made committed (for a draft head; none for other drafters)."""
+        if hidden_states.rows:
+            self.hidden_states.append(hidden_states)
+
+    def _take_hidden_states(self) -> HiddenStates:
+        states, self.hidden_states = concat(self.hidden_states), []
+        return states if states.rows else NONE
 
     @property
     def begun(self) -> bool:
@@ -183,7 +198,7 @@ class DraftLink:
     def _begin_open(self, history: list[int]) -> asyncio.Task[DraftSession]:
         log.debug("draft session opening", tokens=len(history))
         # A copy: the history grows while an open runs in the background.
-        self.opening = asyncio.ensure_future(self._open(list(history)))
+        self.opening = asyncio.ensure_future(self._open(list(history), self._take_hidden_states()))
         self.open_started = time.monotonic()
         return self.opening
 
@@ -227,12 +242,13 @@ class DraftLink:
         hit = guess is not None and committed == [*speculation.assumed, guess]
         return (reply, True) if hit else (None, False)
 
-    def _round(self, history: list[int]) -> tuple[int, list[int], int]:
+    def _round(self, history: list[int]) -> tuple[int, list[int], int, HiddenStates]:
         """The next round's committed length, the tokens committed since the
-        last one (the draft's session syncs them), and its id."""
+        last one (the draft's session syncs them), its id, and the target's
+        hidden states of those tokens' positions (for a head)."""
         self.rounds += 1
         new_tokens, self.synced = history[self.synced :], len(history)
-        return len(history), new_tokens, self.rounds
+        return len(history), new_tokens, self.rounds, self._take_hidden_states()
 
     async def _ask(
         self,
@@ -240,12 +256,15 @@ class DraftLink:
         committed_len: int,
         new_tokens: list[int],
         round_id: int,
+        hidden_states: HiddenStates,
         k: int,
         assumed: list[int] | None,
     ) -> Reply[Proposal]:
         """One round on the session: propose after the committed history (or
         after ``assumed``, when given), and check the answer is that round's."""
-        reply = await session.propose(committed_len, new_tokens, k, assumed, round_id)
+        reply = await session.propose(
+            committed_len, new_tokens, k, assumed, round_id, hidden_states
+        )
         proposal = reply.value
         follows = committed_len if assumed is None else committed_len + len(assumed) + 1
         if proposal.round_id != round_id or (proposal.tokens and proposal.follows_len != follows):
@@ -255,13 +274,14 @@ class DraftLink:
             )
         return reply
 
-    async def _open(self, history: Sequence[int]) -> DraftSession:
+    async def _open(self, history: Sequence[int], hidden_states: HiddenStates) -> DraftSession:
         self.session, compute_s = await self.client.open(
             history,
             request_id=self.request_id,
             target=self.target,
             sampling=self.sampling,
             deadline_s=self.open_deadline_s,
+            hidden_states=hidden_states,
         )
         self.opened = True
         self.synced = len(history)

@@ -17,6 +17,7 @@ from coordinator.workers.protocol import (
 )
 from coordinator.workers.replicas import Replica, Replicas
 from outrider.errors import SessionExpired, Unavailable
+from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling_params import SamplingParams
@@ -24,6 +25,8 @@ from outrider.speculation import Proposal
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
+    hidden_states_from_pb,
+    hidden_states_to_pb,
     load_from_pb,
     proposal_from_pb,
     sampling_to_pb,
@@ -90,6 +93,7 @@ def _info_from_pb(info: pb.WorkerInfo) -> WorkerInfo:
         device=info.device,
         dtype=info.dtype,
         graphed_tokens_per_row=info.graphed_tokens_per_row,
+        hidden_state_layers=tuple(info.hidden_state_layers),
     )
 
 
@@ -201,7 +205,9 @@ class _GrpcSession:
 class GrpcDraftSession(_GrpcSession):
     close_request = pb.DraftRequest(close=pb.SessionClose())
 
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
+    async def propose(
+        self, committed_len, new_tokens, k, assumed=None, round_id=0, hidden_states=NONE
+    ):
         response = await self.exchange(
             pb.DraftRequest(
                 round=pb.DraftRound(
@@ -211,6 +217,7 @@ class GrpcDraftSession(_GrpcSession):
                     speculate=assumed is not None,
                     assumed_token_ids=assumed or (),
                     round_id=round_id,
+                    hidden_states=hidden_states_to_pb(hidden_states),
                 )
             )
         )
@@ -229,7 +236,13 @@ class GrpcTargetSession(_GrpcSession):
         )
         verdict = response.verdict
         judged = Judged(proposal.prefix(verdict.num_verified), verdict_from_pb(verdict))
-        return Reply(judged, verdict.compute_s, _load(verdict), verdict.queued_s)
+        return Reply(
+            judged,
+            verdict.compute_s,
+            _load(verdict),
+            verdict.queued_s,
+            hidden_states_from_pb(verdict.hidden_states),
+        )
 
 
 class GrpcWorkerClient:
@@ -286,7 +299,8 @@ class GrpcWorkerClient:
         replica.opened()
         opened = response.opened
         token = opened.first_token_id if opened.HasField("first_token_id") else None
-        return session, Reply(token, opened.compute_s, _load(opened))
+        features = hidden_states_from_pb(opened.hidden_states)
+        return session, Reply(token, opened.compute_s, _load(opened), hidden_states=features)
 
 
 class GrpcDraftClient(GrpcWorkerClient):
@@ -308,6 +322,7 @@ class GrpcDraftClient(GrpcWorkerClient):
         target: WorkerInfo,
         sampling: SamplingParams,
         deadline_s: float | None = None,
+        hidden_states: HiddenStates = NONE,
     ):
         request = pb.DraftRequest(
             open=pb.SessionOpen(
@@ -316,6 +331,7 @@ class GrpcDraftClient(GrpcWorkerClient):
                 target_vocab_size=target.vocab_size,
                 target_vocab_fingerprint=target.vocab_fingerprint,
                 sampling=sampling_to_pb(sampling),
+                hidden_states=hidden_states_to_pb(hidden_states),
             )
         )
         session, opened = await self._open(request, request_id=request_id, deadline_s=deadline_s)
@@ -341,6 +357,7 @@ class GrpcTargetClient(GrpcWorkerClient):
         sampling: SamplingParams,
         deadline_s: float | None = None,
         first_token: bool = False,
+        hidden_state_layers=(),
     ):
         request = pb.VerifyRequest(
             open=pb.SessionOpen(
@@ -348,6 +365,7 @@ class GrpcTargetClient(GrpcWorkerClient):
                 request_id=request_id,
                 sampling=sampling_to_pb(sampling),
                 first_token=first_token,
+                hidden_state_layers=hidden_state_layers,
             )
         )
         return await self._open(request, request_id=request_id, deadline_s=deadline_s)

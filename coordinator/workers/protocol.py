@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
@@ -31,6 +32,8 @@ class WorkerInfo:
     dtype: str = ""
     graphed_tokens_per_row: int = 0
     """The most tokens a row may feed in a step replayed from a CUDA graph (0: none is)."""
+    hidden_state_layers: tuple[int, ...] = ()
+    """A draft head's: the target layers whose input hidden states it reads."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class Reply(Generic[T]):
     queued_s: float = 0.0
     """How long the call waited for the engine to take it: behind the rest
     of a step of other sessions under way (the target's verify reports it)."""
+    hidden_states: HiddenStates = NONE
+    """A target's, for a session that asked for them: the hidden states of
+    the positions the answer made committed but the last."""
 
 
 class DraftSession(Protocol):
@@ -55,8 +61,10 @@ class DraftSession(Protocol):
         k: int,
         assumed: Sequence[int] | None = None,
         round_id: int = 0,
+        hidden_states: HiddenStates = NONE,
     ) -> Reply[Proposal]:
-        """Syncs the new committed tokens and proposes up to k drafts after
+        """Syncs the new committed tokens (and, for a head, the target's
+        hidden states of their positions) and proposes up to k drafts after
         the history; given ``assumed`` drafts (even none), a speculation:
         a guess of the bonus token after them, then the drafts after that."""
         ...
@@ -118,6 +126,7 @@ class DraftClient(Protocol):
         target: WorkerInfo,
         sampling: SamplingParams,
         deadline_s: float | None = None,
+        hidden_states: HiddenStates = NONE,
     ) -> tuple[DraftSession, float]: ...
 
 
@@ -132,7 +141,10 @@ class TargetClient(Protocol):
         sampling: SamplingParams,
         deadline_s: float | None = None,
         first_token: bool = False,
+        hidden_state_layers: Sequence[int] = (),
     ) -> tuple[TargetSession, Reply[int | None]]:
         """A session on the history ``tokens`` (prefilled); with
-        ``first_token``, the token that follows it, drawn and committed."""
+        ``first_token``, the token that follows it, drawn and committed.
+        Naming ``hidden_state_layers``, its answers carry the hidden states
+        entering those layers (:attr:`Reply.hidden_states`)."""
         ...

@@ -34,6 +34,7 @@ class TargetLink:
         sampling: SamplingParams,
         attempts: int,
         open_deadline_s: Callable[[int], float | None] = lambda tokens: None,
+        hidden_state_layers: Sequence[int] = (),
     ) -> None:
         """``open_deadline_s(tokens)``: how long opening a session on that
         many tokens may take before the replica counts as lost (None: no limit)."""
@@ -42,12 +43,16 @@ class TargetLink:
         self.sampling = sampling
         self.attempts = attempts
         self.open_deadline_s = open_deadline_s
+        self.hidden_state_layers = tuple(hidden_state_layers)
+        """The layers whose hidden states its answers carry, for a draft head."""
         self.session: TargetSession | None = None
 
     async def open(self, history: Sequence[int], *, first_token: bool = False) -> Reply[int | None]:
         """Opens a session on the history, on another replica after a
         failure; with ``first_token``, the target also draws the token after
-        the history (the stream's first)."""
+        the history (the stream's first). A reopen's hidden states are those
+        the first open and the verdicts sent already: only a first open's
+        reach the round loop."""
         self.session, opened = await self._open(history, first_token)
         return opened
 
@@ -62,6 +67,7 @@ class TargetLink:
                     sampling=self.sampling,
                     deadline_s=self.open_deadline_s(len(history)),
                     first_token=first_token,
+                    hidden_state_layers=self.hidden_state_layers,
                 )
             except Unavailable as exc:
                 log.warning("target unavailable", error=str(exc), attempt=attempt)

@@ -108,7 +108,8 @@ def outrider_variants(
 
 def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
     """``prompt-lookup``, ``bf16`` (the target itself in bfloat16), ``int4``
-    (the target with 4-bit weights) or ``early-exit-L``."""
+    (the target with 4-bit weights), ``early-exit-L`` or ``eagle`` (the
+    EAGLE-3 head shipped for the target; Hugging Face has no peer)."""
     model = ("--model", target_model) if target_model else ()
     if spec == "prompt-lookup":
         return Drafter(spec, (), "prompt-lookup", coordinator_args=("--prompt-lookup",))
@@ -116,12 +117,14 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "bf16")
     if spec == "int4":
         return Drafter(spec, ("--drafter", "int4", *model), "int4")
+    if spec == "eagle":
+        return Drafter(spec, ("--drafter", "eagle", *model), None)
     if match := re.fullmatch(r"early-exit-(\d+)", spec):
         layers = match.group(1)
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
     raise ValueError(
         f"unknown drafter {spec!r}: "
-        "use prompt-lookup, bf16, int4 or early-exit-L (e.g. early-exit-8)"
+        "use prompt-lookup, bf16, int4, eagle or early-exit-L (e.g. early-exit-8)"
     )
 
 

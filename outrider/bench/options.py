@@ -84,7 +84,8 @@ class BenchOptions:
         default=("prompt-lookup", "int4"), metadata={"metavar": "LIST"}
     )
     """drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), bf16 (the
-    target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer)"""
+    target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer), eagle
+    (the EAGLE-3 head shipped for the target; no HF peer)"""
     no_hf: bool = False
     """skip the Hugging Face configurations (speedup is then vs outrider-k0)"""
     no_adaptive: bool = False
@@ -293,10 +294,12 @@ class StepsOptions:
     cached tokens) it times, median of --repeats: hf, transformers' forward with a DynamicCache,
     one session (the rows of a batch would be that many such calls); engine, the worker's runner
     (outrider.engine): all rows in one forward pass over the paged cache; graph, the same step
-    replayed from a captured CUDA graph (CUDA only); with --linears (CPU), the engine's step with
-    every linear on F.linear, with every small batch as (W @ x.T).T, and with every one on
-    oneDNN's packed weights, each call of the four taking turns (outrider/engine/ops.py chose one
-    per count of rows at start, as a worker does). Each is printed also as a multiple of
+    replayed from a captured CUDA graph (CUDA only); EAGLE-3 head, the same step of a draft
+    worker's head for the model (the shipped one, else random weights); with --linears (CPU), the
+    engine's step with every linear on F.linear, with every small batch as (W @ x.T).T, and with
+    every one on oneDNN's packed weights, each call of the four taking turns
+    (outrider/engine/ops.py chose one per count of rows at start, as a worker does). Each is
+    printed also as a multiple of
     transformers' single-token step. The model is a real one (default: the default model, fetched
     by `outrider models fetch`), or random weights in its shape with --shape overrides (or from a
     directory holding only a config).
@@ -326,6 +329,9 @@ class StepsOptions:
     """torch threads (CPU)"""
     no_hf: bool = False
     """skip transformers' steps but the 1×1 unit"""
+    head_vocab: int = 8192
+    """draft vocabulary of the EAGLE-3 head timed beside the engine, for a model with no head
+    shipped (random weights: a step costs the same)"""
     linears: bool = False
     """CPU: also the engine's step with every linear on F.linear, with every small batch
     transposed and with every one packed, taking turns with the tuned choice"""

@@ -33,7 +33,12 @@ from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 
-COLUMNS = {"hf_ms": "hf (rows calls)", "engine_ms": "engine", "graph_ms": "engine graph"}
+COLUMNS = {
+    "hf_ms": "hf (rows calls)",
+    "engine_ms": "engine",
+    "graph_ms": "engine graph",
+    "head_ms": "EAGLE-3 head",
+}
 LINEAR_COLUMNS = {
     "f_linear_ms": "engine F.linear",
     "transposed_ms": "engine W @ x.T",
@@ -116,19 +121,27 @@ def hf_step(model, tokens: int, context: int, device: torch.device) -> Callable[
 
 def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int) -> Callable[[], None]:
     """One step of ``rows`` sessions feeding ``tokens`` each (a CUDA graph's
-    replay when the runner has one that covers it: that is checked)."""
+    replay when the runner has one that covers it: that is checked); for an
+    EAGLE-3 head, each token with a feature."""
+    forward: Any = runner.forward
+    width = getattr(forward, "hidden_size", 0)
+
+    def hidden(n: int) -> torch.Tensor | None:
+        return torch.zeros(n, width, dtype=forward.dtype, device=runner.device) if width else None
+
     caches = []
     for _ in range(rows):
         kv = runner.new_kv()
         kv.reserve(context + tokens)
         for start in range(0, context, 512):
-            runner.execute([Row(kv, [1] * min(512, context - start), 0)])
+            n = min(512, context - start)
+            runner.execute([Row(kv, [1] * n, 0, hidden(n))])
         caches.append(kv)
 
     def step():
         for kv in caches:
             kv.reserve(context + tokens)  # as the engine does before every feed
-        runner.execute([Row(kv, [1] * tokens, tokens) for kv in caches])
+        runner.execute([Row(kv, [1] * tokens, tokens, hidden(tokens)) for kv in caches])
         for kv in caches:
             kv.crop(context)
 
@@ -142,15 +155,17 @@ def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int) -> Ca
 
 def runners(
     model: torch.nn.Module, options: StepsOptions, device: torch.device
-) -> tuple[PagedRunner, PagedRunner | None]:
-    """The engine's runner, eager, and on CUDA one that replays CUDA graphs
-    (captured for every shape), each on its own copy of the model."""
+) -> tuple[PagedRunner, PagedRunner | None, PagedRunner | None]:
+    """The engine's runner, eager, on CUDA one that replays CUDA graphs
+    (captured for every shape), each on its own copy of the model; and an
+    EAGLE-3 head's for the model (None for a model outside the Llama family)."""
     shapes = options.shapes
     blocks = sum(s.rows * -(-(options.context + s.tokens) // 16) for s in shapes) + 16
     eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(blocks, 16))
     eager.warm_up(max_rows=1, max_tokens_per_row=1)  # its linears' paths, as a worker's
+    head = head_runner(model, options, blocks)
     if device.type != "cuda":
-        return eager, None
+        return eager, None, head
     graphed = PagedRunner(
         LlamaForward(copy.deepcopy(model)), BlockPool(blocks, 16), cuda_graphs=True
     )
@@ -165,19 +180,42 @@ def runners(
         f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s",
         file=sys.stderr,
     )
-    return eager, graphed
+    return eager, graphed, head
+
+
+def head_runner(model: torch.nn.Module, options: StepsOptions, blocks: int) -> PagedRunner:
+    """The runner of an EAGLE-3 head for ``model``: the one shipped for it
+    (the default model's), else random weights in the shape
+    ``outrider draft train`` gives one, with a draft vocabulary of
+    ``--head-vocab`` tokens (a step costs the same whatever the weights)."""
+    from outrider.eagle.forward import EagleForward
+    from outrider.eagle.head import EagleHead, HeadConfig, load_head, shipped_head
+
+    config: Any = model.config
+    shipped = shipped_head(options.model) if options.model is None or not options.shape else None
+    if shipped is not None:
+        head = load_head(shipped, target_num_layers=config.num_hidden_layers)
+    else:
+        vocab = min(options.head_vocab, config.vocab_size)
+        head = EagleHead(HeadConfig.for_target(config, draft_vocab_size=vocab))
+    embeddings: Any = model.get_input_embeddings()
+    embed: torch.Tensor = embeddings.weight
+    forward = EagleForward(head, embed, dtype=embed.dtype, device=embed.device)
+    runner = PagedRunner(forward, BlockPool(blocks, 16))
+    runner.warm_up(max_rows=1, max_tokens_per_row=1)
+    return runner
 
 
 def measure_shape(
     model: torch.nn.Module,
     shape: Shape,
-    runners: tuple[PagedRunner, PagedRunner | None],
+    runners: tuple[PagedRunner, PagedRunner | None, PagedRunner | None],
     unit: float,
     options: StepsOptions,
 ) -> dict[str, Any]:
     """One row of the table: every column's milliseconds at ``shape`` (None: not measured)."""
     device = next(model.parameters()).device
-    eager, graphed = runners
+    eager, graphed, head = runners
     row: dict[str, Any] = {"shape": str(shape)} | dict.fromkeys([*COLUMNS, *LINEAR_COLUMNS])
     if not options.no_hf or (shape.rows, shape.tokens) == (1, 1):
         one = unit if shape.tokens == 1 else None
@@ -194,6 +232,9 @@ def measure_shape(
     if graphed is not None:
         graph_step = engine_step(graphed, shape.rows, shape.tokens, options.context)
         row["graph_ms"] = timed(graph_step, options.repeats, device)
+    if head is not None:
+        head_step = engine_step(head, shape.rows, shape.tokens, options.context)
+        row["head_ms"] = timed(head_step, options.repeats, device)
     return row
 
 

@@ -558,9 +558,16 @@ class InlineEngine:
         context, value = contextvars.copy_context(), None
         while not isinstance(outcome := _resume(result, context, value), _Done):
             with torch.inference_mode():
-                (value,) = self.runner.execute(
-                    [Row(outcome.kv, outcome.tokens, outcome.num_logits)]
+                feed = outcome
+                row = Row(
+                    feed.kv,
+                    feed.tokens,
+                    feed.num_logits,
+                    feed.hidden,
+                    feed.features,
+                    feed.feature_layers,
                 )
+                (value,) = self.runner.execute([row])
         return outcome.value
 
 

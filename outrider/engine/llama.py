@@ -119,6 +119,22 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = (
         None  # [M]: the tokens whose next-token logits are wanted; None: all
     )
+    hidden: torch.Tensor | None = None
+    """An EAGLE head's: each token's feature, ``[N, H]``."""
+    feature_indices: torch.Tensor | None = None
+    """A target's: the tokens whose hidden states at ``feature_layers`` are wanted."""
+    feature_layers: tuple[int, ...] = ()
+
+
+@dataclass
+class _Step:
+    """What every layer of one step reads."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: list[torch.Tensor | None]
+    gathered: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass
@@ -339,58 +355,84 @@ class LlamaForward:
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Writes the batch's keys and values into ``cache`` and returns the
         next-token logits of the tokens ``batch.logits_indices`` names, ``[M, vocab]``."""
-        n = batch.input_ids.shape[0]
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        block_size = cache.shape[3]
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
-        masks = [self._mask(batch.positions, group, block_size) for group in batch.groups]
-        # Each group's keys and values are gathered into the same two buffers
-        # in every layer: one allocation per step, not two per layer (on the
-        # CPU a fresh buffer of a long context is a fresh mapping, faulted in
-        # page by page).
-        gathered = [
-            None if group.span else self._gather_buffers(cache, group) for group in batch.groups
-        ]
+        return self.forward_with(batch, cache)[0]
 
+    def forward_with(
+        self, batch: ForwardBatch, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`'s logits, and the hidden states that enter the
+        layers ``batch.feature_layers`` at the tokens ``batch.feature_indices``,
+        side by side (``[F, layers · H]``; None when none are wanted): what an
+        EAGLE-3 head reads (:mod:`outrider.eagle.head`)."""
+        step = self._step(batch, cache)
         x = self._embed(batch.input_ids)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            # 1. attention: project, rotate, write this step's keys and values, attend
+        wanted = batch.feature_indices
+        features: dict[int, torch.Tensor] = {}
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+            if wanted is not None and i in batch.feature_layers:
+                features[i] = x[wanted]
             h = _rms_norm(x, layer.input_norm, self.eps)
-            q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(
-                [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
-            )
-            q, k, v = (
-                q.view(n, heads, head_dim),
-                k.view(n, kv_heads, head_dim),
-                v.view(n, kv_heads, head_dim),
-            )
-            if layer.qk_norm is not None:
-                q_norm, k_norm = layer.qk_norm
-                q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = (
-                layer_cache[0],
-                layer_cache[1],
-            )  # [blocks, block size, kv heads, head dim]
-            keys.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, k)
-            values.view(-1, kv_heads, head_dim).index_copy_(0, batch.slots, v)
-            attended = [
-                self._attend(q, keys, values, group, mask, buffers)
-                for group, mask, buffers in zip(batch.groups, masks, gathered, strict=True)
-            ]
-            x = x + self._reduce(
-                linear(attended[0] if len(attended) == 1 else torch.cat(attended), layer.o)
-            )
-
-            # 2. MLP
-            h = _rms_norm(x, layer.post_norm, self.eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._reduce(linear(F.silu(gate) * up, layer.down))
-
+            x = x + self._reduce(linear(self._attention(h, layer, layer_cache, step), layer.o))
+            x = x + self._mlp(x, layer)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return self._gather(linear(_rms_norm(x, self.norm, self.eps), self.lm_head))
+        logits = self._gather(linear(_rms_norm(x, self.norm, self.eps), self.lm_head))
+        if wanted is None:
+            return logits, None
+        return logits, torch.cat([features[i] for i in batch.feature_layers], dim=-1)
+
+    def _step(self, batch: ForwardBatch, cache: torch.Tensor) -> _Step:
+        """What every layer of the step reads: rotations, masks, gather buffers."""
+        block_size = cache.shape[3]
+        return _Step(
+            batch,
+            cos=self.cos[batch.positions].unsqueeze(1),
+            sin=self.sin[batch.positions].unsqueeze(1),
+            masks=[self._mask(batch.positions, group, block_size) for group in batch.groups],
+            # Each group's keys and values are gathered into the same two buffers
+            # in every layer: one allocation per step, not two per layer (on the
+            # CPU a fresh buffer of a long context is a fresh mapping, faulted in
+            # page by page).
+            gathered=[
+                None if group.span else self._gather_buffers(cache, group) for group in batch.groups
+            ],
+        )
+
+    def _attention(
+        self, h: torch.Tensor, layer: _Layer, layer_cache: torch.Tensor, step: _Step
+    ) -> torch.Tensor:
+        """Attention of the normed tokens ``h``: project, rotate, write this
+        step's keys and values into the layer's cache, attend. ``[N, heads ·
+        head dim]``, before the output projection."""
+        n = h.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        q, k, v = (
+            q.view(n, heads, head_dim),
+            k.view(n, kv_heads, head_dim),
+            v.view(n, kv_heads, head_dim),
+        )
+        if layer.qk_norm is not None:
+            q_norm, k_norm = layer.qk_norm
+            q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
+        q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
+        keys, values = layer_cache[0], layer_cache[1]  # [blocks, block size, kv heads, head dim]
+        keys.view(-1, kv_heads, head_dim).index_copy_(0, step.batch.slots, k)
+        values.view(-1, kv_heads, head_dim).index_copy_(0, step.batch.slots, v)
+        attended = [
+            self._attend(q, keys, values, group, mask, buffers)
+            for group, mask, buffers in zip(
+                step.batch.groups, step.masks, step.gathered, strict=True
+            )
+        ]
+        return attended[0] if len(attended) == 1 else torch.cat(attended)
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        h = _rms_norm(x, layer.post_norm, self.eps)
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+        return self._reduce(linear(F.silu(gate) * up, layer.down))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings; on a rank, each from the rank that holds its row."""

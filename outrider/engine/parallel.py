@@ -264,11 +264,18 @@ class TensorParallelForward:
         return self.local.allocate_cache(num_blocks, block_size)
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        return self.forward_with(batch, cache)[0]
+
+    def forward_with(
+        self, batch: ForwardBatch, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's step; rank 0's hidden states are whole after each
+        all-reduce, so its own are the features an EAGLE head reads."""
         if self._failed:
             raise RankLost("a tensor-parallel rank was lost earlier; the worker is stopping")
         self.publisher.send(pack(batch))
         try:
-            return self.local.forward(batch, cache)
+            return self.local.forward_with(batch, cache)
         except Exception as exc:  # a collective failed or timed out: the ranks are out of step
             self._failed = True
             raise RankLost(f"a tensor-parallel step failed: {_first_line(exc)}") from exc

@@ -50,6 +50,9 @@ class Logits:
 
     values: torch.Tensor
     argmax: list[int]
+    hidden: torch.Tensor | None = None
+    """An EAGLE head's: its output before the final norm at the same
+    positions, ``[num_logits, H]`` — the feature its next position reads."""
 
 
 class Forward(Protocol):
@@ -62,6 +65,13 @@ class Forward(Protocol):
     def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
 
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_with(
+        self, batch: ForwardBatch, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits, and a target's hidden states at ``batch.feature_indices``
+        or an EAGLE head's output before its final norm at the logits' tokens."""
+        ...
 
     def linear_weights(self) -> list[Any]: ...
 
@@ -86,7 +96,7 @@ class PagedRunner:
         """Whether the last step replayed a CUDA graph (for the engine's step log)."""
         self.pad_groups = self.device.type == "cuda"
         """Group rows by the power of two at or above their token count
-        (see :meth:`_ragged_batch`)."""
+        (see :meth:`_flat_batch`)."""
 
     def new_kv(self) -> KVCache:
         return KVCache(self.pool)
@@ -112,22 +122,30 @@ class PagedRunner:
             )
 
     def execute(self, rows: Sequence[Row]) -> list[Logits | None]:
-        bucket = self.graphs.bucket(rows) if self.graphs is not None else None
+        plain = all(row.hidden is None and row.features is None for row in rows)
+        bucket = self.graphs.bucket(rows) if self.graphs is not None and plain else None
         self.graphed = bucket is not None
         if self.graphs is not None and bucket is not None:
             logits, wanted = self.graphs.run(bucket, rows)
-        else:
-            batch, wanted = self._ragged_batch(rows)
-            logits = self.forward.forward(batch, self.cache)
+            return self._appended(rows, _split(logits, wanted))
+        flat = self._flat_batch(rows)
+        batch = flat.to_device(self.device)
+        logits, extra = self.forward.forward_with(batch, self.cache)
+        if batch.hidden is not None:
+            return self._appended(rows, _split(logits, flat.wanted, hidden=extra))
+        if extra is not None:
+            flat.hand_out_features(rows, extra)
+        return self._appended(rows, _split(logits, flat.wanted))
+
+    @staticmethod
+    def _appended(rows: Sequence[Row], outputs: list[Logits | None]) -> list[Logits | None]:
         for row in rows:
             row.kv.appended(row.tokens)
-        return _split(logits, wanted)
+        return outputs
 
-    def _ragged_batch(
-        self, rows: Sequence[Row]
-    ) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
+    def _flat_batch(self, rows: Sequence[Row]) -> _FlatBatch:
         """The rows flattened into one sequence, grouped for attention; and
-        where each row's wanted logits land in the output.
+        where each row's wanted logits (and hidden states) land in the output.
 
         Each group's rows feed the same number of tokens: on the CPU rows
         are grouped by their exact count (a padded token costs real
@@ -138,7 +156,7 @@ class PagedRunner:
         flat = _FlatBatch(self.pool, len(rows))
         for members in self._attention_groups(rows):
             flat.add_group(rows, members)
-        return flat.to_device(self.device), flat.wanted
+        return flat
 
     def _attention_groups(self, rows: Sequence[Row]) -> list[list[int]]:
         """The indices of ``rows`` in groups that attend together, each
@@ -174,6 +192,10 @@ class _FlatBatch:
         """Per row, where its logits start among the wanted ones and how many."""
         self.tables: list[tuple[int, int, int, list[list[int]], tuple[int, int] | None]] = []
         """Per group: (start, rows, tokens per row, block table, span)."""
+        self.hidden: list[torch.Tensor] = []
+        """An EAGLE head's features, row by row, padding included."""
+        self.feature_rows: list[tuple[int, int, int, tuple[int, ...]]] = []
+        """Rows whose hidden states a target sends: (row, first token, tokens, layers)."""
 
     def add_group(self, rows: Sequence[Row], members: Sequence[int]) -> None:
         """Appends the group of ``rows`` at ``members``, each row padded to
@@ -195,6 +217,12 @@ class _FlatBatch:
         where its wanted logits are, and pads it to ``t`` tokens."""
         block_size = self.pool.block_size
         cached, blocks = len(row.kv), row.kv.blocks
+        if row.features is not None:
+            self.feature_rows.append((i, len(self.ids), len(row.tokens), row.feature_layers))
+        if row.hidden is not None:
+            self.hidden.append(row.hidden)
+            if pad := t - len(row.tokens):
+                self.hidden.append(row.hidden.new_zeros(pad, row.hidden.shape[1]))
         for offset, token in enumerate(row.tokens):
             position = cached + offset
             self.ids.append(token)
@@ -222,13 +250,47 @@ class _FlatBatch:
             block_table = packed[offset : offset + count * width].view(count, width)
             groups.append(AttentionGroup(start, count, t, block_table, span))
             offset += count * width
+        feature_layers = tuple(sorted({la for *_, layers in self.feature_rows for la in layers}))
         return ForwardBatch(
             input_ids=packed[:n],
             positions=packed[n : 2 * n],
             slots=packed[2 * n : 3 * n],
             groups=groups,
             logits_indices=packed[3 * n : 3 * n + num_logits],
+            hidden=torch.cat(self.hidden).to(device, non_blocking=True) if self.hidden else None,
+            feature_indices=torch.tensor(
+                [
+                    j
+                    for _, start, count, _ in self.feature_rows
+                    for j in range(start, start + count)
+                ],
+                dtype=torch.long,
+            ).to(device)
+            if self.feature_rows
+            else None,
+            feature_layers=feature_layers,
         )
+
+    def hand_out_features(self, rows: Sequence[Row], features: torch.Tensor) -> None:
+        """Appends to each row's ``features`` its tokens' hidden states at its
+        layers (``features`` holds the step's layers, side by side)."""
+        layers = sorted({la for *_, mine in self.feature_rows for la in mine})
+        width = features.shape[1] // len(layers)
+        at = 0
+        for i, _, count, wanted in self.feature_rows:
+            part = features[at : at + count]
+            if list(wanted) != layers:
+                part = torch.cat(
+                    [
+                        part[:, layers.index(la) * width : (layers.index(la) + 1) * width]
+                        for la in wanted
+                    ],
+                    dim=1,
+                )
+            sink = rows[i].features
+            assert sink is not None  # a feature row
+            sink.append(part)
+            at += count
 
 
 def _span(members: Sequence[Row]) -> tuple[int, int] | None:
@@ -324,9 +386,19 @@ def tune_linears(weights: Iterable[object]) -> None:
         )
 
 
-def _split(logits: torch.Tensor, wanted: Sequence[tuple[int, int] | None]) -> list[Logits | None]:
+def _split(
+    logits: torch.Tensor,
+    wanted: Sequence[tuple[int, int] | None],
+    hidden: torch.Tensor | None = None,
+) -> list[Logits | None]:
     argmax = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
     return [
-        None if w is None else Logits(logits[w[0] : w[0] + w[1]], argmax[w[0] : w[0] + w[1]])
+        None
+        if w is None
+        else Logits(
+            logits[w[0] : w[0] + w[1]],
+            argmax[w[0] : w[0] + w[1]],
+            None if hidden is None else hidden[w[0] : w[0] + w[1]],
+        )
         for w in wanted
     ]

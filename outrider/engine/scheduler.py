@@ -28,7 +28,8 @@ the only feed waiting, on an empty cache whose blocks follow each other,
 while no other session holds a block — runs whole, up to
 ``max_prefill_tokens``: one causal pass over its blocks in place, as
 transformers prefills, where chunks would each pay their share of the
-weights' reads and a masked attention. Pure bookkeeping: no tensors, no threads.
+weights' reads and a masked attention. Pure bookkeeping: no threads, and of
+tensors only slices.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from outrider.engine.kv_cache import KVCache
 
@@ -59,6 +62,13 @@ class Feed:
     """How many of its last tokens may be left out when the step has no
     room for them (a round's drafts: a prefix of them is a proposal too);
     the logits then come back for the tokens that ran."""
+    hidden: torch.Tensor | None = None
+    """An EAGLE head's other input, ``[len(tokens), H]``: beside each
+    token, the feature of the position before it."""
+    features: list[torch.Tensor] | None = None
+    """A target's: where the runner appends the hidden states at the layers
+    ``feature_layers`` of every token it runs, chunk by chunk (None: none wanted)."""
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -85,6 +95,16 @@ class Row:
     kv: KVCache
     tokens: list[int]
     num_logits: int
+    hidden: torch.Tensor | None = None
+    features: list[torch.Tensor] | None = None
+    feature_layers: tuple[int, ...] = ()
+
+
+def _row(feed: Feed, start: int, count: int, num_logits: int) -> Row:
+    """Tokens ``start .. start + count`` of ``feed`` as a row of a step."""
+    hidden = None if feed.hidden is None else feed.hidden[start : start + count]
+    tokens = feed.tokens[start : start + count]
+    return Row(feed.kv, tokens, num_logits, hidden, feed.features, feed.feature_layers)
 
 
 @dataclass
@@ -216,15 +236,14 @@ class Scheduler:
         """The first ``count`` tokens of a trimmable feed, which then ends."""
         feed = pending.feed
         left_out = len(feed.tokens) - count
-        row = Row(feed.kv, feed.tokens[:count], feed.num_logits - left_out)
-        return Scheduled(row, pending, trimmed=True)
+        return Scheduled(_row(feed, 0, count, feed.num_logits - left_out), pending, trimmed=True)
 
     @staticmethod
     def _take(pending: _Pending, count: int) -> Scheduled:
         feed = pending.feed
-        tokens = feed.tokens[pending.done : pending.done + count]
         finishes = pending.done + count == len(feed.tokens)
-        return Scheduled(Row(feed.kv, tokens, feed.num_logits if finishes else 0), pending)
+        row = _row(feed, pending.done, count, feed.num_logits if finishes else 0)
+        return Scheduled(row, pending)
 
     def update(self, step: Sequence[Scheduled], outputs: Sequence[Any]) -> list[tuple[Any, Any]]:
         """Records that ``step`` ran; returns ``(owner, output)`` for every feed it finished."""

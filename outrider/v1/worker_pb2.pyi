@@ -12,7 +12,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype", "load", "graphed_tokens_per_row")
+    __slots__ = ("model", "drafter", "vocab_size", "vocab_fingerprint", "max_context_length", "active_sessions", "cached_tokens", "device", "dtype", "load", "graphed_tokens_per_row", "hidden_state_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     GRAPHED_TOKENS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     vocab_size: int
@@ -35,7 +36,16 @@ class WorkerInfo(_message.Message):
     dtype: str
     load: EngineLoad
     graphed_tokens_per_row: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., graphed_tokens_per_row: _Optional[int] = ...) -> None: ...
+    hidden_state_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., graphed_tokens_per_row: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("bfloat16", "rows")
+    BFLOAT16_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    bfloat16: bytes
+    rows: int
+    def __init__(self, bfloat16: _Optional[bytes] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("curve_tokens", "curve_seconds", "curve_rows", "tokens_per_step", "rows_per_step", "steps", "running_s", "work_per_row_s")
@@ -58,20 +68,24 @@ class EngineLoad(_message.Message):
     def __init__(self, curve_tokens: _Optional[_Iterable[float]] = ..., curve_seconds: _Optional[_Iterable[float]] = ..., curve_rows: _Optional[_Iterable[float]] = ..., tokens_per_step: _Optional[float] = ..., rows_per_step: _Optional[float] = ..., steps: _Optional[int] = ..., running_s: _Optional[float] = ..., work_per_row_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling", "first_token")
+    __slots__ = ("token_ids", "request_id", "target_vocab_size", "target_vocab_fingerprint", "sampling", "first_token", "hidden_state_layers", "hidden_states")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     target_vocab_size: int
     target_vocab_fingerprint: str
     sampling: Sampling
     first_token: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., first_token: _Optional[bool] = ...) -> None: ...
+    hidden_state_layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_states: HiddenStates
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., first_token: _Optional[bool] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
@@ -98,32 +112,36 @@ class DraftProbs(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("committed_len", "compute_s", "load", "first_token_id")
+    __slots__ = ("committed_len", "compute_s", "load", "first_token_id", "hidden_states")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     compute_s: float
     load: EngineLoad
     first_token_id: int
-    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class DraftRound(_message.Message):
-    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id")
+    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id", "hidden_states")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     speculate: bool
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     round_id: int
-    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ()
@@ -186,20 +204,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified", "queued_s")
+    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified", "queued_s", "hidden_states")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     compute_s: float
     load: EngineLoad
     num_verified: int
     queued_s: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ..., queued_s: _Optional[float] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ..., queued_s: _Optional[float] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("opened", "verdict")

@@ -97,6 +97,7 @@ async def running_stack(
     drafter: str | None = "model",
     draft_dir: Path | None = None,
     draft_layers: int | None = None,
+    head_dir: Path | None = None,
     k: int = 4,
     eos_token_ids: Collection[int] | None = None,
     limits: WorkerLimits = WorkerLimits(),
@@ -192,6 +193,7 @@ async def running_stack(
                 model=str(draft_dir or target_dir),
                 engine=engine,
                 draft_layers=draft_layers,
+                head=str(head_dir) if head_dir else None,
                 limits=limits,
             )
             draft_registry = registry("draft")

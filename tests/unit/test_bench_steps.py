@@ -52,8 +52,11 @@ def test_every_shape_is_timed_against_transformers_one_token_step(tmp_path, caps
     assert list(rows) == ["1x1", "2x3"]
     assert rows["1x1"]["hf_ms"] == report["hf_unit_ms"] and rows["2x3"]["hf_ms"] is None
     assert all(row["engine_ms"] > 0 and row["graph_ms"] is None for row in rows.values())
+    assert all(row["head_ms"] > 0 for row in rows.values())  # a random head of the model's shape
     out = capsys.readouterr().out
     table = out[out.index(f"\n{config} on cpu") + 1 :].splitlines()
     assert table[0].startswith(f"{config} on cpu in float32, context 8; transformers' 1-token")
-    assert table[2].split() == ["rows×tokens", "hf", "(rows", "calls)", "engine", "engine", "graph"]
+    assert table[2].split() == [
+        "rows×tokens", "hf", "(rows", "calls)", "engine", "engine", "graph", "EAGLE-3", "head"
+    ]  # fmt: skip
     assert table[3].split()[:3] == ["1x1", f"{report['hf_unit_ms']:.2f}", "ms"]

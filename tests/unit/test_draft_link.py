@@ -19,6 +19,7 @@ import structlog.testing
 from coordinator.workers.draft_link import DraftLink
 from coordinator.workers.protocol import Reply, WorkerInfo
 from outrider.errors import Unavailable
+from outrider.hidden_states import HiddenStates
 from outrider.sampling import SamplingParams
 from outrider.speculation import Proposal
 
@@ -49,11 +50,13 @@ class RecordingSession(EndingSession):
     def __init__(self) -> None:
         super().__init__()
         self.rounds: list[tuple[int, list[int]]] = []
+        self.hidden_states: list[HiddenStates | None] = []
 
     async def propose(
-        self, committed_len, new_tokens, k, assumed=None, round_id=0
+        self, committed_len, new_tokens, k, assumed=None, round_id=0, hidden_states=None
     ) -> Reply[Proposal]:
         self.rounds.append((committed_len, list(new_tokens)))
+        self.hidden_states.append(hidden_states)
         return Reply(Proposal([7] * k, round_id=round_id, follows_len=committed_len), 0.001)
 
 
@@ -63,11 +66,13 @@ class SlowOpenDraft:
     def __init__(self, open_s: float) -> None:
         self.open_s = open_s
         self.opened_with: list[list[int]] = []
+        self.open_hidden_states: list[HiddenStates | None] = []
         self.sessions: list[RecordingSession] = []
 
-    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None, **kwargs):
         await asyncio.sleep(self.open_s)
         self.opened_with.append(list(tokens))
+        self.open_hidden_states.append(kwargs.get("hidden_states"))
         self.sessions.append(RecordingSession())
         return self.sessions[-1], self.open_s
 
@@ -76,6 +81,28 @@ def link(client: SlowOpenDraft, deadline_s: float) -> DraftLink:
     return DraftLink(
         client, request_id="r", target=TARGET, sampling=SamplingParams(), deadline_s=deadline_s
     )
+
+
+async def test_the_targets_hidden_states_go_with_the_tokens_of_their_positions():
+    """For a head: the open carries those of the history, each round those of its new tokens."""
+    client = SlowOpenDraft(open_s=0.0)
+    draft = link(client, deadline_s=1.0)
+
+    def rows(n: int, fill: int) -> HiddenStates:
+        return HiddenStates(bytes([fill]) * 4 * n, n)  # 2 bfloat16 values a row
+
+    history = [1, 2, 3, 4]
+    draft.received(rows(3, 1))  # the target's prefill: every position but the last
+    await draft.propose(history, 2)
+    assert client.open_hidden_states == [rows(3, 1)]
+    history += [5, 6]
+    draft.received(rows(1, 2))  # a verdict's: the last committed token's,
+    draft.received(rows(1, 3))  # and the next's
+    await draft.propose(history, 2)
+    session = client.sessions[0]
+    assert session.rounds[-1] == (6, [5, 6])
+    assert session.hidden_states[-1] == HiddenStates(bytes([2]) * 4 + bytes([3]) * 4, 2)
+    await draft.close()
 
 
 async def test_an_open_slower_than_the_deadline_goes_on_in_the_background_while_rounds_run_at_k0():
@@ -156,7 +183,7 @@ class SpeculatingSession(EndingSession):
         """A speculation was cancelled while the worker drafted it."""
 
     async def propose(
-        self, committed_len, new_tokens, k, assumed=None, round_id=0
+        self, committed_len, new_tokens, k, assumed=None, round_id=0, hidden_states=None
     ) -> Reply[Proposal]:
         self.calls.append(
             Call(
@@ -194,7 +221,7 @@ class OneSessionDraft:
         self.session = session
         self.opened_with: list[list[int]] = []
 
-    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None, **_):
         self.opened_with.append(list(tokens))
         return self.session, 0.0
 
@@ -365,7 +392,7 @@ class FreezableDraft:
     def thaw(self) -> None:
         self.thawed.set()
 
-    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None):
+    async def open(self, tokens, *, request_id, target, sampling, deadline_s=None, **_):
         self.open_times.append(time.monotonic())
         try:
             await asyncio.wait_for(self.thawed.wait(), deadline_s)
@@ -381,7 +408,7 @@ class FreezableSession(RecordingSession):
         super().__init__()
         self.draft = draft
 
-    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0):
+    async def propose(self, committed_len, new_tokens, k, assumed=None, round_id=0, *_):
         await self.draft.thawed.wait()
         return await super().propose(committed_len, new_tokens, k, assumed, round_id)
 

@@ -68,8 +68,8 @@ def test_rows_at_long_contexts_are_grouped_by_their_length_and_still_equal_trans
     sequences = [torch.randint(0, 97, (n,)).tolist() for n in (6, 40, 90, 200)]
     runner = paged(llama, blocks=400, block_size=1)  # contexts of 6, 40 | 90 | 200 blocks
     seen = []
-    forward = runner.forward.forward
-    runner.forward.forward = lambda batch, cache: (
+    forward = runner.forward.forward_with
+    runner.forward.forward_with = lambda batch, cache: (
         seen.append(len(batch.groups)) or forward(batch, cache)
     )
     with torch.inference_mode():
@@ -96,8 +96,8 @@ def test_a_row_reads_its_cache_in_place_when_its_blocks_follow_each_other(name):
     sequences = [torch.randint(0, 97, (n,)).tolist() for n in (30, 30, 30)]
     runner = paged(model, blocks=64, block_size=4)
     spans = []
-    forward = runner.forward.forward
-    runner.forward.forward = lambda batch, cache: (
+    forward = runner.forward.forward_with
+    runner.forward.forward_with = lambda batch, cache: (
         spans.append([g.span is not None for g in batch.groups]) or forward(batch, cache)
     )
     with torch.inference_mode():
@@ -468,13 +468,13 @@ async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was
     target = TargetSessions(runner, SessionStore(max_sessions=2, pool=runner.pool), info)
     engine = InlineEngine(runner)
     sampling = SamplingParams(temperature=1.0, seed=3, verification=Verification.REJECTION)
-    committed, _ = await engine.run(target.open, "s", [5, 6, 7], sampling)
+    committed, *_ = await engine.run(target.open, "s", [5, 6, 7], sampling)
     q_elsewhere = torch.zeros(97, dtype=torch.float64)
     q_elsewhere[1] = 1.0  # q gives the draft token 2 no mass: the round is refused
     with pytest.raises(InvalidArgument):
         await engine.run(target.verify, "s", committed, [2], [compact(q_elsewhere)])
     assert len(target.store.get("s").kv) == committed - 1
-    verdict, _ = await engine.run(
+    verdict, *_ = await engine.run(
         target.verify, "s", committed, [2], []
     )  # the same round, well formed
     assert verdict.next_token is not None
