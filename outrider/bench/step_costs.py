@@ -198,8 +198,8 @@ def head_runner(model: torch.nn.Module, options: StepsOptions, blocks: int) -> P
     else:
         vocab = min(options.head_vocab, config.vocab_size)
         head = EagleHead(HeadConfig.for_target(config, draft_vocab_size=vocab))
-    embeddings: Any = model.get_input_embeddings()
-    embed: torch.Tensor = embeddings.weight
+    transformers_model: Any = model  # (a PreTrainedModel)
+    embed: torch.Tensor = transformers_model.get_input_embeddings().weight
     forward = EagleForward(head, embed, dtype=embed.dtype, device=embed.device)
     runner = PagedRunner(forward, BlockPool(blocks, 16))
     runner.warm_up(max_rows=1, max_tokens_per_row=1)
