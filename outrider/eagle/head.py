@@ -164,11 +164,14 @@ class HeadConfig:
         for the target's depth, which ``target_num_layers`` gives when the
         config does not."""
         layer = raw.get("transformer_layer_config", raw)
+        speculators = "transformer_layer_config" in raw
         eagle = raw.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state") is False:
             raise ValueError("this is an EAGLE-1/2 head (no aux hidden states); EAGLE-3 is needed")
         depth = eagle.get("target_num_hidden_layers") or target_num_layers
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids") or raw.get("aux_hidden_state_layer_ids")
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids") or raw.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
         if not aux:
             if not depth:
                 raise ValueError(
@@ -194,9 +197,9 @@ class HeadConfig:
             aux_layers=tuple(aux),
             max_position_embeddings=layer.get("max_position_embeddings", 2048),
             rope=_rope_fields(layer),
-            norm_before_residual=bool(
-                raw.get("norm_before_residual", layer.get("norm_before_residual", False))
-            ),
+            # (speculators' heads put the norm before the residual unless they say not, as
+            # vLLM reads them)
+            norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
             target_num_layers=depth,
         )
 
@@ -363,8 +366,7 @@ def load_head(
         state = {k.replace(old, new, 1) if k.startswith(old) else k: v for k, v in state.items()}
     state = {k.removeprefix("model."): v for k, v in state.items()}
     head = EagleHead(config)
-    if (embed := state.pop("embed_tokens.weight", None)) is not None:
-        head.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+    embed = state.pop("embed_tokens.weight", None)
     if "t2d" not in state:  # vLLM does not read it; derive it from d2t
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(config.draft_vocab_size) + state["d2t"]] = True
@@ -384,6 +386,8 @@ def load_head(
                 if part
             )
         )
+    if embed is not None:
+        head.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
     return head.to(dtype).eval().requires_grad_(False)
 
 

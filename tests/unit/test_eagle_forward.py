@@ -138,6 +138,35 @@ def test_the_published_layout_loads_and_runs(tmp_path):
     assert set(out.argmax) <= set(draft_ids.tolist())
 
 
+def test_the_speculators_layout_loads(tmp_path):
+    """vllm-project/speculators' EAGLE-3 format: the layer in transformer_layer_config, the
+    aux layers at the top, weights under layers.0., the head's own embeddings, and the norm
+    before the residual unless it says otherwise (as vLLM reads it)."""
+    layer = {
+        "hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "model_type": "llama",
+    }  # fmt: skip
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer, "draft_vocab_size": 32,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = EagleHead(HeadConfig.from_json(config))
+    state = {
+        k.replace("midlayer.", "layers.0.", 1): v
+        for k, v in reference.state_dict().items()
+        if not k.startswith("rotary.")
+    }
+    state["embed_tokens.weight"] = torch.randn(97, 48)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    head = load_head(tmp_path)
+    assert head.config.aux_layers == (1, 3, 4) and head.config.norm_before_residual
+    assert head.embed_tokens is not None
+    torch.testing.assert_close(head.embed_tokens.weight, state["embed_tokens.weight"])
+
+
 def test_a_head_for_another_target_is_refused():
     config = HeadConfig.for_target(TARGET, draft_vocab_size=40)
     other = LlamaConfig(**{**TARGET.to_dict(), "hidden_size": 64})
