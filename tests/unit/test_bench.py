@@ -98,6 +98,9 @@ def test_k_list_and_drafters_parse():
         "int4", ("--drafter", "int4"), "int4"
     )
     assert parse_drafter("early-exit-8", target_model=None).hf_peer is None
+    assert parse_drafter("eagle", target_model="/m") == Drafter(
+        "eagle", ("--drafter", "eagle", "--model", "/m"), None
+    )  # a head reads the target's embeddings; transformers has no peer
     with pytest.raises(ValueError, match="unknown drafter"):
         parse_drafter("medusa", target_model=None)
 
