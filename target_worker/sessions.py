@@ -77,7 +77,8 @@ class TargetSessions:
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers a session's hidden states come from, checked."""
-        num_layers = getattr(self.runner.forward, "num_layers", 0) if layers else 0
+        forward = getattr(self.runner, "forward", None)  # (the fallback runner has none)
+        num_layers = getattr(forward, "num_layers", 0) if layers else 0
         if layers and not num_layers:
             raise FailedPrecondition(
                 "this target's runner cannot send hidden states (a model outside the Llama "
