@@ -6,6 +6,7 @@ outrider serve ROLE  run one service (coordinator, draft or target)
 outrider generate    send a prompt to a coordinator
 outrider models      fetch the embedded default model, print its path
 outrider bench       Outrider vs Hugging Face generate and assisted generation, in one run
+outrider draft train train an EAGLE-3 draft head for a target
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from outrider.config import (
     TargetWorkerConfig,
     UpConfig,
 )
+from outrider.eagle.cli import add_draft_parser
 
 if TYPE_CHECKING:
     from outrider.client import Chunk, ModelInfo
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(commands, "generate")
     add_bench_parser(commands)
     _add_models_parser(commands)
+    add_draft_parser(commands)
     return parser
 
 
@@ -422,6 +425,12 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _draft(args: argparse.Namespace) -> int:
+    from outrider.eagle.cli import main
+
+    return main(args)
+
+
 def _configured(args: argparse.Namespace) -> int:
     """Runs a command from its config, built once from its flags (a bad one
     is a one-line usage error)."""
@@ -443,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": _configured,
         "models": _models,
         "bench": _bench,
+        "draft": _draft,
     }
     return handlers[args.command](args)
 
