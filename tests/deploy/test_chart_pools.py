@@ -302,3 +302,15 @@ def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, in
     ):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
         env = env_of(pod_spec(component(int4_objects, "Deployment", name))["containers"][0])
         assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"
+
+
+def test_an_eagle_pool_loads_the_targets_checkpoint_and_its_head(render):
+    """A head reads the target's embeddings: its pool loads the target's model
+    unless draft.model names one, and draft.head reaches the worker."""
+    sets = ("draft.drafter=eagle", "target.model=/models/llama")
+    draft = env_of(pod_spec(component(render(sets=sets), "Deployment", "draft"))["containers"][0])
+    assert (draft["OUTRIDER_DRAFTER"], draft["OUTRIDER_MODEL"]) == ("eagle", "/models/llama")
+    assert "OUTRIDER_HEAD" not in draft  # the head shipped for the target
+    objects = render(sets=(*sets, "draft.model=/models/other", "draft.head=/heads/llama"))
+    draft = env_of(pod_spec(component(objects, "Deployment", "draft"))["containers"][0])
+    assert (draft["OUTRIDER_MODEL"], draft["OUTRIDER_HEAD"]) == ("/models/other", "/heads/llama")
