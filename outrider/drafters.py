@@ -25,9 +25,10 @@ session's cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from outrider.engine import Feed, Job
+from outrider.engine import Feed, Job, Logits
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import HiddenStates
 from outrider.sampling import Stream, compact, draw
@@ -35,6 +36,7 @@ from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
 
 if TYPE_CHECKING:
+    from outrider.engine.kv_cache import KVCache
     from outrider.engine.runner import FallbackRunner, PagedRunner
 
 
@@ -109,25 +111,49 @@ class ModelDrafter:
     def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         # Sync: feed the tokens of the history the cache lacks (at least the
         # last one: the draft has not seen it yet).
-        kv, sampling = session.kv, session.sampling
+        kv = session.kv
         out = yield Feed(kv, history[len(kv) :])
-        position = len(history)
-        tokens: list[int] = []
-        probs: list[CompactProbs] = []
+        assert out is not None  # the sync asks for one row of logits
         # Draft: one token per step, each step batched with the other
         # sessions drafting; the last draft is never fed.
-        while True:
-            assert out is not None  # each feed asks for one row of logits
-            if sampling.is_greedy:
-                token, q = out.argmax[-1], None
-            else:
-                token, q = draw(out.values[-1], sampling, position + len(tokens), Stream.DRAFT)
-            tokens.append(token)
-            if q is not None:
-                probs.append(compact(q))
-            if len(tokens) == k:
-                return Proposal(tokens, probs, follows_len=len(history))
-            out = yield Feed(kv, [token])
+        return (yield from draw_drafts(out, session, len(history), k, _feed_of(kv)))
+
+
+def _feed_of(kv: KVCache) -> Callable[[int, Logits], Feed]:
+    """How a model drafter feeds a drawn token: alone."""
+    return lambda token, out: Feed(kv, [token])
+
+
+def draw_drafts(
+    out: Logits,
+    session: Session,
+    position: int,
+    k: int,
+    feed: Callable[[int, Logits], Feed],
+    on_output: Callable[[int, Logits], None] = lambda token, out: None,
+) -> Job[Proposal]:
+    """Draws ``k`` drafts after the ``position`` tokens of the history, the
+    first from ``out``, each next from the logits of ``feed(token, out)``
+    (the drawn token appended; the last draft is never fed), as the
+    session's sampling says: the argmax, a draw from q (returning q), or the
+    position's Gumbel draw. ``on_output`` is told of each fed token's output."""
+    sampling = session.sampling
+    tokens: list[int] = []
+    probs: list[CompactProbs] = []
+    while True:
+        if sampling.is_greedy:
+            token, q = out.argmax[-1], None
+        else:
+            token, q = draw(out.values[-1], sampling, position + len(tokens), Stream.DRAFT)
+        tokens.append(token)
+        if q is not None:
+            probs.append(compact(q))
+        if len(tokens) == k:
+            return Proposal(tokens, probs, follows_len=position)
+        fed = yield feed(token, out)
+        assert fed is not None  # a draft step asks for one row of logits
+        on_output(token, fed)
+        out = fed
 
 
 class Int4Drafter(ModelDrafter):

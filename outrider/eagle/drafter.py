@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from outrider.drafters import draw_drafts
 from outrider.eagle.features import unpack
 from outrider.eagle.forward import EagleForward
 from outrider.engine import Feed, Job, Logits
 from outrider.engine.runner import PagedRunner
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import HiddenStates
-from outrider.sampling import Stream, compact, draw
 from outrider.session import Session
-from outrider.speculation import CompactProbs, Proposal
+from outrider.speculation import Proposal
 
 
 @dataclass
@@ -140,24 +140,15 @@ class EagleDrafter:
             state.chain.append(token)
         if state.out is None or len(kv) + 1 != len(history):
             return Proposal([], follows_len=len(history))  # no committed pair yet
-        out = state.out
-        sampling, position = session.sampling, len(history)
-        tokens: list[int] = []
-        probs: list[CompactProbs] = []
-        while True:
-            if sampling.is_greedy:
-                token, q = out.argmax[-1], None
-            else:
-                token, q = draw(out.values[-1], sampling, position + len(tokens), Stream.DRAFT)
-            tokens.append(token)
-            if q is not None:
-                probs.append(compact(q))
-            if len(tokens) == k:
-                return Proposal(tokens, probs, follows_len=len(history))
-            fed = yield Feed(kv, [token], hidden=_last(out))
-            assert fed is not None  # a feed that wants logits gets them
-            out = state.out = fed
+
+        def fed(token: int, out: Logits) -> None:
+            state.out = out
             state.chain.append(token)
+
+        def feed(token: int, out: Logits) -> Feed:
+            return Feed(kv, [token], hidden=_last(out))
+
+        return (yield from draw_drafts(state.out, session, len(history), k, feed, fed))
 
 
 def _last(out: Logits) -> torch.Tensor:
