@@ -28,7 +28,15 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "verification",
+    "logprobs",
+)
 """The fields whose checks SamplingParams makes (its messages start with the name)."""
 
 
@@ -90,6 +98,9 @@ class RequestParams:
     min_p: float = 0.0
     seed: int | None = None
     """None: a fresh seed, reported in the statistics for replay."""
+    logprobs: int | None = None
+    """Report the target's log-probabilities of the generated tokens, with
+    this many most likely tokens each; None: none."""
     verification: Verification | None = None
     """None: rejection when sampling (:meth:`Verification.of_request`)."""
     num_speculative_tokens: int | None = None
@@ -234,6 +245,7 @@ class RequestBuilder:
                 # Unseeded requests get a fresh seed, reported in the stats for replay.
                 seed=params.seed if params.seed is not None else secrets.randbits(63),
                 verification=Verification.of_request(params.verification, params.temperature),
+                logprobs=params.logprobs,
             )
         except ValueError as exc:
             message = str(exc)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.adaptive.session import AdaptiveK, adaptive_k_max
@@ -35,7 +35,7 @@ from outrider.config import Recovery
 from outrider.detokenize import TextStream
 from outrider.load import EngineLoad
 from outrider.logging import get_logger
-from outrider.speculation import Proposal, Verdict
+from outrider.speculation import Proposal, TokenLogprobs, Verdict
 
 log = get_logger(__name__)
 
@@ -48,6 +48,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """When the request asked for them: one per token id, in their order."""
 
 
 async def generate(
@@ -180,7 +182,7 @@ class Generation:
         record.verify_s = self.prefill_s = reply.compute_s
         self.placed(reply.load)
         self.costs.observe_prefill(len(self.history), reply.compute_s)
-        verdict = Verdict(num_accepted=0, next_token=reply.value)
+        verdict = reply.value
         delta = self.commit(None, verdict)
         record.ended()
         log.debug(
@@ -304,9 +306,10 @@ class Generation:
         drafts = proposal.tokens if proposal else []
         delta = Delta("", [])
         text = []
-        for token in [*drafts[: verdict.num_accepted], verdict.next_token]:
+        for i, token in enumerate([*drafts[: verdict.num_accepted], verdict.next_token]):
             self.history.append(token)
             delta.token_ids.append(token)
+            delta.logprobs.extend(verdict.logprobs[i : i + 1])
             text.append(self.text.add(token))
             if token in self.stop_ids or self.text.stopped is not None:
                 delta.finish_reason = "stop"

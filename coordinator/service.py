@@ -4,7 +4,7 @@ run the round loop, translate its deltas back."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.lookup import PromptLookup
@@ -22,6 +22,7 @@ from coordinator.stats import Stats
 from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
 from outrider.sampling_params import Verification
+from outrider.speculation import TokenLogprobs
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
 from outrider.wire import VERIFICATION_TO_PB, requested_verification
@@ -76,16 +77,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             yield delta_to_pb(delta)
 
     async def Complete(self, request: pb.GenerateRequest, context) -> pb.CompleteResponse:
-        text, token_ids = [], []
+        text, token_ids, logprobs = [], [], []
         async for delta in self.deltas_from_pb(request):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
         assert delta.finish_reason is not None and delta.stats is not None  # the last delta's
         return pb.CompleteResponse(
             text="".join(text),
             token_ids=token_ids,
             finish_reason=FINISH_REASONS[delta.finish_reason],
             stats=stats_to_pb(delta.stats),
+            logprobs=logprobs_to_pb(logprobs),
         )
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
@@ -129,6 +132,7 @@ def params_from_pb(request: pb.GenerateRequest) -> RequestParams:
         top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
         min_p=sampling.min_p,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         verification=requested_verification(speculation.verification),
         num_speculative_tokens=speculation.num_speculative_tokens
         if speculation.HasField("num_speculative_tokens")
@@ -173,8 +177,21 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
     )
 
 
+def logprobs_to_pb(logprobs: Sequence[TokenLogprobs]) -> list[pb.TokenLogprobs]:
+    return [
+        pb.TokenLogprobs(
+            logprob=t.logprob,
+            top_token_ids=[token for token, _ in t.top],
+            top_logprobs=[logprob for _, logprob in t.top],
+        )
+        for t in logprobs
+    ]
+
+
 def delta_to_pb(delta: Delta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
+    response = pb.GenerateResponse(
+        text=delta.text, token_ids=delta.token_ids, logprobs=logprobs_to_pb(delta.logprobs)
+    )
     if delta.finish_reason is not None:
         assert delta.stats is not None  # the last delta carries both
         response.finish_reason = FINISH_REASONS[delta.finish_reason]

@@ -17,6 +17,7 @@ from outrider.client import (
     Generation,
     GenerationStats,
     ModelInfo,
+    TokenLogprobs,
 )
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "ModelInfo",
+    "TokenLogprobs",
 ]
 __version__ = "0.1.0"

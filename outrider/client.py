@@ -43,6 +43,7 @@ from typing import Any, TypedDict, Unpack
 import grpc
 import grpc.aio
 
+from outrider.speculation import TokenLogprobs
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
 
@@ -55,6 +56,7 @@ __all__ = [
     "GenerateOptions",
     "GenerationStats",
     "ModelInfo",
+    "TokenLogprobs",
 ]
 
 
@@ -145,15 +147,21 @@ class Generation:
     finish_reason: str
     """``"stop"`` (end of sequence, stop token id or stop string) or ``"length"``."""
     stats: GenerationStats
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """When asked for (``logprobs``): the target's, one per token id."""
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"text", "token_ids", "finish_reason", "stats"}``, JSON-serialisable."""
-        return {
+        """``{"text", "token_ids", "finish_reason", "stats"}`` (and
+        ``"logprobs"`` when asked for), JSON-serialisable."""
+        body = {
             "text": self.text,
             "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs:
+            body["logprobs"] = [dataclasses.asdict(t) for t in self.logprobs]
+        return body
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,8 @@ class Chunk:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """When asked for (``logprobs``): the target's, one per token id."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +254,10 @@ class GenerateOptions(TypedDict, total=False):
     """Nucleus sampling mass in ``(0, 1]`` (``None``: off)."""
     min_p: float
     """Drop tokens below ``min_p`` times the top probability."""
+    logprobs: int | None
+    """Return the target's log-probability of each generated token, with
+    this many (0 to 20) most likely tokens at its position (``None``: none):
+    the log-softmax of its raw logits, as vLLM reports them."""
     seed: int | None
     """Seed of the request's draws (``None``: a fresh one, reported as
     ``stats.seed``); a seeded request reproduces."""
@@ -288,6 +302,7 @@ def _build_request(
     top_p: float | None = None,
     min_p: float = 0.0,
     seed: int | None = None,
+    logprobs: int | None = None,
     verification: str | None = None,
     request_id: str | None = None,
     timeout: float | None = None,
@@ -313,6 +328,7 @@ def _build_request(
             top_p=top_p,
             min_p=min_p,
             seed=seed,
+            logprobs=logprobs,
         ),
         request_id=request_id or "",
     )
@@ -341,6 +357,7 @@ def _sampling_to_pb(
     top_p: float | None,
     min_p: float,
     seed: int | None,
+    logprobs: int | None,
 ) -> pb.SamplingParams:
     if isinstance(stop, str):  # a lone string is one stop string, not one per character
         stop = [stop]
@@ -358,6 +375,8 @@ def _sampling_to_pb(
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     return sampling
 
 
@@ -420,6 +439,14 @@ def _generation_from_pb(response: pb.CompleteResponse) -> Generation:
         token_ids=tuple(response.token_ids),
         finish_reason=_FINISH_REASONS.get(response.finish_reason, "unspecified"),
         stats=_stats_from_pb(response.stats),
+        logprobs=_logprobs_from_pb(response.logprobs),
+    )
+
+
+def _logprobs_from_pb(logprobs: Sequence[pb.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
+    return tuple(
+        TokenLogprobs(t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs, strict=True)))
+        for t in logprobs
     )
 
 
@@ -429,6 +456,7 @@ def _chunk_from_pb(response: pb.GenerateResponse) -> Chunk:
         token_ids=tuple(response.token_ids),
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         stats=_stats_from_pb(response.stats) if response.HasField("stats") else None,
+        logprobs=_logprobs_from_pb(response.logprobs),
     )
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from outrider.sampling_params import UINT64_MAX, SamplingParams, Verification
-from outrider.speculation import CompactProbs
+from outrider.speculation import CompactProbs, TokenLogprobs
 
 __all__ = [
     "CompactProbs",
@@ -57,6 +57,7 @@ __all__ = [
     "probabilities",
     "quantize",
     "sample",
+    "token_logprobs",
     "uniform",
 ]
 
@@ -127,6 +128,25 @@ class Stream(enum.IntEnum):
     """The target's draws: recovered and bonus tokens, target-only decoding."""
     GUMBEL = 4
     """The Gumbel noise both sides share in gumbel verification."""
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], num_top: int
+) -> tuple[TokenLogprobs, ...]:
+    """The log-probabilities of ``tokens``, row ``t`` of ``logits`` ``[T, V]``
+    giving token ``t``'s position, with the ``num_top`` most likely tokens of
+    each row: the log-softmax of the raw logits, in float32 (vLLM's
+    ``raw_logprobs``), so they do not depend on how the request samples."""
+    rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
+    if num_top == 0:
+        return tuple(TokenLogprobs(lp) for lp in chosen)
+    top = rows.topk(num_top, dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return tuple(
+        TokenLogprobs(lp, tuple(zip(i, v, strict=True)))
+        for lp, i, v in zip(chosen, ids, values, strict=True)
+    )
 
 
 def _words(seed: int, stream: Stream, position: int, count: int) -> np.ndarray:

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 UINT64_MAX = 2**64 - 1
+MAX_LOGPROBS = 20
+"""The most alternatives a request's ``logprobs`` may ask for (OpenAI's limit)."""
 
 
 def _is_number(x: object) -> bool:
@@ -52,6 +54,9 @@ class SamplingParams:
     seed: int = 0
     """The request's seed, a 64-bit unsigned integer."""
     verification: Verification = Verification.GREEDY
+    logprobs: int | None = None
+    """Report the target's log-probability of each generated token and of
+    this many most likely tokens at its position; None: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.verification, Verification):
@@ -79,6 +84,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
         if not (_is_integer(self.seed) and 0 <= self.seed <= UINT64_MAX):
             raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if self.logprobs is not None and not (
+            _is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

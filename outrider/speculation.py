@@ -64,6 +64,18 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one committed token's position: the
+    log-softmax of its raw logits there (before temperature and the filters,
+    as vLLM reports them by default)."""
+
+    logprob: float
+    """Of the committed token."""
+    top: tuple[tuple[int, float], ...] = ()
+    """The most likely tokens and theirs, most likely first."""
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The outcome of verifying one round's draft tokens."""
 
@@ -71,6 +83,9 @@ class Verdict:
     """How many leading draft tokens were accepted (0 .. K)."""
     next_token: int
     """The recovered token when ``num_accepted < K``, else the bonus token."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """When the session asked for them: those of the committed tokens, the
+    accepted drafts' then the next token's."""
 
     @property
     def num_committed(self) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
 from outrider.sampling_params import SamplingParams, Verification
-from outrider.speculation import CompactProbs, Proposal, Verdict
+from outrider.speculation import CompactProbs, Proposal, TokenLogprobs, Verdict
 from outrider.v1 import coordinator_pb2, worker_pb2
 
 VERIFICATION_TO_PB = {
@@ -40,6 +42,7 @@ def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:
         min_p=params.min_p,
         seed=params.seed,
         verification=VERIFICATION_TO_PB[params.verification],
+        logprobs=params.logprobs,
     )
 
 
@@ -54,6 +57,7 @@ def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
             verification=verification_from_pb(
                 message.verification, temperature=message.temperature
             ),
+            logprobs=message.logprobs if message.HasField("logprobs") else None,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
@@ -116,11 +120,42 @@ def verdict_to_pb(
         queued_s=queued_s,
         num_verified=num_verified,
         load=load_to_pb(load),
+        logprobs=logprobs_to_pb(verdict.logprobs),
     )
 
 
 def verdict_from_pb(message: worker_pb2.Verdict) -> Verdict:
-    return Verdict(num_accepted=message.num_accepted, next_token=message.next_token_id)
+    return Verdict(
+        num_accepted=message.num_accepted,
+        next_token=message.next_token_id,
+        logprobs=logprobs_from_pb(message.logprobs),
+    )
+
+
+def logprobs_to_pb(logprobs: Sequence[TokenLogprobs]) -> worker_pb2.Logprobs | None:
+    if not logprobs:
+        return None
+    num_top = len(logprobs[0].top)
+    return worker_pb2.Logprobs(
+        token_logprobs=[t.logprob for t in logprobs],
+        num_top=num_top,
+        top_token_ids=[token for t in logprobs for token, _ in t.top],
+        top_logprobs=[logprob for t in logprobs for _, logprob in t.top],
+    )
+
+
+def logprobs_from_pb(message: worker_pb2.Logprobs) -> tuple[TokenLogprobs, ...]:
+    n = message.num_top
+    top = list(zip(message.top_token_ids, message.top_logprobs, strict=True))
+    if len(top) != n * len(message.token_logprobs):
+        raise ValueError(
+            f"logprobs list {len(top)} top entries for {len(message.token_logprobs)} tokens "
+            f"of {n} each"
+        )
+    return tuple(
+        TokenLogprobs(logprob, tuple(top[i * n : (i + 1) * n]))
+        for i, logprob in enumerate(message.token_logprobs)
+    )
 
 
 def load_to_pb(load: EngineLoad | None) -> worker_pb2.EngineLoad | None:

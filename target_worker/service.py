@@ -8,6 +8,7 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
     hidden_states_to_pb,
     load_to_pb,
+    logprobs_to_pb,
     probs_from_pb,
     sampling_from_pb,
     verdict_to_pb,
@@ -19,7 +20,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        (committed_len, first_token, features), timing = await self.engine.timed(
+        (committed_len, first, features), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
@@ -32,8 +33,9 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
                 committed_len=committed_len,
                 compute_s=timing.compute_s,
                 load=load_to_pb(self.engine.load),
-                first_token_id=first_token,
+                first_token_id=None if first is None else first.next_token,
                 hidden_states=hidden_states_to_pb(features),
+                logprobs=None if first is None else logprobs_to_pb(first.logprobs),
             )
         )
 

@@ -7,7 +7,7 @@ engine batches it with every other session's."""
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from outrider.eagle.features import pack
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.hidden_states import NONE, HiddenStates, concat
-from outrider.sampling import expand
+from outrider.sampling import expand, token_logprobs
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import CompactProbs, Verdict
@@ -48,12 +48,12 @@ class TargetSessions:
         sampling: SamplingParams = SamplingParams(),
         first_token: bool = False,
         feature_layers: Sequence[int] = (),
-    ) -> Job[tuple[int, int | None, HiddenStates]]:
+    ) -> Job[tuple[int, Verdict | None, HiddenStates]]:
         """Opens a session on the committed history ``tokens`` and prefills
         everything but its last token. With ``first_token``, it then runs the
         stream's first round with no drafts: the token after the history is
         drawn and committed (the recovered token of an empty proposal).
-        Returns the committed length, that token (or None), and the hidden
+        Returns the committed length, that round's verdict (or None), and the hidden
         states entering ``feature_layers`` at every position now committed
         but the last (none when no layers are named)."""
         if not tokens:
@@ -73,7 +73,7 @@ class TargetSessions:
         if not first_token:
             return session.committed_len, None, prefilled
         verdict, _, more = yield from self._round(session, [], None)
-        return session.committed_len, verdict.next_token, concat([prefilled, more])
+        return session.committed_len, verdict, concat([prefilled, more])
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers a session's hidden states come from, checked."""
@@ -152,6 +152,9 @@ class TargetSessions:
         # 3. Commit the accepted drafts and the recovered/bonus token; keep in
         #    the cache everything committed but that last token.
         committed = len(tokens) - k + verdict.num_accepted  # fed history, accepted drafts
+        if (num_top := session.sampling.logprobs) is not None:
+            new = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
+            verdict = replace(verdict, logprobs=token_logprobs(out.values, new, num_top))
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
         kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)

@@ -21,13 +21,14 @@ from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import Proposal
+from outrider.speculation import Proposal, Verdict
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
     hidden_states_from_pb,
     hidden_states_to_pb,
     load_from_pb,
+    logprobs_from_pb,
     proposal_from_pb,
     sampling_to_pb,
     verdict_from_pb,
@@ -298,9 +299,13 @@ class GrpcWorkerClient:
             raise
         replica.opened()
         opened = response.opened
-        token = opened.first_token_id if opened.HasField("first_token_id") else None
+        first = (
+            Verdict(0, opened.first_token_id, logprobs_from_pb(opened.logprobs))
+            if opened.HasField("first_token_id")
+            else None
+        )
         features = hidden_states_from_pb(opened.hidden_states)
-        return session, Reply(token, opened.compute_s, _load(opened), hidden_states=features)
+        return session, Reply(first, opened.compute_s, _load(opened), hidden_states=features)
 
 
 class GrpcDraftClient(GrpcWorkerClient):

@@ -142,9 +142,10 @@ class TargetClient(Protocol):
         deadline_s: float | None = None,
         first_token: bool = False,
         hidden_state_layers: Sequence[int] = (),
-    ) -> tuple[TargetSession, Reply[int | None]]:
+    ) -> tuple[TargetSession, Reply[Verdict | None]]:
         """A session on the history ``tokens`` (prefilled); with
-        ``first_token``, the token that follows it, drawn and committed.
+        ``first_token``, the verdict of a round with no drafts: the token
+        that follows it, drawn and committed.
         Naming ``hidden_state_layers``, its answers carry the hidden states
         entering those layers (:attr:`Reply.hidden_states`)."""
         ...

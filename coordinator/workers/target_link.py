@@ -18,7 +18,7 @@ from coordinator.workers.protocol import Judged, Reply, TargetClient, TargetSess
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams
-from outrider.speculation import Proposal
+from outrider.speculation import Proposal, Verdict
 
 log = get_logger(__name__)
 
@@ -47,7 +47,9 @@ class TargetLink:
         """The layers whose hidden states its answers carry, for a draft head."""
         self.session: TargetSession | None = None
 
-    async def open(self, history: Sequence[int], *, first_token: bool = False) -> Reply[int | None]:
+    async def open(
+        self, history: Sequence[int], *, first_token: bool = False
+    ) -> Reply[Verdict | None]:
         """Opens a session on the history, on another replica after a
         failure; with ``first_token``, the target also draws the token after
         the history (the stream's first). A reopen's hidden states are those
@@ -58,7 +60,7 @@ class TargetLink:
 
     async def _open(
         self, history: Sequence[int], first_token: bool
-    ) -> tuple[TargetSession, Reply[int | None]]:
+    ) -> tuple[TargetSession, Reply[Verdict | None]]:
         for attempt in range(self.attempts):
             try:
                 return await self.client.open(

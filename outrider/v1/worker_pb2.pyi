@@ -88,20 +88,34 @@ class SessionOpen(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., first_token: _Optional[bool] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
     verification: _coordinator_pb2.Verification
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[_coordinator_pb2.Verification, str]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[_coordinator_pb2.Verification, str]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("token_logprobs", "num_top", "top_token_ids", "top_logprobs")
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_top: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -112,18 +126,20 @@ class DraftProbs(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("committed_len", "compute_s", "load", "first_token_id", "hidden_states")
+    __slots__ = ("committed_len", "compute_s", "load", "first_token_id", "logprobs", "hidden_states")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     compute_s: float
     load: EngineLoad
     first_token_id: int
+    logprobs: Logprobs
     hidden_states: HiddenStates
-    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class DraftRound(_message.Message):
     __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id", "hidden_states")
@@ -204,7 +220,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified", "queued_s", "hidden_states")
+    __slots__ = ("num_accepted", "next_token_id", "compute_s", "load", "num_verified", "queued_s", "hidden_states", "logprobs")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +228,7 @@ class Verdict(_message.Message):
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     compute_s: float
@@ -219,7 +236,8 @@ class Verdict(_message.Message):
     num_verified: int
     queued_s: float
     hidden_states: HiddenStates
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ..., queued_s: _Optional[float] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    logprobs: Logprobs
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., num_verified: _Optional[int] = ..., queued_s: _Optional[float] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("opened", "verdict")

@@ -69,7 +69,7 @@ async def test_the_head_drafts_on_the_targets_hidden_states(tiny_target_dir, tin
     _, first, features = InlineEngine(target_runner).call(
         target.open, "s", prompt, SamplingParams(), True, layers
     )
-    history = [*prompt, first]
+    history = [*prompt, first.next_token]
     assert features.rows == len(prompt)  # every position but the new last token's
     engine = InlineEngine(drafter.runner)
     engine.call(draft.open, "s", history, 0, "", SamplingParams(), features)
