@@ -9,7 +9,7 @@ from coordinator.lookup import PromptLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
 from coordinator.requests import SpeculationDefaults
-from coordinator.served_models import Models, eos_token_ids
+from coordinator.served_models import Models
 from coordinator.service import CoordinatorService
 from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient
 from coordinator.workers.protocol import WorkerInfo
@@ -48,7 +48,12 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         # (with k8s:// addresses: once a discovered endpoint is ready).
         target_info, draft_info = await connect(config, target, workers, lookup)
         service = CoordinatorService(
-            Models(tokenizer, eos_token_ids(tokenizer, generation_config), target_info, draft_info),
+            Models(
+                tokenizer,
+                models.eos_token_ids(tokenizer, generation_config),
+                target_info,
+                draft_info,
+            ),
             target,
             draft,
             defaults,

@@ -13,6 +13,7 @@ naming it as the receiving API does (:class:`FieldNames`).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from coordinator.served_models import Models
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
-from outrider.sampling_params import SamplingParams, Verification
+from outrider.sampling_params import SamplingParams, StructuredOutput, Verification
 from outrider.validation import check_request_id
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -101,6 +102,8 @@ class RequestParams:
     logprobs: int | None = None
     """Report the target's log-probabilities of the generated tokens, with
     this many most likely tokens each; None: none."""
+    structured_output: StructuredOutput | None = None
+    """What the output must follow (its ``start`` is set here); None: anything."""
     verification: Verification | None = None
     """None: rejection when sampling (:meth:`Verification.of_request`)."""
     num_speculative_tokens: int | None = None
@@ -121,6 +124,7 @@ class FieldNames:
     messages: str = "chat.messages"
     token_ids: str = "token_ids.ids"
     max_new_tokens: str = "max_new_tokens"
+    structured_output: str = "sampling.structured_output"
 
 
 class RequestBuilder:
@@ -138,6 +142,11 @@ class RequestBuilder:
         max_new_tokens = self.max_new_tokens(params, len(prompt_ids), names)
         self.check_stops(params)
         k, adaptive, pipeline = self.speculation(params)
+        sampling = self.sampling(params)
+        if (output := params.structured_output) is not None:
+            self.check_structured_output(output, names)
+            output = dataclasses.replace(output, start=len(prompt_ids))
+            sampling = dataclasses.replace(sampling, structured_output=output)
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -146,10 +155,17 @@ class RequestBuilder:
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             adaptive=adaptive,
-            sampling=self.sampling(params),
+            sampling=sampling,
             request_id=request_id,
             pipeline=pipeline,
         )
+
+    def check_structured_output(self, output: StructuredOutput, names: FieldNames) -> None:
+        """Refuses a constraint that does not compile for the target's tokenizer."""
+        try:
+            self.models.grammars.check(output)
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc), param=names.structured_output) from None
 
     @staticmethod
     def request_id(params: RequestParams) -> str:

@@ -3,12 +3,11 @@ tokenizer and end-of-sequence ids, and what each worker said it serves."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from coordinator.workers.protocol import WorkerInfo
 from outrider.detokenize import Decoder
+from outrider.grammar import Grammars
 
 
 @dataclass(frozen=True)
@@ -19,6 +18,15 @@ class Models:
     eos_token_ids: frozenset[int]
     target: WorkerInfo
     draft: WorkerInfo | None = None
+    grammars: Grammars = field(init=False, repr=False, compare=False)
+    """Structured output's constraints, compiled for the target's tokenizer
+    (which reads it at the first request that has one)."""
+
+    def __post_init__(self) -> None:
+        grammars = Grammars.of_tokenizer(
+            self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids)
+        )
+        object.__setattr__(self, "grammars", grammars)
 
     @property
     def draft_competes(self) -> bool:
@@ -43,16 +51,3 @@ class Models:
         return (
             bool(draft and draft.dtype) and not self.draft_competes and not self.hidden_state_layers
         )
-
-
-def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:
-    """End-of-sequence ids: the generation config's, plus the tokenizer's."""
-    ids: set[int] = set()
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, Sequence):
-        ids.update(int(i) for i in eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)

@@ -21,7 +21,8 @@ from coordinator.served_models import Models
 from coordinator.stats import Stats
 from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery
-from outrider.sampling_params import Verification
+from outrider.errors import InvalidArgument
+from outrider.sampling_params import StructuredOutput, Verification
 from outrider.speculation import TokenLogprobs
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
@@ -133,6 +134,9 @@ def params_from_pb(request: pb.GenerateRequest) -> RequestParams:
         min_p=sampling.min_p,
         seed=sampling.seed if sampling.HasField("seed") else None,
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        structured_output=structured_output_from_pb(sampling.structured_output)
+        if sampling.HasField("structured_output")
+        else None,
         verification=requested_verification(speculation.verification),
         num_speculative_tokens=speculation.num_speculative_tokens
         if speculation.HasField("num_speculative_tokens")
@@ -141,6 +145,13 @@ def params_from_pb(request: pb.GenerateRequest) -> RequestParams:
         pipeline=speculation.pipeline if speculation.HasField("pipeline") else None,
         request_id=request.request_id or None,
     )
+
+
+def structured_output_from_pb(message: pb.StructuredOutput) -> StructuredOutput:
+    try:
+        return StructuredOutput(message.kind, message.spec)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), param="sampling.structured_output.kind") from None
 
 
 # --- to_pb -------------------------------------------------------------------

@@ -26,6 +26,7 @@ from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import BLOCK_SIZE, build_runner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
+from outrider.grammar import Grammars
 from outrider.hidden_states import HiddenStates
 from outrider.logging import get_logger
 from outrider.rpc import run_service
@@ -77,8 +78,14 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
         drafter = Int4Drafter(runner, model_name=f"{name}[int4-g{config.int4_group_size}]")
     else:
         drafter = ModelDrafter(runner, model_name=name)
-    return DraftSessions(
-        drafter, SessionStore(max_sessions=limits.max_sessions, pool=runner.pool), info
+    store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
+    return DraftSessions(drafter, store, info, grammars_of(config, drafter.vocab_size))
+
+
+def grammars_of(config: DraftWorkerConfig, vocab_size: int) -> Grammars:
+    """Structured output's, for the checkpoint's tokenizer."""
+    return Grammars.of_checkpoint(
+        config.model, vocab_size, trust_remote_code=config.trust_remote_code
     )
 
 
@@ -119,7 +126,7 @@ def eagle_sessions(config: DraftWorkerConfig) -> DraftSessions:
     )
     drafter = EagleDrafter(runner, model_name=f"{config.model or models.DEFAULT_MODEL}[eagle3]")
     store = SessionStore(max_sessions=config.limits.max_sessions, pool=runner.pool)
-    return DraftSessions(drafter, store, info)
+    return DraftSessions(drafter, store, info, grammars_of(config, drafter.vocab_size))
 
 
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:

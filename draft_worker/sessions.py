@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from outrider.drafters import Drafter
 from outrider.engine import Job
 from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.grammar import Grammars
 from outrider.hidden_states import HiddenStates
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
@@ -33,10 +34,18 @@ class DraftInfo:
 class DraftSessions:
     """Sessions of one drafter; its methods run on the worker's engine."""
 
-    def __init__(self, drafter: Drafter, store: SessionStore, info: DraftInfo) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        store: SessionStore,
+        info: DraftInfo,
+        grammars: Grammars | None = None,
+    ) -> None:
         self.drafter = drafter
         self.store = store
         self.info = info
+        self.grammars = grammars
+        """Structured output's, for the model's tokenizer (None: it has none)."""
 
     @property
     def runner(self):
@@ -79,6 +88,11 @@ class DraftSessions:
         check_context(len(tokens), self.info.max_context, what="the history")
         kv = self.drafter.runner.new_kv()
         session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
+        try:
+            session.follow(self.grammars)
+        except Exception:
+            self.store.close(session_id)
+            raise
         yield from self.drafter.open(session, features)
         return session.committed_len
 

@@ -17,6 +17,7 @@ from outrider.client import (
     Generation,
     GenerationStats,
     ModelInfo,
+    StructuredOutput,
     TokenLogprobs,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "ModelInfo",
+    "StructuredOutput",
     "TokenLogprobs",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ from typing import Any, TypedDict, Unpack
 import grpc
 import grpc.aio
 
+from outrider.sampling_params import StructuredOutput
 from outrider.speculation import TokenLogprobs
 from outrider.v1 import coordinator_pb2 as pb
 from outrider.v1 import coordinator_pb2_grpc
@@ -56,6 +57,7 @@ __all__ = [
     "GenerateOptions",
     "GenerationStats",
     "ModelInfo",
+    "StructuredOutput",
     "TokenLogprobs",
 ]
 
@@ -258,6 +260,10 @@ class GenerateOptions(TypedDict, total=False):
     """Return the target's log-probability of each generated token, with
     this many (0 to 20) most likely tokens at its position (``None``: none):
     the log-softmax of its raw logits, as vLLM reports them."""
+    structured_output: StructuredOutput | None
+    """What the output must follow, e.g. ``StructuredOutput("json_schema",
+    json.dumps(schema))`` (``None``: anything); the output is still what
+    the target alone would produce with it."""
     seed: int | None
     """Seed of the request's draws (``None``: a fresh one, reported as
     ``stats.seed``); a seeded request reproduces."""
@@ -303,6 +309,7 @@ def _build_request(
     min_p: float = 0.0,
     seed: int | None = None,
     logprobs: int | None = None,
+    structured_output: StructuredOutput | None = None,
     verification: str | None = None,
     request_id: str | None = None,
     timeout: float | None = None,
@@ -332,6 +339,9 @@ def _build_request(
         ),
         request_id=request_id or "",
     )
+    if structured_output is not None:
+        request.sampling.structured_output.kind = structured_output.kind
+        request.sampling.structured_output.spec = structured_output.spec
     if verification is not None:
         request.speculation.verification = _verification_to_pb(verification)
     _set_prompt(request, prompt, messages, token_ids)

@@ -25,13 +25,13 @@ session's cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import HiddenStates
-from outrider.sampling import Stream, compact, draw
+from outrider.sampling import Stream, compact, constrain, draw
 from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
 
@@ -116,7 +116,7 @@ class ModelDrafter:
         assert out is not None  # the sync asks for one row of logits
         # Draft: one token per step, each step batched with the other
         # sessions drafting; the last draft is never fed.
-        return (yield from draw_drafts(out, session, len(history), k, _feed_of(kv)))
+        return (yield from draw_drafts(out, session, history, k, _feed_of(kv)))
 
 
 def _feed_of(kv: KVCache) -> Callable[[int, Logits], Feed]:
@@ -127,24 +127,35 @@ def _feed_of(kv: KVCache) -> Callable[[int, Logits], Feed]:
 def draw_drafts(
     out: Logits,
     session: Session,
-    position: int,
+    history: Sequence[int],
     k: int,
     feed: Callable[[int, Logits], Feed],
     on_output: Callable[[int, Logits], None] = lambda token, out: None,
 ) -> Job[Proposal]:
-    """Draws ``k`` drafts after the ``position`` tokens of the history, the
-    first from ``out``, each next from the logits of ``feed(token, out)``
-    (the drawn token appended; the last draft is never fed), as the
-    session's sampling says: the argmax, a draw from q (returning q), or the
-    position's Gumbel draw. ``on_output`` is told of each fed token's output."""
-    sampling = session.sampling
+    """Draws ``k`` drafts after ``history``, the first from ``out``, each
+    next from the logits of ``feed(token, out)`` (the drawn token appended;
+    the last draft is never fed), as the session's sampling says: the
+    argmax, a draw from q (returning q), or the position's Gumbel draw —
+    among the tokens its structured output allows, if it has one (so q
+    gives no mass to a token the target's mask forbids). ``on_output`` is
+    told of each fed token's output."""
+    sampling, grammar, position = session.sampling, session.grammar, len(history)
+    if grammar is not None:
+        assert sampling.structured_output is not None  # (a session with a grammar has one)
+        grammar.sync(history[sampling.structured_output.start :])
     tokens: list[int] = []
     probs: list[CompactProbs] = []
     while True:
+        logits = out.values[-1:]
+        if grammar is not None:
+            logits = constrain(logits, grammar.mask()[None])
         if sampling.is_greedy:
-            token, q = out.argmax[-1], None
+            token = out.argmax[-1] if grammar is None else int(logits[0].argmax())
+            q = None
         else:
-            token, q = draw(out.values[-1], sampling, position + len(tokens), Stream.DRAFT)
+            token, q = draw(logits[0], sampling, position + len(tokens), Stream.DRAFT)
+        if grammar is not None:
+            grammar.extend([token])
         tokens.append(token)
         if q is not None:
             probs.append(compact(q))

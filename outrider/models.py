@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -294,6 +294,19 @@ def _check_loaded(
         raise RuntimeError(
             f"GGUF weights do not fit the model: missing {untied}, unexpected {unexpected}"
         )
+
+
+def eos_token_ids(tokenizer, generation_config: Mapping[str, Any]) -> frozenset[int]:
+    """End-of-sequence ids: the generation config's, plus the tokenizer's."""
+    ids: set[int] = set()
+    eos = generation_config.get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, Sequence):
+        ids.update(int(i) for i in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
 
 
 def _eos_token_ids(config: Any, tokenizer: Any) -> list[int]:

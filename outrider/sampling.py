@@ -50,6 +50,7 @@ __all__ = [
     "Stream",
     "Verification",
     "compact",
+    "constrain",
     "draw",
     "expand",
     "gumbel_draw",
@@ -128,6 +129,15 @@ class Stream(enum.IntEnum):
     """The target's draws: recovered and bonus tokens, target-only decoding."""
     GUMBEL = 4
     """The Gumbel noise both sides share in gumbel verification."""
+
+
+def constrain(logits: torch.Tensor, bitmasks: np.ndarray) -> torch.Tensor:
+    """``logits`` ``[T, V]`` with the tokens each row's bitmask
+    (``outrider.grammar``: ``[T, ceil(V / 32)]`` int32) forbids set to
+    -inf: what sampling, verification and log-probabilities then read."""
+    bits = np.unpackbits(bitmasks.view(np.uint8), axis=-1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, : logits.shape[-1]].view(np.bool_))
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def token_logprobs(

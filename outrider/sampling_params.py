@@ -38,6 +38,34 @@ class Verification(enum.StrEnum):
         return requested or Verification.REJECTION
 
 
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate (docs/design.md#structured-output).
+
+    ``kind`` says what ``spec`` holds: ``"json_schema"`` a JSON schema (as
+    JSON text), ``"json_object"`` nothing (any JSON object), ``"regex"`` a
+    regular expression, ``"choice"`` a JSON list of the strings allowed,
+    ``"grammar"`` a Lark or GBNF grammar. ``outrider.grammar`` compiles it."""
+
+    kind: str
+    spec: str = ""
+    start: int = 0
+    """The history's position where generation began (the prompt's length):
+    the constraint applies to the tokens from there."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if not (_is_integer(self.start) and self.start >= 0):
+            raise ValueError(f"structured output start must be an integer >= 0, got {self.start!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request samples; validated once, on construction."""
@@ -57,6 +85,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Report the target's log-probability of each generated token and of
     this many most likely tokens at its position; None: none."""
+    structured_output: StructuredOutput | None = None
+    """What the generated tokens must follow; None: anything."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.verification, Verification):

@@ -29,10 +29,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from outrider.engine.kv_cache import BlockPool, KVCache
-from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from outrider.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    SessionNotFound,
+)
 from outrider.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from outrider.grammar import Grammars, Matcher
 
 
 @dataclass
@@ -52,6 +61,24 @@ class Session:
     feature_layers: tuple[int, ...] = ()
     """A target session's: the layers whose input hidden states its answers
     carry, for a draft head that reads them (none: no draft head does)."""
+    grammar: Matcher | None = None
+    """Where the session stands in its structured output (None: it has
+    none): at the committed history on the target, at the last proposal's
+    drafts on the draft worker."""
+
+    def follow(self, grammars: Grammars | None) -> None:
+        """Starts following the session's structured output, if it has one,
+        at its history."""
+        output = self.sampling.structured_output
+        if output is None:
+            return
+        if grammars is None:
+            raise FailedPrecondition(
+                "this worker's model has no tokenizer to compile structured output with: "
+                "send the request without one"
+            )
+        self.grammar = grammars.matcher(output)
+        self.grammar.sync(self.tokens[output.start :])
 
     @property
     def committed_len(self) -> int:

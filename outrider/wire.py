@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
-from outrider.sampling_params import SamplingParams, Verification
+from outrider.sampling_params import SamplingParams, StructuredOutput, Verification
 from outrider.speculation import CompactProbs, Proposal, TokenLogprobs, Verdict
 from outrider.v1 import coordinator_pb2, worker_pb2
 
@@ -43,6 +43,7 @@ def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:
         seed=params.seed,
         verification=VERIFICATION_TO_PB[params.verification],
         logprobs=params.logprobs,
+        grammar=grammar_to_pb(params.structured_output),
     )
 
 
@@ -58,9 +59,20 @@ def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
                 message.verification, temperature=message.temperature
             ),
             logprobs=message.logprobs if message.HasField("logprobs") else None,
+            structured_output=StructuredOutput(
+                message.grammar.kind, message.grammar.spec, message.grammar.start
+            )
+            if message.HasField("grammar")
+            else None,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def grammar_to_pb(output: StructuredOutput | None) -> worker_pb2.Grammar | None:
+    if output is None:
+        return None
+    return worker_pb2.Grammar(kind=output.kind, spec=output.spec, start=output.start)
 
 
 def probs_to_pb(rows: list[CompactProbs]) -> list[worker_pb2.DraftProbs]:

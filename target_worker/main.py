@@ -8,6 +8,7 @@ from outrider import models
 from outrider.config import TargetWorkerConfig
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
+from outrider.grammar import Grammars
 from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
@@ -46,7 +47,10 @@ def build_sessions(config: TargetWorkerConfig) -> TargetSessions:
         trust_remote_code=config.trust_remote_code,
     )
     store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
-    return TargetSessions(runner, store, info)
+    grammars = Grammars.of_checkpoint(
+        config.model, info.vocab_size, trust_remote_code=config.trust_remote_code
+    )
+    return TargetSessions(runner, store, info, grammars)
 
 
 async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None:

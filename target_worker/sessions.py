@@ -14,8 +14,9 @@ import torch
 from outrider.eagle.features import pack
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
+from outrider.grammar import Grammars
 from outrider.hidden_states import NONE, HiddenStates, concat
-from outrider.sampling import expand, token_logprobs
+from outrider.sampling import constrain, expand, token_logprobs
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import CompactProbs, Verdict
@@ -36,10 +37,14 @@ class TargetInfo:
 class TargetSessions:
     """Sessions of the target model; its methods run on the worker's engine."""
 
-    def __init__(self, runner, store: SessionStore, info: TargetInfo) -> None:
+    def __init__(
+        self, runner, store: SessionStore, info: TargetInfo, grammars: Grammars | None = None
+    ) -> None:
         self.runner = runner
         self.store = store
         self.info = info
+        self.grammars = grammars
+        """Structured output's, for the model's tokenizer (None: it has none)."""
 
     def open(
         self,
@@ -64,6 +69,11 @@ class TargetSessions:
         kv = self.runner.new_kv()
         session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
         session.feature_layers = layers
+        try:
+            session.follow(self.grammars)
+        except Exception:
+            self.store.close(session_id)
+            raise
         features: list[torch.Tensor] | None = [] if layers else None
         if len(tokens) > 1:
             yield Feed(
@@ -117,7 +127,17 @@ class TargetSessions:
         the step had no room for the rest), and the hidden states of the
         positions it made committed but the last (when the session sends
         them)."""
-        k, committed_len = len(draft_tokens), session.committed_len
+        committed_len = session.committed_len
+        masks = None
+        if session.grammar is not None:
+            # 0. Structured output: the tokens allowed at each position. A
+            #    deterministic draft the grammar forbids is rejected for sure
+            #    (p(d) = 0, and the recovered token is then drawn from p itself):
+            #    verify none after it.
+            masks, allowed = session.grammar.masks(draft_tokens)
+            if q is None:
+                draft_tokens = draft_tokens[: allowed + 1]
+        k = len(draft_tokens)
 
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
         #    (or over [x_n, d_1 .. d_m]: a prefix is a proposal too).
@@ -136,14 +156,18 @@ class TargetSessions:
         verified = len(out.argmax) - 1
         if verified < k:
             draft_tokens, q = draft_tokens[:verified], None if q is None else q[:verified]
+        logits, argmax = out.values, out.argmax
+        if masks is not None:
+            logits = constrain(logits, masks[: verified + 1])
+            argmax = logits.argmax(dim=-1).tolist()
 
         # 2. Verify (greedy against the argmaxes the engine took for the whole step).
         try:
             if session.sampling.is_greedy:
-                verdict = verify_greedy(draft_tokens, out.argmax)
+                verdict = verify_greedy(draft_tokens, argmax)
             else:
                 verdict = verify(
-                    draft_tokens, q, out.values, session.sampling, start_position=committed_len
+                    draft_tokens, q, logits, session.sampling, start_position=committed_len
                 )
         except ValueError as exc:  # e.g. a draft token its own q gives no mass
             kv.crop(len(session.tokens) - 1)  # the round never happened
@@ -152,12 +176,14 @@ class TargetSessions:
         # 3. Commit the accepted drafts and the recovered/bonus token; keep in
         #    the cache everything committed but that last token.
         committed = len(tokens) - k + verdict.num_accepted  # fed history, accepted drafts
+        new = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
         if (num_top := session.sampling.logprobs) is not None:
-            new = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
-            verdict = replace(verdict, logprobs=token_logprobs(out.values, new, num_top))
+            verdict = replace(verdict, logprobs=token_logprobs(logits, new, num_top))
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
         kv.crop(len(session.tokens))
         session.tokens.append(verdict.next_token)
+        if session.grammar is not None:
+            session.grammar.extend(new)
         return verdict, verified, _packed(features, committed)
 
     def draft_distribution(self, rows: Sequence[CompactProbs], k: int) -> torch.Tensor | None:

@@ -148,7 +148,7 @@ class EagleDrafter:
         def feed(token: int, out: Logits) -> Feed:
             return Feed(kv, [token], hidden=_last(out))
 
-        return (yield from draw_drafts(state.out, session, len(history), k, feed, fed))
+        return (yield from draw_drafts(state.out, session, history, k, feed, fed))
 
 
 def _last(out: Logits) -> torch.Tensor:

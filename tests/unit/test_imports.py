@@ -8,11 +8,10 @@ def test_the_coordinator_tokenizes_and_builds_its_service_without_torch(tiny_tar
     code = f"""
 import sys
 import coordinator.main
-from coordinator.served_models import eos_token_ids
 from outrider import models
 
 tokenizer = models.load_tokenizer({str(tiny_target_dir)!r})
-assert eos_token_ids(tokenizer, models.generation_config({str(tiny_target_dir)!r}))
+assert models.eos_token_ids(tokenizer, models.generation_config({str(tiny_target_dir)!r}))
 tokenizer("Hello")["input_ids"]
 assert "torch" not in sys.modules, "the coordinator imported torch"
 """

@@ -1,0 +1,227 @@
+"""Structured output: a request's constraint compiled for a tokenizer, and
+the matcher that follows a session's generated tokens (docs/design.md#structured-output).
+
+The grammars are llguidance's: it compiles JSON schemas, regular
+expressions, choice lists and Lark or GBNF grammars against the tokenizer
+in a millisecond or two, fills a token's bitmask in 3 to 8 µs, and needs no
+torch, so the coordinator checks a request's constraint with the same
+compiler the workers run. Every process that serves structured output
+holds one :class:`Grammars` (its tokenizer, read once, and a compiled
+matcher per constraint, copied for each session); each session one
+:class:`Matcher`.
+
+A bitmask row holds ``ceil(V / 32)`` int32 words: bit ``j`` of word ``i``
+allows token ``32 i + j``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from outrider.errors import InvalidArgument
+from outrider.sampling_params import StructuredOutput
+
+MAX_TEMPLATES = 64
+"""Compiled constraints kept per process, least recently used dropped."""
+
+
+def grammar_text(output: StructuredOutput) -> str:
+    """The constraint as an llguidance grammar; ValueError for a spec its kind cannot read."""
+    kind, spec = output.kind, output.spec
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(spec)
+    if kind == "choice":
+        try:
+            choices = json.loads(spec)
+        except json.JSONDecodeError:
+            choices = None
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+            raise ValueError("a choice constraint is a non-empty list of strings")
+        return llguidance.grammar_from("choice", spec)
+    if kind == "regex":
+        return llguidance.grammar_from("regex", spec)
+    # A grammar: GBNF ("root ::= ...") or Lark ("start: ...").
+    return llguidance.grammar_from("ebnf" if "::=" in spec else "lark", spec)
+
+
+class Grammars:
+    """The constraints one process compiles for its tokenizer; the tokenizer
+    is read at the first use (``tokenizer()``: an ``LLTokenizer``)."""
+
+    def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer]) -> None:
+        self._load = tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+
+    @classmethod
+    def of_tokenizer(cls, hf_tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Grammars:
+        """For a Hugging Face fast tokenizer, with ``vocab_size`` logits a
+        row (the model's, which may exceed the tokenizer's) and the model's
+        end-of-sequence ids (what a finished constraint allows)."""
+
+        def load() -> llguidance.LLTokenizer:
+            from llguidance.hf import from_tokenizer
+
+            return from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos))
+
+        return cls(load)
+
+    @classmethod
+    def of_checkpoint(
+        cls, spec: str | None, vocab_size: int, *, trust_remote_code: bool = False
+    ) -> Grammars:
+        """For a checkpoint's tokenizer (``outrider.models.resolve`` reads
+        ``spec``) and end-of-sequence ids, as the coordinator reads them."""
+
+        def load() -> llguidance.LLTokenizer:
+            from llguidance.hf import from_tokenizer
+
+            from outrider import models
+
+            tokenizer = models.load_tokenizer(spec, trust_remote_code=trust_remote_code)
+            eos = models.eos_token_ids(tokenizer, models.generation_config(spec))
+            return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos))
+
+        return cls(load)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = self._load()
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def check(self, output: StructuredOutput) -> None:
+        """Refuses a constraint that does not compile, saying why."""
+        self._template(output)
+
+    def matcher(self, output: StructuredOutput) -> Matcher:
+        """A matcher at the start of the constraint, for one session."""
+        template = self._template(output)
+        return Matcher(template.deep_copy(), self.vocab_size, frozenset(self.tokenizer.eos_tokens))
+
+    def _template(self, output: StructuredOutput) -> llguidance.LLMatcher:
+        key = (output.kind, output.spec)
+        template = self._templates.get(key)
+        if template is None:
+            try:
+                grammar = grammar_text(output)
+            except ValueError as exc:
+                raise InvalidArgument(f"{output.kind}: {exc}") from None
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                error = template.get_error().strip().splitlines()[0]
+                raise InvalidArgument(f"{output.kind} does not compile: {error}")
+            if len(self._templates) >= MAX_TEMPLATES:
+                self._templates.popitem(last=False)
+            self._templates[key] = template
+        self._templates.move_to_end(key)
+        return template
+
+
+class Matcher:
+    """Where a session stands in its constraint: the generated tokens it
+    has consumed (``tokens``), rolled back and forward to follow the
+    session's tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: frozenset[int]) -> None:
+        self._matcher = matcher
+        self.words = (vocab_size + 31) // 32
+        self.eos = eos
+        """What the constraint allows once it has ended."""
+        self.tokens: list[int] = []
+        self._pushed: list[bool] = []
+        """Whether llguidance counted each token in its history: an
+        end-of-sequence token after the constraint ended is not (vLLM's
+        rollback lag)."""
+
+    def sync(self, generated: Sequence[int]) -> None:
+        """Moves to the end of ``generated``: rolls back to what it shares
+        with what was consumed, then consumes the rest."""
+        shared = 0
+        for a, b in zip(self.tokens, generated, strict=False):
+            if a != b:
+                break
+            shared += 1
+        self.rollback_to(shared)
+        self.extend(generated[shared:])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Consumes ``tokens``; InvalidArgument if the constraint forbids one."""
+        for token in tokens:
+            if not self.consume(token):
+                raise InvalidArgument(
+                    f"token {token} at generated position {len(self.tokens)} does not follow "
+                    "the request's structured output"
+                )
+
+    def consume(self, token: int) -> bool:
+        """Consumes ``token`` if the constraint allows it (else False, and
+        nothing changes)."""
+        # (Once the constraint has ended it allows end-of-sequence tokens
+        # only, which llguidance's validation then refuses.)
+        stopped = self._matcher.is_stopped()
+        if stopped and token not in self.eos:
+            return False
+        if not stopped and self._matcher.validate_tokens([token]) != 1:
+            return False
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"llguidance: {self._matcher.get_error()}")
+        self.tokens.append(token)
+        self._pushed.append(not stopped)
+        return True
+
+    def rollback_to(self, length: int) -> None:
+        """Forgets the tokens consumed after the first ``length``."""
+        if length >= len(self.tokens):
+            return
+        count = sum(self._pushed[length:])
+        if count and not self._matcher.rollback(count):
+            raise RuntimeError(f"llguidance: {self._matcher.get_error()}")
+        del self.tokens[length:], self._pushed[length:]
+
+    def fill(self, row: np.ndarray) -> None:
+        """Fills ``row`` (``words`` int32) with the tokens allowed next."""
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def mask(self) -> np.ndarray:
+        """The tokens allowed next, as a bitmask row."""
+        row = np.empty(self.words, dtype=np.int32)
+        self.fill(row)
+        return row
+
+    def masks(self, drafts: Sequence[int]) -> tuple[np.ndarray, int]:
+        """The bitmasks of a round's positions, ``[len(drafts) + 1, words]``:
+        row ``t`` allows what may follow ``drafts[:t]``, for ``t`` up to the
+        number of leading drafts the constraint allows (also returned);
+        the rows after it allow everything (no such position is reached).
+        The matcher ends where it started."""
+        rows = np.full((len(drafts) + 1, self.words), -1, dtype=np.int32)
+        start = len(self.tokens)
+        allowed = 0
+        for draft in drafts:
+            self.fill(rows[allowed])
+            if not self.consume(draft):
+                break
+            allowed += 1
+        else:
+            self.fill(rows[allowed])
+        self.rollback_to(start)
+        return rows, allowed
