@@ -6,7 +6,7 @@ API (``coordinator.openai``) each translate what they received into
 :class:`RequestParams` — no protobuf, no JSON — and :class:`RequestBuilder`
 checks it against the served model and the server's speculation defaults: the
 prompt (text, chat messages through the target's chat template, or token
-ids), the room left in the context, stop strings and token ids, K, adaptive
+ids), the room left in the context, stop strings and token ids, min_tokens, K, adaptive
 K, pipelining and the sampling parameters. A bad field raises InvalidArgument
 naming it as the receiving API does (:class:`FieldNames`).
 """
@@ -51,6 +51,12 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """The first min_tokens tokens end nothing: no stop string, stop token or EOS."""
+    include_stop_str_in_output: bool = False
+    """The stop string or stop token that ends the text is part of it."""
+    skip_special_tokens: bool = True
+    """Special tokens are not text."""
     adaptive: bool = False
     """Choose K per round (up to num_speculative_tokens)."""
     sampling: SamplingParams = SamplingParams()
@@ -93,6 +99,9 @@ class RequestParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -141,6 +150,7 @@ class RequestBuilder:
         prompt_ids = self.prompt_ids(params, names)
         max_new_tokens = self.max_new_tokens(params, len(prompt_ids), names)
         self.check_stops(params)
+        self.check_min_tokens(params.min_tokens, max_new_tokens, names)
         k, adaptive, pipeline = self.speculation(params)
         sampling = self.sampling(params)
         if (output := params.structured_output) is not None:
@@ -154,6 +164,9 @@ class RequestBuilder:
             stop=tuple(params.stop),
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
             adaptive=adaptive,
             sampling=sampling,
             request_id=request_id,
@@ -223,6 +236,20 @@ class RequestBuilder:
                 param="stop_token_ids",
             )
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+
+    @staticmethod
+    def check_min_tokens(min_tokens: int, max_new_tokens: int, names: FieldNames) -> None:
+        if min_tokens < 0:
+            raise InvalidArgument(
+                f"min_tokens = {min_tokens}: give 0 or more tokens", param="min_tokens"
+            )
+        if min_tokens > max_new_tokens:
+            raise InvalidArgument(
+                f"min_tokens = {min_tokens} is more than the {max_new_tokens} tokens this "
+                f"request may generate ({names.max_new_tokens}): lower min_tokens or raise "
+                f"{names.max_new_tokens}",
+                param="min_tokens",
+            )
 
     def speculation(self, params: RequestParams) -> tuple[int, bool, bool]:
         """K, whether it is adaptive, and whether rounds are pipelined. A K

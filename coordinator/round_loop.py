@@ -131,7 +131,15 @@ class Generation:
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
         self.draft_beside = models.draft_prefills_beside
-        self.text = TextStream(models.tokenizer, request.prompt_ids, request.stop)
+        self.text = TextStream(
+            models.tokenizer,
+            request.prompt_ids,
+            request.stop,
+            stop_token_ids=self.stop_ids,
+            min_tokens=request.min_tokens,
+            include_stop=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+        )
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
         self.target = TargetLink(
@@ -301,8 +309,9 @@ class Generation:
 
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> Delta:
         """Appends the accepted drafts and the recovered or bonus token to the
-        history, checking the stop conditions token by token: nothing after a
-        stop is committed or streamed."""
+        history, checking the stop conditions token by token (the text stream
+        decides stops: stop strings, stop token ids and EOS, past
+        ``min_tokens``): nothing after a stop is committed or streamed."""
         drafts = proposal.tokens if proposal else []
         delta = Delta("", [])
         text = []
@@ -311,13 +320,13 @@ class Generation:
             delta.token_ids.append(token)
             delta.logprobs.extend(verdict.logprobs[i : i + 1])
             text.append(self.text.add(token))
-            if token in self.stop_ids or self.text.stopped is not None:
+            if self.text.ended:
                 delta.finish_reason = "stop"
             elif len(self.history) >= self.max_len:
                 delta.finish_reason = "length"
             if delta.finish_reason is not None:
                 break
-        if delta.finish_reason is not None and self.text.stopped is None:
+        if delta.finish_reason is not None:
             text.append(self.text.finish())
         delta.text = "".join(text)
         self.finish_reason = delta.finish_reason

@@ -128,6 +128,8 @@ def params_from_pb(request: pb.GenerateRequest) -> RequestParams:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,

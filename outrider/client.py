@@ -232,11 +232,18 @@ class GenerateOptions(TypedDict, total=False):
     max_new_tokens: int | None
     """Upper bound on generated tokens (``None``: the server default)."""
     stop: Sequence[str]
-    """Stop strings; the one that matched is not part of the text."""
+    """Stop strings; the one that matched is not part of the text (unless
+    ``include_stop_str_in_output``)."""
     stop_token_ids: Sequence[int]
-    """Stop tokens; the one that matched is part of ``token_ids``."""
+    """Stop tokens; the one that matched is part of ``token_ids``, not of
+    the text (unless ``include_stop_str_in_output``)."""
     ignore_eos: bool
     """Keep generating past the model's end-of-sequence tokens."""
+    min_tokens: int
+    """The first ``min_tokens`` tokens end nothing: no stop string, stop
+    token or end-of-sequence token."""
+    include_stop_str_in_output: bool
+    """The stop string or stop token that ended the text is part of it."""
     num_speculative_tokens: int | None
     """Draft tokens per round (``None``: the server default; ``0``: plain
     target decoding)."""
@@ -300,6 +307,8 @@ def _build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    min_tokens: int = 0,
+    include_stop_str_in_output: bool = False,
     num_speculative_tokens: int | None = None,
     adaptive: bool = False,
     pipeline: bool | None = None,
@@ -330,6 +339,8 @@ def _build_request(
             stop=stop,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            include_stop_str_in_output=include_stop_str_in_output,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -362,6 +373,8 @@ def _sampling_to_pb(
     stop: Sequence[str],
     stop_token_ids: Sequence[int],
     ignore_eos: bool,
+    min_tokens: int,
+    include_stop_str_in_output: bool,
     temperature: float,
     top_k: int,
     top_p: float | None,
@@ -376,6 +389,8 @@ def _sampling_to_pb(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        include_stop_str_in_output=include_stop_str_in_output,
         temperature=temperature,
         top_k=top_k,
         min_p=min_p,

@@ -14,14 +14,19 @@ make that harder than `decode(new_ids)`:
 * **A stop string may span tokens.** `StopStringMatcher` holds back the longest tail of
   the text that could still grow into a stop string, so a client never sees text that
   later turns out to be part of one, and cuts the output just before the stop string
-  (the stop string itself is not output, as in vLLM and the OpenAI API).
+  (the stop string itself is not output, as in vLLM and the OpenAI API, unless
+  `include_stop_str_in_output` asks for it, as vLLM's option of that name does).
+* **`min_tokens`** (vLLM's): the text of a request's first `min_tokens` tokens ends no
+  generation. A stop string counts only if it ends in the text of a later token; it may
+  start earlier, as in vLLM.
 
-`TextStream` chains the two; the coordinator keeps one per request.
+`TextStream` chains the two and ends at a stop token id too (eos among them); the
+coordinator keeps one per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -114,13 +119,17 @@ class StopStringMatcher:
 
     Because held-back text is the only text a future match can start in, each `feed`
     searches just the held-back tail (at most max stop length - 1 characters) plus the
-    new text.
+    new text, for a stop string that ends in the new text. A `feed(text, match=False)`
+    (text that may not end the stream: vLLM's ``min_tokens``) holds back and releases
+    text as usual but matches nothing. ``include_stop``: the output ends just after
+    the stop string instead.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), *, include_stop: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stop = tuple(dict.fromkeys(stop))
+        self._include_stop = include_stop
         self._max_len = max((len(s) for s in self._stop), default=0)
         self._held = ""
         self._stopped: str | None = None
@@ -135,16 +144,17 @@ class StopStringMatcher:
         """Text received but not yet released (it may be the start of a stop string)."""
         return self._held
 
-    def feed(self, text: str) -> str:
-        """Add text; return the text that is now safe to emit."""
+    def feed(self, text: str, *, match: bool = True) -> str:
+        """Add text; return the text that is now safe to emit. ``match``:
+        whether a stop string ending in this text ends the stream."""
         if self._stopped is not None:
             raise RuntimeError(f"stop string {self._stopped!r} already matched")
         window = self._held + text
-        match = self._first_completed(window)
-        if match is not None:
-            start, self._stopped = match
+        found = self._first_completed(window, new_from=len(self._held)) if match else None
+        if found is not None:
+            start, self._stopped = found
             self._held = ""
-            return window[:start]
+            return window[: start + len(self._stopped) if self._include_stop else start]
         keep = self._longest_stop_prefix_at_end(window)
         self._held = window[len(window) - keep :]
         return window[: len(window) - keep]
@@ -154,10 +164,11 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_completed(self, window: str) -> tuple[int, str] | None:
+    def _first_completed(self, window: str, new_from: int) -> tuple[int, str] | None:
+        """The first stop string that ends past ``new_from`` (in the new text)."""
         best: tuple[int, int, str] | None = None
         for s in self._stop:
-            start = window.find(s)
+            start = window.find(s, max(new_from - len(s) + 1, 0))
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         return None if best is None else (best[1], best[2])
@@ -171,11 +182,16 @@ class StopStringMatcher:
 
 
 class TextStream:
-    """Per-request text output: token ids in, text deltas out, cut at the first stop string.
+    """Per-request text output: token ids in, text deltas out, until the first stop.
 
-    Call `add` for each committed token and send what it returns; when generation ends
-    for another reason (eos, max tokens, cancellation), call `finish` and send that too.
-    Once `stopped` is set the request is done: `add` raises `RuntimeError`.
+    Call `add` for each committed token and send what it returns; once `ended` is set
+    (a stop string matched, or a stop token id came) the request is done and `add`
+    raises `RuntimeError`. When generation ends for another reason (max tokens,
+    cancellation), call `finish` and send that too.
+
+    As in vLLM: the first `min_tokens` tokens end nothing, and the text of the stop
+    token that ends the stream (eos or a stop token id), like a stop string, is left
+    out unless `include_stop` (vLLM's ``include_stop_str_in_output``).
     """
 
     def __init__(
@@ -184,35 +200,46 @@ class TextStream:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         *,
+        stop_token_ids: Collection[int] = (),
+        min_tokens: int = 0,
+        include_stop: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
         )
-        self._matcher = StopStringMatcher(stop)
+        self._matcher = StopStringMatcher(stop, include_stop=include_stop)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._chunks: list[str] = []
         self._num_tokens = 0
+        self._stop_token_id: int | None = None
         self._finished = False
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the text delta that is safe to send now."""
-        if self._matcher.stopped is not None:
-            raise RuntimeError(f"stop string {self._matcher.stopped!r} already matched")
+        if self.ended:
+            raise RuntimeError(f"the stream has ended ({self._ended_by()})")
         if self._finished:
             raise RuntimeError("the stream is finished")
         self._num_tokens += 1
-        return self._emit(self._matcher.feed(self._detokenizer.add(token_id)))
+        if self._may_stop and token_id in self._stop_token_ids:
+            self._stop_token_id = token_id
+            return self._release(self._detokenizer.add(token_id) if self._include_stop else "")
+        return self._emit(self._matcher.feed(self._detokenizer.add(token_id), match=self._may_stop))
 
     def finish(self) -> str:
         """Return the remaining text: held-back bytes and a held-back partial stop string."""
-        if self._finished or self._matcher.stopped is not None:
+        if self._finished or self.ended:
             self._finished = True
             return ""
-        self._finished = True
-        text = self._matcher.feed(self._detokenizer.flush())
-        if self._matcher.stopped is None:
-            text += self._matcher.finish()
-        return self._emit(text)
+        return self._release("")
+
+    @property
+    def ended(self) -> bool:
+        """Whether a stop string or a stop token id ended the stream."""
+        return self._matcher.stopped is not None or self._stop_token_id is not None
 
     @property
     def stopped(self) -> str | None:
@@ -221,13 +248,31 @@ class TextStream:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens added, including the one that completed a stop string."""
+        """Tokens added, including the one that completed a stop string or was a stop token."""
         return self._num_tokens
 
     @property
     def text(self) -> str:
         """Everything emitted so far."""
         return "".join(self._chunks)
+
+    @property
+    def _may_stop(self) -> bool:
+        """Whether the last token added may end the stream (past ``min_tokens``)."""
+        return self._num_tokens > self._min_tokens
+
+    def _ended_by(self) -> str:
+        if self._stop_token_id is not None:
+            return f"stop token id {self._stop_token_id}"
+        return f"stop string {self._matcher.stopped!r}"
+
+    def _release(self, text: str) -> str:
+        """The stream's last text: ``text`` and all that is held back, up to a stop string."""
+        self._finished = True
+        text = self._matcher.feed(text + self._detokenizer.flush(), match=self._may_stop)
+        if self._matcher.stopped is None:
+            text += self._matcher.finish()
+        return self._emit(text)
 
     def _emit(self, text: str) -> str:
         if text:

@@ -266,11 +266,18 @@ def test_sampling_options_and_request_id_reach_the_server(
         stop=["x", "yz"],
         stop_token_ids=[7, 8],
         ignore_eos=True,
+        min_tokens=2,
+        include_stop_str_in_output=True,
         request_id="req-1",
     )
     sent = fake.last_request
     assert sent.sampling == pb.SamplingParams(
-        max_new_tokens=3, stop=["x", "yz"], stop_token_ids=[7, 8], ignore_eos=True
+        max_new_tokens=3,
+        stop=["x", "yz"],
+        stop_token_ids=[7, 8],
+        ignore_eos=True,
+        min_tokens=2,
+        include_stop_str_in_output=True,
     )
     assert sent.request_id == "req-1"
 

@@ -44,11 +44,11 @@ def _chat_prompt(tokenizer: PreTrainedTokenizerBase, content: str = "Say somethi
 
 
 def _add_all(stream: TextStream | IncrementalDetokenizer, token_ids: Iterable[int]) -> list[str]:
-    """Add tokens one by one, as the coordinator does, until a stop string matches."""
+    """Add tokens one by one, as the coordinator does, until a stop ends the stream."""
     deltas = []
     for token_id in token_ids:
         deltas.append(stream.add(token_id))
-        if isinstance(stream, TextStream) and stream.stopped is not None:
+        if isinstance(stream, TextStream) and stream.ended:
             break
     return deltas
 
@@ -355,6 +355,87 @@ def test_special_token_can_be_a_stop_string_when_special_tokens_are_kept(
 
     assert "".join(deltas) == "Bye."
     assert stream.stopped == "<|im_end|>"
+
+
+def test_a_stop_token_ends_the_stream_and_its_text_is_left_out_unless_included(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
+    generated = byte_level.encode("Hello world, hello again")
+    stop_id = generated[2]
+    before = byte_level.decode(generated[:2])
+    for include, expected in ((False, before), (True, byte_level.decode(generated[:3]))):
+        stream = TextStream(byte_level, [], stop_token_ids={stop_id}, include_stop=include)
+
+        deltas = _add_all(stream, generated)
+
+        assert stream.ended and stream.stopped is None and stream.num_tokens == 3
+        assert "".join(deltas) + stream.finish() == stream.text == expected
+        with pytest.raises(RuntimeError, match=f"stop token id {stop_id}"):
+            stream.add(generated[3])
+
+
+def test_eos_text_is_left_out_even_when_special_tokens_are_kept(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
+    generated = [*byte_level.encode("Bye."), EOS_TOKEN_ID, *byte_level.encode(" Hi")]
+    kept = TextStream(byte_level, [], stop_token_ids={EOS_TOKEN_ID}, skip_special_tokens=False)
+    assert "".join(_add_all(kept, generated)) + kept.finish() == "Bye."
+    # Not a stop token (ignore_eos): its text is there, as special tokens are kept.
+    ignored = TextStream(byte_level, [], skip_special_tokens=False)
+    assert "".join(_add_all(ignored, generated)) + ignored.finish() == "Bye.<|im_end|> Hi"
+
+
+def test_an_included_stop_string_ends_the_text(byte_level: PreTrainedTokenizerBase) -> None:
+    stream = TextStream(byte_level, [], stop=["o wor", "again"], include_stop=True)
+
+    deltas = _add_all(stream, byte_level.encode("Hello world, hello again"))
+
+    assert stream.stopped == "o wor" and "".join(deltas) == stream.text == "Hello wor"
+
+
+@pytest.mark.parametrize(
+    "min_tokens, expected",
+    [
+        (0, "He"),  # "llo", the 2nd token, stops
+        (3, "Hello world, he"),  # the 2nd "llo", the 6th token, stops
+        (6, "Hello world, hello again, "),  # then " world", the 10th, completes "wor"
+    ],
+)
+def test_the_first_min_tokens_tokens_end_nothing(
+    byte_level: PreTrainedTokenizerBase, min_tokens: int, expected: str
+) -> None:
+    generated = byte_level.encode("Hello world, hello again, world!")
+    llo = byte_level.encode("llo")[0]
+    assert [i for i, t in enumerate(generated) if t == llo] == [1, 5]  # the premise
+    stream = TextStream(byte_level, [], stop=["wor"], stop_token_ids={llo}, min_tokens=min_tokens)
+
+    deltas = _add_all(stream, generated)
+
+    assert stream.ended and "".join(deltas) + stream.finish() == expected
+
+
+def test_a_stop_string_that_starts_before_min_tokens_and_ends_after_counts(
+    byte_level: PreTrainedTokenizerBase,
+) -> None:
+    generated = byte_level.encode("Hello world, hello again")
+    pieces = _pieces(byte_level, generated)
+    n = next(i for i in range(1, len(pieces)) if len(pieces[i]) > 1)  # a piece of 2+ chars
+    # A stop string across the boundary: the last char of token n-1's text and the
+    # first of token n's.
+    stop = pieces[n - 1][-1] + pieces[n][0]
+    stream = TextStream(byte_level, [], stop=[stop], min_tokens=n)
+
+    deltas = _add_all(stream, generated)
+
+    assert stream.stopped == stop and stream.num_tokens == n + 1
+    assert "".join(deltas) == "".join(pieces[:n])[:-1]
+
+
+def test_matching_stops_only_past_min_tokens_in_the_matcher() -> None:
+    matcher = StopStringMatcher(["ab"])
+    assert matcher.feed("xab", match=False) == "xab"  # passed: not held back either
+    assert matcher.feed("a", match=False) == ""  # "a" may still become "ab"
+    assert matcher.feed("b") == "" and matcher.stopped == "ab"
 
 
 # --- The real SmolLM2 tokenizer (skipped when it has not been fetched) ----------------

@@ -121,3 +121,12 @@ def test_the_builder_names_fields_as_the_receiving_api_does():
     with pytest.raises(errors.InvalidArgument) as info:
         builder.build(RequestParams(token_ids=[1], max_new_tokens=64))
     assert str(info.value).startswith("max_new_tokens = 64")
+    with pytest.raises(errors.InvalidArgument) as info:
+        builder.build(RequestParams(token_ids=[1], max_new_tokens=8, min_tokens=9), http)
+    assert info.value.param == "min_tokens"
+    assert str(info.value).startswith("min_tokens = 9 is more than the 8 tokens")
+    assert "raise max_tokens" in str(info.value)
+    with pytest.raises(errors.InvalidArgument) as info:
+        builder.build(RequestParams(token_ids=[1], min_tokens=-1))
+    assert info.value.param == "min_tokens" and "0 or more" in str(info.value)
+    assert builder.build(RequestParams(token_ids=[1], min_tokens=16)).min_tokens == 16
