@@ -39,8 +39,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest, GenerationBody
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest request body; a longer one is refused with 413 (a prompt of the
 longest context the coordinator serves is far shorter)."""
-MAX_PROMPTS = 64
-"""Most prompts in one completions request (one generation each, run at once)."""
+MAX_CHOICES = 64
+"""Most choices in one request (prompts × n), one generation each, run at once."""
 
 
 class OpenAIApi:
@@ -79,8 +79,9 @@ class OpenAIApi:
         shape: Shape,
         prompts: list[tuple[RequestParams, FieldNames]],
     ) -> GenerationResponse:
-        """Validates each prompt's request (``prompts``: its prompt, token
-        limit and field names), then answers with their generations."""
+        """Validates the request of each choice (``prompts``: each prompt,
+        its token limit and field names; ``n`` choices each), then answers
+        with their generations."""
         received = time.perf_counter()
         body.check_supported()
         if body.model is not None and body.model != self.model:
@@ -88,17 +89,14 @@ class OpenAIApi:
                 f"model {body.model!r} is not served here; this server serves {self.model!r}"
             )
         request_id = self.request_id(request)
-        generations = []
-        for i, (prompt, names) in enumerate(prompts):
-            params = dataclasses.replace(
-                body_params(body),
-                text=prompt.text,
-                messages=prompt.messages,
-                token_ids=prompt.token_ids,
-                max_new_tokens=prompt.max_new_tokens,
-                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+        choices = choice_params(body, prompts)
+        generations, prompt_tokens = [], []
+        for i, (params, names) in enumerate(choices):
+            one = request_id if len(choices) == 1 else f"{request_id}-{i}"
+            built = self.service.requests.build(  # binds its request id
+                dataclasses.replace(params, request_id=one), names
             )
-            built = self.service.requests.build(params, names)  # binds its request id
+            prompt_tokens.append(len(built.prompt_ids))
             generations.append((self.service.deltas(built, received), contextvars.copy_context()))
         bind_contextvars(request_id=request_id)
         prefix = "chatcmpl" if shape is CHAT else "cmpl"
@@ -107,10 +105,51 @@ class OpenAIApi:
             id=f"{prefix}-{request_id}",
             model=self.model,
             generations=generations,
+            prompt_tokens=prompt_tokens,
+            n=len(choices) // len(prompts),
             stream=body.stream,
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
         )
         return GenerationResponse(completion, self.drain, {REQUEST_ID_KEY: request_id})
+
+
+def choice_params(
+    body: GenerationBody, prompts: list[tuple[RequestParams, FieldNames]]
+) -> list[tuple[RequestParams, FieldNames]]:
+    """The request of each choice: each prompt's ``n``, numbered as vLLM
+    numbers them (prompt index × n + i). As in vLLM, choice i of a seeded
+    body is seeded with seed + i; unseeded, each draws a seed of its own."""
+    n = choices_per_prompt(body.n, len(prompts))
+    base = body_params(body)
+    choices = []
+    for prompt, names in prompts:
+        for i in range(n):
+            params = dataclasses.replace(
+                base,
+                text=prompt.text,
+                messages=prompt.messages,
+                token_ids=prompt.token_ids,
+                max_new_tokens=prompt.max_new_tokens,
+                seed=None if body.seed is None else body.seed + i,
+            )
+            choices.append((params, names))
+    return choices
+
+
+def choices_per_prompt(n: int | None, prompts: int) -> int:
+    """``n`` (1 when unset), within :data:`MAX_CHOICES` for all prompts."""
+    n = 1 if n is None else n
+    if n < 1:
+        raise errors.InvalidArgument(f"n = {n}: ask for at least 1 choice", param="n")
+    if n * prompts > MAX_CHOICES:
+        each = "the prompt" if prompts == 1 else f"each of {prompts} prompts"
+        raise errors.InvalidArgument(
+            f"n = {n} for {each} asks for {n * prompts} choices; at most {MAX_CHOICES} "
+            "are allowed in one request",
+            param="n",
+        )
+    return n
 
 
 def body_params(body: GenerationBody) -> RequestParams:
@@ -119,8 +158,11 @@ def body_params(body: GenerationBody) -> RequestParams:
         stop=body.stops,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         temperature=body.temperature,
-        top_k=body.top_k,
+        top_k=0 if body.top_k == -1 else body.top_k,  # vLLM's -1: off, as 0
         top_p=body.top_p,
         min_p=body.min_p,
         seed=body.seed,
@@ -144,9 +186,9 @@ def completion_prompts(body: CompletionRequest) -> list[tuple[RequestParams, Fie
         raise errors.InvalidArgument(
             "prompt is an empty list: send at least one prompt", param="prompt"
         )
-    if len(prompts) > MAX_PROMPTS:
+    if len(prompts) > MAX_CHOICES:
         raise errors.InvalidArgument(
-            f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed",
+            f"prompt holds {len(prompts)} prompts; at most {MAX_CHOICES} are allowed",
             param="prompt",
         )
     result = []

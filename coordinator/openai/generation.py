@@ -181,14 +181,19 @@ def stats_of(last_deltas: Iterable[Delta]) -> list[Stats]:
     return [delta.stats for delta in last_deltas if delta.stats is not None]
 
 
-def usage(stats: Sequence[Stats]) -> dict[str, int]:
-    prompt = sum(s.prompt_tokens for s in stats)
-    completion = sum(s.generated_tokens for s in stats)
+def usage_of(prompt: int, completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def usage(stats: Sequence[Stats], n: int = 1) -> dict[str, int]:
+    """The usage of generations in choice order, ``n`` per prompt: each
+    prompt counted once, as OpenAI and vLLM count it."""
+    prompt = sum(s.prompt_tokens for s in stats[::n])
+    return usage_of(prompt, sum(s.generated_tokens for s in stats))
 
 
 def speculative_decoding(stats: Sequence[Stats]) -> dict[str, Any]:
@@ -223,9 +228,15 @@ class Completion:
     id: str
     model: str
     generations: Sequence[tuple[AsyncIterator[Delta], contextvars.Context]]
-    """Each generation's deltas, and the context to run it in."""
+    """Each generation's deltas, and the context to run it in: one per
+    choice, ``n`` per prompt."""
+    prompt_tokens: Sequence[int] = ()
+    """Each generation's prompt length (continuous usage)."""
+    n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
+    """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self, object_name: str) -> dict[str, Any]:
@@ -246,19 +257,23 @@ class Completion:
                 self.shape.choice(i, "".join(text), delta.finish_reason)
                 for i, (text, delta) in enumerate(zip(texts, finished, strict=True))
             ],
-            "usage": usage(stats),
+            "usage": usage(stats, self.n),
             "metrics": {"speculative_decoding": speculative_decoding(stats)},
         }
 
-    def chunk(self, index: int, delta: Delta, *, first: bool) -> dict[str, Any]:
+    def chunk(self, index: int, delta: Delta, *, first: bool, generated: int) -> dict[str, Any]:
+        """A chunk of choice ``index``, which has ``generated`` tokens so far."""
         choice = self.shape.chunk_choice(index, delta.text, delta.finish_reason, first)
         chunk = {**self.head(self.shape.chunk_object), "choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:  # vLLM's: the choice's usage so far
+            chunk["usage"] = usage_of(self.prompt_tokens[index], generated)
+        elif self.include_usage:
             chunk["usage"] = None  # OpenAI's: null in every chunk but the usage chunk
         return chunk
 
     def usage_chunk(self, stats: Sequence[Stats]) -> dict[str, Any]:
-        return {**self.head(self.shape.chunk_object), "choices": [], "usage": usage(stats)}
+        total = usage(stats, self.n)
+        return {**self.head(self.shape.chunk_object), "choices": [], "usage": total}
 
 
 class GenerationResponse(Response):
@@ -323,12 +338,15 @@ class GenerationResponse(Response):
         headers = [*self.raw_headers, *SSE_HEADERS]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         finished: dict[int, Delta] = {}
-        started: set[int] = set()
+        generated = [0] * count
         try:
             index, delta = first
             while True:
-                chunk = completion.chunk(index, delta, first=index not in started)
-                started.add(index)
+                started = generated[index] > 0
+                generated[index] += len(delta.token_ids)
+                chunk = completion.chunk(
+                    index, delta, first=not started, generated=generated[index]
+                )
                 if delta.finish_reason is not None:
                     finished[index] = delta
                     if len(finished) == count:

@@ -4,10 +4,14 @@ and a field OpenAI's API does not have is refused, as OpenAI refuses it.
 
 Fields of OpenAI's API that Outrider does not implement are accepted only
 at the value that leaves the output unchanged (``frequency_penalty: 0``,
-``logprobs: false``, ``n: 1``, ...), else refused with a message naming the
-field. Outrider's own parameters (``num_speculative_tokens``, ``adaptive``,
-``verification``, ``pipeline``, ``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``) are extra fields of the body, as vLLM accepts its own.
+``logprobs: false``, ...), else refused with a message naming the field.
+vLLM's extra fields that its clients send (``top_k``, ``min_p``,
+``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ...) are accepted
+with vLLM's meaning, or refused the same way (``repetition_penalty`` but 1,
+the guided-decoding fields); Outrider's own (``num_speculative_tokens``,
+``adaptive``, ``verification``, ``pipeline``) are extra fields too. Any other
+field is refused as OpenAI refuses it (docs/openai-api.md lists them all).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class Message(Body):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries its choice's usage so far."""
 
 
 Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")]
@@ -67,7 +73,6 @@ UNCHANGED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -80,10 +85,23 @@ UNCHANGED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
+    "repetition_penalty": (None, 1.0),
 }
-"""OpenAI's parameters that Outrider does not implement, and the values at
-which they change nothing. (``logprobs``: the round loop does not carry the
-target's probabilities of the tokens it commits.)"""
+"""OpenAI's (and vLLM's) parameters that Outrider does not implement, and
+the values at which they change nothing. (``logprobs``: the round loop does
+not carry the target's probabilities of the tokens it commits;
+``repetition_penalty``: the target would have to apply it at each position
+it verifies.)"""
+
+GUIDED_DECODING = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "guided_decoding_backend",
+)
+"""vLLM's structured-output fields: refused until Outrider constrains output."""
 
 
 class GenerationBody(Body):
@@ -111,11 +129,26 @@ class GenerationBody(Body):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    # Outrider's (and vLLM's) extra parameters.
+    # vLLM's extra parameters, with vLLM's meaning.
     top_k: int = 0
+    """0 (or vLLM's -1): off."""
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """No effect, as in vLLM with a fast tokenizer (the only kind Outrider loads)."""
+    repetition_penalty: float | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None
+
+    # Outrider's own.
     num_speculative_tokens: int | None = None
     adaptive: bool = False
     verification: Literal["greedy", "rejection", "gumbel"] | None = None
@@ -130,12 +163,13 @@ class GenerationBody(Body):
                 raise InvalidArgument(
                     f"{name} = {value!r} is not supported by Outrider: leave it out", param=name
                 )
-        if self.n not in (None, 1):
-            raise InvalidArgument(
-                f"n = {self.n}: Outrider returns one choice per request; send {self.n} requests "
-                "(with different seeds) instead",
-                param="n",
-            )
+        for name in GUIDED_DECODING:
+            if getattr(self, name) is not None:
+                raise InvalidArgument(
+                    f"{name} is not supported by Outrider yet: it does not constrain the "
+                    "output to a schema, regex, choice or grammar; leave it out",
+                    param=name,
+                )
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -148,6 +182,12 @@ class GenerationBody(Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM's continuous_usage_stats, with include_usage."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -196,6 +236,15 @@ class CompletionRequest(GenerationBody):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of not in (None, self.n or 1):
+            raise InvalidArgument(
+                f"best_of = {self.best_of} is not supported by Outrider unless it equals n "
+                f"({self.n or 1}): leave it out",
+                param="best_of",
+            )
 
     @property
     def prompts(self) -> list[str | list[int]]:

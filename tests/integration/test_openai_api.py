@@ -227,7 +227,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": 7}, 400, "prompt", "must be a string"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature", "Unrecognized"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "one choice per request"),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 40}, 400, "n", "asks for 80 choices"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens", "does not fit"),
@@ -303,7 +303,7 @@ async def test_bad_requests_get_an_openai_error_naming_the_field_and_the_server_
 
         # The official client raises its own exception classes for them.
         with pytest.raises(openai.BadRequestError) as bad:
-            await client.chat.completions.create(model=served(s), messages=CHAT, n=2)
+            await client.chat.completions.create(model=served(s), messages=CHAT, n=100)
         assert bad.value.param == "n" and bad.value.type == "invalid_request_error"
         with pytest.raises(openai.NotFoundError) as unknown:
             await client.chat.completions.create(messages=CHAT, model="gpt-4o")

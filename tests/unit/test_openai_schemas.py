@@ -6,8 +6,9 @@ generations, and the request builder names fields as the HTTP API does."""
 import pytest
 from pydantic import ValidationError
 
+from coordinator.openai.app import body_params
 from coordinator.openai.errors import body_error, status_and_error
-from coordinator.openai.generation import speculative_decoding
+from coordinator.openai.generation import speculative_decoding, usage
 from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
 from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationDefaults
 from coordinator.served_models import Models
@@ -49,10 +50,18 @@ def test_a_bad_body_is_one_error_naming_its_field(model, body, param, message):
     [
         {"frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": [], "tool_choice": "none"},
         {"response_format": {"type": "text"}, "top_logprobs": 0, "user": "u", "metadata": {}},
+        {"repetition_penalty": 1, "spaces_between_special_tokens": False, "guided_json": None},
     ],
 )
 def test_unimplemented_parameters_at_their_neutral_value_pass(body):
     ChatCompletionRequest.model_validate({"messages": CHAT, **body}).check_supported()
+
+
+def test_best_of_passes_only_equal_to_n():
+    CompletionRequest(prompt="a", n=3, best_of=3).check_supported()
+    with pytest.raises(errors.InvalidArgument) as info:
+        CompletionRequest(prompt="a", n=2, best_of=3).check_supported()
+    assert info.value.param == "best_of" and "unless it equals n (2)" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +72,11 @@ def test_unimplemented_parameters_at_their_neutral_value_pass(body):
          "response_format"),
         (CompletionRequest, {"prompt": "a", "logprobs": 0}, "logprobs"),  # 0 asks for them
         (CompletionRequest, {"prompt": "a", "echo": True}, "echo"),
-        (CompletionRequest, {"prompt": "a", "n": 3}, "n"),
+        (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of"),
+        (CompletionRequest, {"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+        (ChatCompletionRequest, {"messages": CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
+        (CompletionRequest, {"prompt": "a", "structured_outputs": {"regex": "a+"}},
+         "structured_outputs"),
     ],
 )  # fmt: skip
 def test_unimplemented_parameters_that_would_change_the_output_are_refused(model, body, param):
@@ -104,6 +117,24 @@ def test_a_response_speculation_adds_up_its_generations():
     }
 
 
+def test_usage_counts_each_prompt_once_whatever_n():
+    stats = [
+        Stats(prompt_tokens=p, generated_tokens=g) for p, g in ((5, 3), (5, 4), (7, 2), (7, 1))
+    ]
+    assert usage(stats, n=2) == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
+    assert usage(stats)["prompt_tokens"] == 24  # four prompts
+
+
+def test_vllm_fields_reach_the_request_params():
+    body = CompletionRequest(
+        prompt="a", min_tokens=3, include_stop_str_in_output=True, skip_special_tokens=False,
+        top_k=-1,
+    )  # fmt: skip
+    params = body_params(body)
+    assert params.min_tokens == 3 and params.include_stop_str_in_output
+    assert not params.skip_special_tokens and params.top_k == 0  # vLLM's -1: off
+
+
 def test_the_builder_names_fields_as_the_receiving_api_does():
     target = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64)
     builder = RequestBuilder(
@@ -130,3 +161,6 @@ def test_the_builder_names_fields_as_the_receiving_api_does():
         builder.build(RequestParams(token_ids=[1], min_tokens=-1))
     assert info.value.param == "min_tokens" and "0 or more" in str(info.value)
     assert builder.build(RequestParams(token_ids=[1], min_tokens=16)).min_tokens == 16
+    assert not builder.build(
+        RequestParams(token_ids=[1], skip_special_tokens=False)
+    ).skip_special_tokens
