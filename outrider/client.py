@@ -266,7 +266,8 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int | None
     """Return the target's log-probability of each generated token, with
     this many (0 to 20) most likely tokens at its position (``None``: none):
-    the log-softmax of its raw logits, as vLLM reports them."""
+    the log-softmax of its logits before temperature and the filters, as
+    vLLM reports them."""
     structured_output: StructuredOutput | None
     """What the output must follow, e.g. ``StructuredOutput("json_schema",
     json.dumps(schema))`` (``None``: anything); the output is still what

@@ -145,8 +145,9 @@ def token_logprobs(
 ) -> tuple[TokenLogprobs, ...]:
     """The log-probabilities of ``tokens``, row ``t`` of ``logits`` ``[T, V]``
     giving token ``t``'s position, with the ``num_top`` most likely tokens of
-    each row: the log-softmax of the raw logits, in float32 (vLLM's
-    ``raw_logprobs``), so they do not depend on how the request samples."""
+    each row: the log-softmax of ``logits`` before temperature and the
+    filters, in float32 (vLLM's ``raw_logprobs``), so they do not depend on
+    how the request samples."""
     rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
     if num_top == 0:

@@ -66,8 +66,8 @@ class Proposal:
 @dataclass(frozen=True)
 class TokenLogprobs:
     """The target's log-probabilities at one committed token's position: the
-    log-softmax of its raw logits there (before temperature and the filters,
-    as vLLM reports them by default)."""
+    log-softmax of its logits there before temperature and the filters
+    (after a structured output's mask), as vLLM reports them."""
 
     logprob: float
     """Of the committed token."""

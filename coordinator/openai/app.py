@@ -34,6 +34,7 @@ from .errors import (
     on_outrider_error,
 )
 from .generation import CHAT, TEXT, Completion, GenerationResponse, Shape
+from .logprobs import LogprobsFormat
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationBody
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -110,6 +111,9 @@ class OpenAIApi:
             stream=body.stream,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
+            logprobs=None
+            if body.num_logprobs is None
+            else LogprobsFormat(self.service.models.tokenizer, chat=shape is CHAT),
         )
         return GenerationResponse(completion, self.drain, {REQUEST_ID_KEY: request_id})
 
@@ -123,7 +127,9 @@ def choice_params(
     n = choices_per_prompt(body.n, len(prompts))
     base = body_params(body)
     choices = []
+    constraint_field = body.structured_output()[1]
     for prompt, names in prompts:
+        names = dataclasses.replace(names, structured_output=constraint_field)
         for i in range(n):
             params = dataclasses.replace(
                 base,
@@ -166,6 +172,8 @@ def body_params(body: GenerationBody) -> RequestParams:
         top_p=body.top_p,
         min_p=body.min_p,
         seed=body.seed,
+        logprobs=body.num_logprobs,
+        structured_output=body.structured_output()[0],
         verification=Verification(body.verification) if body.verification else None,
         num_speculative_tokens=body.num_speculative_tokens,
         adaptive=body.adaptive,

@@ -32,6 +32,7 @@ from coordinator.stats import Stats
 from outrider.rpc import Drain
 
 from .errors import status_and_error
+from .logprobs import LogprobsFormat
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -137,21 +138,32 @@ class ChatShape:
     chunk_object = "chat.completion.chunk"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(
+        index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
         return {
             "index": index,
             "message": message,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
     @staticmethod
     def chunk_choice(
-        index: int, text: str, finish_reason: str | None, first: bool
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        first: bool,
     ) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
 
 class TextShape:
@@ -161,14 +173,20 @@ class TextShape:
     chunk_object = "text_completion"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(
+        index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
     def chunk_choice(
-        index: int, text: str, finish_reason: str | None, first: bool
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        first: bool,
     ) -> dict[str, Any]:
-        return TextShape.choice(index, text, finish_reason)
+        return TextShape.choice(index, text, finish_reason, logprobs)
 
 
 Shape = type[ChatShape] | type[TextShape]
@@ -237,6 +255,8 @@ class Completion:
     include_usage: bool = False
     continuous_usage: bool = False
     """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
+    logprobs: LogprobsFormat | None = None
+    """How to write the choices' log-probabilities (None: not asked for)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self, object_name: str) -> dict[str, Any]:
@@ -248,22 +268,41 @@ class Completion:
             "system_fingerprint": None,
         }
 
-    def body(self, texts: list[list[str]], finished: list[Delta]) -> dict[str, Any]:
-        """The whole answer, once every generation has finished."""
+    def body(self, choices: list[list[Delta]]) -> dict[str, Any]:
+        """The whole answer, once every generation has finished (``choices``:
+        each one's deltas)."""
+        finished = [deltas[-1] for deltas in choices]
         stats = stats_of(finished)
         return {
             **self.head(self.shape.object),
             "choices": [
-                self.shape.choice(i, "".join(text), delta.finish_reason)
-                for i, (text, delta) in enumerate(zip(texts, finished, strict=True))
+                self.shape.choice(
+                    i,
+                    "".join(d.text for d in deltas),
+                    deltas[-1].finish_reason,
+                    self.logprobs_of(deltas),
+                )
+                for i, deltas in enumerate(choices)
             ],
             "usage": usage(stats, self.n),
             "metrics": {"speculative_decoding": speculative_decoding(stats)},
         }
 
-    def chunk(self, index: int, delta: Delta, *, first: bool, generated: int) -> dict[str, Any]:
-        """A chunk of choice ``index``, which has ``generated`` tokens so far."""
-        choice = self.shape.chunk_choice(index, delta.text, delta.finish_reason, first)
+    def logprobs_of(self, deltas: Sequence[Delta], offset: int = 0) -> dict[str, Any] | None:
+        """The log-probabilities of the deltas' tokens, if asked for;
+        ``offset``: the choice's text length before them."""
+        if self.logprobs is None:
+            return None
+        token_ids = [t for d in deltas for t in d.token_ids]
+        return self.logprobs.write(token_ids, [lp for d in deltas for lp in d.logprobs], offset)
+
+    def chunk(
+        self, index: int, delta: Delta, *, first: bool, generated: int, offset: int = 0
+    ) -> dict[str, Any]:
+        """A chunk of choice ``index``, which has ``generated`` tokens so
+        far (and ``offset`` characters of text before this chunk's)."""
+        logprobs = self.logprobs_of([delta], offset)
+        choice = self.shape.chunk_choice(index, delta.text, delta.finish_reason, logprobs, first)
         chunk = {**self.head(self.shape.chunk_object), "choices": [choice]}
         if self.continuous_usage:  # vLLM's: the choice's usage so far
             chunk["usage"] = usage_of(self.prompt_tokens[index], generated)
@@ -307,18 +346,18 @@ class GenerationResponse(Response):
         deltas: AsyncGenerator[tuple[int, Delta], None],
     ) -> None:
         count = len(self.completion.generations)
-        texts: list[list[str]] = [[] for _ in range(count)]
-        finished: dict[int, Delta] = {}
+        choices: list[list[Delta]] = [[] for _ in range(count)]
+        finished = 0
         index, delta = first
         while True:
-            texts[index].append(delta.text)
+            choices[index].append(delta)
             if delta.finish_reason is not None:
-                finished[index] = delta
-                if len(finished) == count:
+                finished += 1
+                if finished == count:
                     break
             index, delta = await anext(deltas)
         await run_out(deltas)
-        body = encode(self.completion.body(texts, [finished[i] for i in range(count)]))
+        body = encode(self.completion.body(choices))
         headers = [
             *self.raw_headers,
             (b"content-type", b"application/json"),
@@ -339,14 +378,20 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         finished: dict[int, Delta] = {}
         generated = [0] * count
+        offsets = [0] * count
         try:
             index, delta = first
             while True:
                 started = generated[index] > 0
                 generated[index] += len(delta.token_ids)
                 chunk = completion.chunk(
-                    index, delta, first=not started, generated=generated[index]
+                    index,
+                    delta,
+                    first=not started,
+                    generated=generated[index],
+                    offset=offsets[index],
                 )
+                offsets[index] += len(delta.text)
                 if delta.finish_reason is not None:
                     finished[index] = delta
                     if len(finished) == count:

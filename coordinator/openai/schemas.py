@@ -16,12 +16,14 @@ field is refused as OpenAI refuses it (docs/openai-api.md lists them all).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from outrider.errors import InvalidArgument
+from outrider.sampling_params import MAX_LOGPROBS, StructuredOutput
 
 
 def one_of(description: str) -> WrapValidator:
@@ -71,15 +73,12 @@ UNCHANGED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0.0),
     "presence_penalty": (None, 0.0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -88,20 +87,39 @@ UNCHANGED: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (None, 1.0),
 }
 """OpenAI's (and vLLM's) parameters that Outrider does not implement, and
-the values at which they change nothing. (``logprobs``: the round loop does
-not carry the target's probabilities of the tokens it commits;
-``repetition_penalty``: the target would have to apply it at each position
-it verifies.)"""
+the values at which they change nothing. (``repetition_penalty``: the
+target would have to apply it at each position it verifies.)"""
 
-GUIDED_DECODING = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "guided_decoding_backend",
-)
-"""vLLM's structured-output fields: refused until Outrider constrains output."""
+BACKENDS = ("auto", "guidance", "llguidance")
+"""vLLM's ``guided_decoding_backend`` values Outrider's grammars (llguidance's) answer."""
+
+
+class JsonSchema(Body):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def json_text(schema: str | dict[str, Any]) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class GenerationBody(Body):
@@ -145,7 +163,7 @@ class GenerationBody(Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_decoding_backend: str | None = None
 
     # Outrider's own.
@@ -163,17 +181,57 @@ class GenerationBody(Body):
                 raise InvalidArgument(
                     f"{name} = {value!r} is not supported by Outrider: leave it out", param=name
                 )
-        for name in GUIDED_DECODING:
-            if getattr(self, name) is not None:
-                raise InvalidArgument(
-                    f"{name} is not supported by Outrider yet: it does not constrain the "
-                    "output to a schema, regex, choice or grammar; leave it out",
-                    param=name,
-                )
+        if self.guided_decoding_backend not in (None, *BACKENDS):
+            raise InvalidArgument(
+                f"guided_decoding_backend = {self.guided_decoding_backend!r}: Outrider's "
+                f"grammars are llguidance's; send one of {', '.join(BACKENDS)} or leave it out",
+                param="guided_decoding_backend",
+            )
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        """The structured outputs the body asks for, by the field that asks."""
+        found = {}
+        if self.guided_json is not None:
+            found["guided_json"] = StructuredOutput("json_schema", json_text(self.guided_json))
+        if self.guided_regex is not None:
+            found["guided_regex"] = StructuredOutput("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            found["guided_choice"] = StructuredOutput("choice", json.dumps(self.guided_choice))
+        if self.guided_grammar is not None:
+            found["guided_grammar"] = StructuredOutput("grammar", self.guided_grammar)
+        if (outputs := self.structured_outputs) is not None:
+            given = {
+                "json": outputs.json_ is not None
+                and StructuredOutput("json_schema", json_text(outputs.json_)),
+                "regex": outputs.regex is not None and StructuredOutput("regex", outputs.regex),
+                "choice": outputs.choice is not None
+                and StructuredOutput("choice", json.dumps(outputs.choice)),
+                "grammar": outputs.grammar is not None
+                and StructuredOutput("grammar", outputs.grammar),
+                "json_object": bool(outputs.json_object) and StructuredOutput("json_object"),
+            }
+            found |= {f"structured_outputs.{k}": v for k, v in given.items() if v}
+        return found
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str]:
+        """The one structured output the body asks for (None: none), and the
+        field that asks; two at once are refused."""
+        found = self.constraints()
+        if len(found) > 1:
+            raise InvalidArgument(
+                f"{' and '.join(found)} each constrain the output: give one of them",
+                param=next(iter(found)),
+            )
+        return next(((v, k) for k, v in found.items()), (None, ""))
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each position reports (None: no logprobs)."""
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -201,12 +259,41 @@ class ChatCompletionRequest(GenerationBody):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     prediction: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        found = super().constraints()
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return found
+        if rf.type == "json_object":
+            return {"response_format": StructuredOutput("json_object"), **found}
+        if rf.json_schema is None:
+            raise InvalidArgument(
+                "response_format of type json_schema needs its json_schema ({name, schema})",
+                param="response_format.json_schema",
+            )
+        schema = json.dumps(rf.json_schema.schema_)
+        return {"response_format": StructuredOutput("json_schema", schema), **found}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each position reports (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs = true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"top_logprobs = {top}: give 0 to {MAX_LOGPROBS}", param="top_logprobs"
+            )
+        return top
 
     def token_limit(self) -> tuple[str, int | None]:
         """The token limit and the field that set it: ``max_completion_tokens``
@@ -236,6 +323,15 @@ class CompletionRequest(GenerationBody):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each position reports (None: no logprobs)."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"logprobs = {self.logprobs}: give 0 to {MAX_LOGPROBS}", param="logprobs"
+            )
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()

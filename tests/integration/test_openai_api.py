@@ -234,7 +234,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1] * 600}, 400, None, "context holds 512"),
     ("/v1/completions", {"prompt": [1, 512]}, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "give 0 to 20"),
     ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
     (
         "/v1/completions",
@@ -252,7 +252,7 @@ BAD_REQUESTS = [
         "messages[0].role",
         "use one of",
     ),  # fmt: skip
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs"),
     (
         "/v1/chat/completions",
         {"messages": CHAT, "frequency_penalty": 0.5},

@@ -226,8 +226,12 @@ async def test_n_choices_of_several_prompts_are_numbered_prompt_major(stack):
 REFUSED = [
     # (fields, param, words of the message)
     ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty", "not supported"),
-    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json", "not supported"),
-    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex", "not supported"),
+    (
+        {"extra_body": {"guided_decoding_backend": "xgrammar"}},
+        "guided_decoding_backend",
+        "llguidance",
+    ),
+    ({"extra_body": {"guided_regex": "(("}}, "guided_regex", "does not compile"),
     ({"extra_body": {"min_tokens": 30}}, "min_tokens", "more than the 24 tokens"),
     ({"extra_body": {"min_tokens": -1}}, "min_tokens", "0 or more"),
     ({"extra_body": {"use_beam_search": True}}, "use_beam_search", "Unrecognized"),
@@ -247,7 +251,7 @@ async def test_refused_fields_get_a_400_naming_them_and_accepted_ones_pass(stack
         accepted = {
             "repetition_penalty": 1.0, "skip_special_tokens": True,
             "spaces_between_special_tokens": False, "top_k": -1, "min_p": 0.0,
-            "guided_decoding_backend": None,
+            "guided_decoding_backend": "auto",
         }  # fmt: skip
         plain = await client.completions.create(model=served(s), prompt="Hello", **GREEDY)
         reply = await client.completions.create(

@@ -57,6 +57,25 @@ def test_unimplemented_parameters_at_their_neutral_value_pass(body):
     ChatCompletionRequest.model_validate({"messages": CHAT, **body}).check_supported()
 
 
+@pytest.mark.parametrize(
+    "body, kind",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "json_schema"),
+        ({"guided_choice": ["a", "b"]}, "choice"),
+        ({"guided_regex": "a+"}, "regex"),
+        ({"structured_outputs": {"grammar": "start: /a+/"}}, "grammar"),
+    ],
+)  # fmt: skip
+def test_each_way_to_ask_for_structured_output_gives_its_constraint(body, kind):
+    output, field = ChatCompletionRequest.model_validate(
+        {"messages": CHAT, **body}
+    ).structured_output()
+    assert output is not None and output.kind == kind
+    assert field.split(".")[0] in body
+
+
 def test_best_of_passes_only_equal_to_n():
     CompletionRequest(prompt="a", n=3, best_of=3).check_supported()
     with pytest.raises(errors.InvalidArgument) as info:
@@ -68,15 +87,11 @@ def test_best_of_passes_only_equal_to_n():
     "model, body, param",
     [
         (ChatCompletionRequest, {"messages": CHAT, "presence_penalty": 0.1}, "presence_penalty"),
-        (ChatCompletionRequest, {"messages": CHAT, "response_format": {"type": "json_object"}},
-         "response_format"),
-        (CompletionRequest, {"prompt": "a", "logprobs": 0}, "logprobs"),  # 0 asks for them
         (CompletionRequest, {"prompt": "a", "echo": True}, "echo"),
         (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of"),
         (CompletionRequest, {"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
-        (ChatCompletionRequest, {"messages": CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
-        (CompletionRequest, {"prompt": "a", "structured_outputs": {"regex": "a+"}},
-         "structured_outputs"),
+        (ChatCompletionRequest, {"messages": CHAT, "guided_decoding_backend": "xgrammar"},
+         "guided_decoding_backend"),
     ],
 )  # fmt: skip
 def test_unimplemented_parameters_that_would_change_the_output_are_refused(model, body, param):
