@@ -51,8 +51,6 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    min_tokens: int = 0
-    """The first min_tokens tokens end nothing: no stop string, stop token or EOS."""
     include_stop_str_in_output: bool = False
     """The stop string or stop token that ends the text is part of it."""
     skip_special_tokens: bool = True
@@ -152,11 +150,19 @@ class RequestBuilder:
         self.check_stops(params)
         self.check_min_tokens(params.min_tokens, max_new_tokens, names)
         k, adaptive, pipeline = self.speculation(params)
-        sampling = self.sampling(params)
-        if (output := params.structured_output) is not None:
-            self.check_structured_output(output, names)
-            output = dataclasses.replace(output, start=len(prompt_ids))
-            sampling = dataclasses.replace(sampling, structured_output=output)
+        if params.structured_output is not None:
+            self.check_structured_output(params.structured_output, names)
+        eos = frozenset() if params.ignore_eos else self.models.eos_token_ids
+        sampling = dataclasses.replace(
+            self.sampling(params),
+            structured_output=params.structured_output,
+            min_tokens=params.min_tokens,
+            # What min_tokens holds back on the target: only what would end the text.
+            stop_token_ids=frozenset(params.stop_token_ids) | eos
+            if params.min_tokens
+            else frozenset(),
+            start=len(prompt_ids),
+        )
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -164,7 +170,6 @@ class RequestBuilder:
             stop=tuple(params.stop),
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
-            min_tokens=params.min_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             adaptive=adaptive,

@@ -136,7 +136,7 @@ class Generation:
             request.prompt_ids,
             request.stop,
             stop_token_ids=self.stop_ids,
-            min_tokens=request.min_tokens,
+            min_tokens=request.sampling.min_tokens,
             include_stop=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
         )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 from outrider.engine import Feed, Job, Logits
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import HiddenStates
-from outrider.sampling import Stream, compact, constrain, draw
+from outrider.sampling import Stream, compact, constrain, draw, hold_back
 from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
 
@@ -141,16 +141,15 @@ def draw_drafts(
     told of each fed token's output."""
     sampling, grammar, position = session.sampling, session.grammar, len(history)
     if grammar is not None:
-        assert sampling.structured_output is not None  # (a session with a grammar has one)
-        grammar.sync(history[sampling.structured_output.start :])
+        grammar.sync(history[sampling.start :])
     tokens: list[int] = []
     probs: list[CompactProbs] = []
     while True:
-        logits = out.values[-1:]
-        if grammar is not None:
-            logits = constrain(logits, grammar.mask()[None])
+        raw = out.values[-1:]
+        logits = raw if grammar is None else constrain(raw, grammar.mask()[None])
+        logits = hold_back(logits, sampling, position + len(tokens))
         if sampling.is_greedy:
-            token = out.argmax[-1] if grammar is None else int(logits[0].argmax())
+            token = out.argmax[-1] if logits is raw else int(logits[0].argmax())
             q = None
         else:
             token, q = draw(logits[0], sampling, position + len(tokens), Stream.DRAFT)

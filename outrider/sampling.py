@@ -55,6 +55,7 @@ __all__ = [
     "expand",
     "gumbel_draw",
     "gumbel_noise",
+    "hold_back",
     "probabilities",
     "quantize",
     "sample",
@@ -138,6 +139,23 @@ def constrain(logits: torch.Tensor, bitmasks: np.ndarray) -> torch.Tensor:
     bits = np.unpackbits(bitmasks.view(np.uint8), axis=-1, bitorder="little")
     allowed = torch.from_numpy(bits[:, : logits.shape[-1]].view(np.bool_))
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def hold_back(logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+    """``logits`` ``[T, V]`` of the positions from ``position`` with
+    ``params.stop_token_ids`` at -inf in the rows of the request's first
+    ``min_tokens`` generated tokens (vLLM's min_tokens) — except in a row
+    that would then allow nothing (a finished structured output allows only
+    end-of-sequence tokens)."""
+    rows = params.start + params.min_tokens - position
+    if rows <= 0 or not params.stop_token_ids:
+        return logits
+    held = logits.clone()
+    ids = torch.tensor(sorted(params.stop_token_ids), device=logits.device)
+    held[:rows, ids] = float("-inf")
+    empty = torch.isneginf(held[:rows]).all(dim=-1)
+    held[:rows][empty] = logits[:rows][empty]
+    return held
 
 
 def token_logprobs(

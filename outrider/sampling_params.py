@@ -52,9 +52,6 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
-    start: int = 0
-    """The history's position where generation began (the prompt's length):
-    the constraint applies to the tokens from there."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_OUTPUT_KINDS:
@@ -62,8 +59,6 @@ class StructuredOutput:
                 f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
                 f"got {self.kind!r}"
             )
-        if not (_is_integer(self.start) and self.start >= 0):
-            raise ValueError(f"structured output start must be an integer >= 0, got {self.start!r}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +82,15 @@ class SamplingParams:
     this many most likely tokens at its position; None: none."""
     structured_output: StructuredOutput | None = None
     """What the generated tokens must follow; None: anything."""
+    min_tokens: int = 0
+    """The first ``min_tokens`` generated tokens are none of ``stop_token_ids``:
+    the target gives those no mass there (vLLM's min_tokens)."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """The ids that end a generation (its end-of-sequence and stop token
+    ids), which ``min_tokens`` holds back."""
+    start: int = 0
+    """The history's position where generation began (the prompt's
+    length): where ``structured_output`` and ``min_tokens`` apply from."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.verification, Verification):
@@ -114,6 +118,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
         if not (_is_integer(self.seed) and 0 <= self.seed <= UINT64_MAX):
             raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if not (_is_integer(self.min_tokens) and self.min_tokens >= 0):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not (_is_integer(self.start) and self.start >= 0):
+            raise ValueError(f"start must be an integer >= 0, got {self.start!r}")
         if self.logprobs is not None and not (
             _is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):

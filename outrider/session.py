@@ -78,7 +78,7 @@ class Session:
                 "send the request without one"
             )
         self.grammar = grammars.matcher(output)
-        self.grammar.sync(self.tokens[output.start :])
+        self.grammar.sync(self.tokens[self.sampling.start :])
 
     @property
     def committed_len(self) -> int:

@@ -44,6 +44,9 @@ def sampling_to_pb(params: SamplingParams) -> worker_pb2.Sampling:
         verification=VERIFICATION_TO_PB[params.verification],
         logprobs=params.logprobs,
         grammar=grammar_to_pb(params.structured_output),
+        min_tokens=params.min_tokens,
+        stop_token_ids=sorted(params.stop_token_ids),
+        start=params.start,
     )
 
 
@@ -59,11 +62,12 @@ def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
                 message.verification, temperature=message.temperature
             ),
             logprobs=message.logprobs if message.HasField("logprobs") else None,
-            structured_output=StructuredOutput(
-                message.grammar.kind, message.grammar.spec, message.grammar.start
-            )
+            structured_output=StructuredOutput(message.grammar.kind, message.grammar.spec)
             if message.HasField("grammar")
             else None,
+            min_tokens=message.min_tokens,
+            stop_token_ids=frozenset(message.stop_token_ids),
+            start=message.start,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
@@ -72,7 +76,7 @@ def sampling_from_pb(message: worker_pb2.Sampling) -> SamplingParams:
 def grammar_to_pb(output: StructuredOutput | None) -> worker_pb2.Grammar | None:
     if output is None:
         return None
-    return worker_pb2.Grammar(kind=output.kind, spec=output.spec, start=output.start)
+    return worker_pb2.Grammar(kind=output.kind, spec=output.spec)
 
 
 def probs_to_pb(rows: list[CompactProbs]) -> list[worker_pb2.DraftProbs]:

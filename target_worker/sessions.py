@@ -16,7 +16,7 @@ from outrider.engine import Feed, Job, Logits
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.grammar import Grammars
 from outrider.hidden_states import NONE, HiddenStates, concat
-from outrider.sampling import constrain, expand, token_logprobs
+from outrider.sampling import constrain, expand, hold_back, token_logprobs
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import CompactProbs, Verdict
@@ -159,6 +159,8 @@ class TargetSessions:
         logits, argmax = out.values, out.argmax
         if masks is not None:
             logits = constrain(logits, masks[: verified + 1])
+        logits = hold_back(logits, session.sampling, committed_len)
+        if logits is not out.values:
             argmax = logits.argmax(dim=-1).tolist()
 
         # 2. Verify (greedy against the argmaxes the engine took for the whole step).

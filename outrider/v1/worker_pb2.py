@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from outrider.v1 import coordinator_pb2 as outrider_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18outrider/v1/worker.proto\x12\x0boutrider.v1\x1a\x1doutrider/v1/coordinator.proto\"\x16\n\x14GetWorkerInfoRequest\"\xaa\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x1e\n\x16graphed_tokens_per_row\x18\x0b \x01(\r\x12\x1b\n\x13hidden_state_layers\x18\x0c \x03(\r\".\n\x0cHiddenStates\x12\x10\n\x08\x62\x66loat16\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xb7\x01\n\nEngineLoad\x12\x14\n\x0c\x63urve_tokens\x18\x01 \x03(\x01\x12\x15\n\rcurve_seconds\x18\x02 \x03(\x01\x12\x12\n\ncurve_rows\x18\x07 \x03(\x01\x12\x17\n\x0ftokens_per_step\x18\x03 \x01(\x01\x12\x15\n\rrows_per_step\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x11\n\trunning_s\x18\x06 \x01(\x01\x12\x16\n\x0ework_per_row_s\x18\x08 \x01(\x01\"\xfe\x01\n\x0bSessionOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x03 \x01(\r\x12 \n\x18target_vocab_fingerprint\x18\x04 \x01(\t\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x08\x12\x1b\n\x13hidden_state_layers\x18\x07 \x03(\r\x12\x30\n\rhidden_states\x18\x08 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\"\xd6\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12/\n\x0cverification\x18\x06 \x01(\x0e\x32\x19.outrider.v1.Verification\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x00\x88\x01\x01\x12%\n\x07grammar\x18\x08 \x01(\x0b\x32\x14.outrider.v1.GrammarB\x0b\n\t_logprobs\"4\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\"`\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07num_top\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\".\n\nDraftProbs\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05probs\x18\x02 \x01(\x0c\"\xeb\x01\n\rSessionOpened\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\'\n\x08logprobs\x18\x06 \x01(\x0b\x32\x15.outrider.v1.Logprobs\x12\x30\n\rhidden_states\x18\x05 \x01(\x0b\x32\x19.outrider.v1.HiddenStatesB\x11\n\x0f_first_token_id\"\xc6\x01\n\nDraftRound\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x11\n\tspeculate\x18\x04 \x01(\x08\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x10\n\x08round_id\x18\x06 \x01(\x04\x12\x30\n\rhidden_states\x18\x07 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\"\x0e\n\x0cSessionClose\"\x96\x01\n\x0c\x44raftRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.outrider.v1.SessionOpenH\x00\x12(\n\x05round\x18\x02 \x01(\x0b\x32\x17.outrider.v1.DraftRoundH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.outrider.v1.SessionCloseH\x00\x42\x06\n\x04kind\"\xe7\x01\n\rDraftProposal\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12,\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x17.outrider.v1.DraftProbs\x12\x10\n\x08round_id\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ollows_len\x18\x05 \x01(\r\x12\x1b\n\x0eguess_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12%\n\x04load\x18\x07 \x01(\x0b\x32\x17.outrider.v1.EngineLoadB\x11\n\x0f_guess_token_id\"u\n\rDraftResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.outrider.v1.SessionOpenedH\x00\x12.\n\x08proposal\x18\x02 \x01(\x0b\x32\x1a.outrider.v1.DraftProposalH\x00\x42\x06\n\x04kind\"k\n\x0bVerifyRound\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x17.outrider.v1.DraftProbs\"\x98\x01\n\rVerifyRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.outrider.v1.SessionOpenH\x00\x12)\n\x05round\x18\x02 \x01(\x0b\x32\x18.outrider.v1.VerifyRoundH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.outrider.v1.SessionCloseH\x00\x42\x06\n\x04kind\"\xf3\x01\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x14\n\x0cnum_verified\x18\x05 \x01(\r\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x30\n\rhidden_states\x18\x07 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\x12\'\n\x08logprobs\x18\x08 \x01(\x0b\x32\x15.outrider.v1.Logprobs\"o\n\x0eVerifyResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.outrider.v1.SessionOpenedH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.outrider.v1.VerdictH\x00\x42\x06\n\x04kind2\xa0\x01\n\x0b\x44raftWorker\x12\x44\n\x07Session\x12\x19.outrider.v1.DraftRequest\x1a\x1a.outrider.v1.DraftResponse(\x01\x30\x01\x12K\n\rGetWorkerInfo\x12!.outrider.v1.GetWorkerInfoRequest\x1a\x17.outrider.v1.WorkerInfo2\xa3\x01\n\x0cTargetWorker\x12\x46\n\x07Session\x12\x1a.outrider.v1.VerifyRequest\x1a\x1b.outrider.v1.VerifyResponse(\x01\x30\x01\x12K\n\rGetWorkerInfo\x12!.outrider.v1.GetWorkerInfoRequest\x1a\x17.outrider.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18outrider/v1/worker.proto\x12\x0boutrider.v1\x1a\x1doutrider/v1/coordinator.proto\"\x16\n\x14GetWorkerInfoRequest\"\xaa\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x04 \x01(\t\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x1e\n\x16graphed_tokens_per_row\x18\x0b \x01(\r\x12\x1b\n\x13hidden_state_layers\x18\x0c \x03(\r\".\n\x0cHiddenStates\x12\x10\n\x08\x62\x66loat16\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xb7\x01\n\nEngineLoad\x12\x14\n\x0c\x63urve_tokens\x18\x01 \x03(\x01\x12\x15\n\rcurve_seconds\x18\x02 \x03(\x01\x12\x12\n\ncurve_rows\x18\x07 \x03(\x01\x12\x17\n\x0ftokens_per_step\x18\x03 \x01(\x01\x12\x15\n\rrows_per_step\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x11\n\trunning_s\x18\x06 \x01(\x01\x12\x16\n\x0ework_per_row_s\x18\x08 \x01(\x01\"\xfe\x01\n\x0bSessionOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x03 \x01(\r\x12 \n\x18target_vocab_fingerprint\x18\x04 \x01(\t\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x08\x12\x1b\n\x13hidden_state_layers\x18\x07 \x03(\r\x12\x30\n\rhidden_states\x18\x08 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\"\x91\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12/\n\x0cverification\x18\x06 \x01(\x0e\x32\x19.outrider.v1.Verification\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x00\x88\x01\x01\x12%\n\x07grammar\x18\x08 \x01(\x0b\x32\x14.outrider.v1.Grammar\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\r\n\x05start\x18\x0b \x01(\rB\x0b\n\t_logprobs\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"`\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07num_top\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\".\n\nDraftProbs\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05probs\x18\x02 \x01(\x0c\"\xeb\x01\n\rSessionOpened\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\'\n\x08logprobs\x18\x06 \x01(\x0b\x32\x15.outrider.v1.Logprobs\x12\x30\n\rhidden_states\x18\x05 \x01(\x0b\x32\x19.outrider.v1.HiddenStatesB\x11\n\x0f_first_token_id\"\xc6\x01\n\nDraftRound\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x11\n\tspeculate\x18\x04 \x01(\x08\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x10\n\x08round_id\x18\x06 \x01(\x04\x12\x30\n\rhidden_states\x18\x07 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\"\x0e\n\x0cSessionClose\"\x96\x01\n\x0c\x44raftRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.outrider.v1.SessionOpenH\x00\x12(\n\x05round\x18\x02 \x01(\x0b\x32\x17.outrider.v1.DraftRoundH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.outrider.v1.SessionCloseH\x00\x42\x06\n\x04kind\"\xe7\x01\n\rDraftProposal\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12,\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x17.outrider.v1.DraftProbs\x12\x10\n\x08round_id\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ollows_len\x18\x05 \x01(\r\x12\x1b\n\x0eguess_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12%\n\x04load\x18\x07 \x01(\x0b\x32\x17.outrider.v1.EngineLoadB\x11\n\x0f_guess_token_id\"u\n\rDraftResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.outrider.v1.SessionOpenedH\x00\x12.\n\x08proposal\x18\x02 \x01(\x0b\x32\x1a.outrider.v1.DraftProposalH\x00\x42\x06\n\x04kind\"k\n\x0bVerifyRound\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x17.outrider.v1.DraftProbs\"\x98\x01\n\rVerifyRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.outrider.v1.SessionOpenH\x00\x12)\n\x05round\x18\x02 \x01(\x0b\x32\x18.outrider.v1.VerifyRoundH\x00\x12*\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x19.outrider.v1.SessionCloseH\x00\x42\x06\n\x04kind\"\xf3\x01\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.outrider.v1.EngineLoad\x12\x14\n\x0cnum_verified\x18\x05 \x01(\r\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x30\n\rhidden_states\x18\x07 \x01(\x0b\x32\x19.outrider.v1.HiddenStates\x12\'\n\x08logprobs\x18\x08 \x01(\x0b\x32\x15.outrider.v1.Logprobs\"o\n\x0eVerifyResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.outrider.v1.SessionOpenedH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.outrider.v1.VerdictH\x00\x42\x06\n\x04kind2\xa0\x01\n\x0b\x44raftWorker\x12\x44\n\x07Session\x12\x19.outrider.v1.DraftRequest\x1a\x1a.outrider.v1.DraftResponse(\x01\x30\x01\x12K\n\rGetWorkerInfo\x12!.outrider.v1.GetWorkerInfoRequest\x1a\x17.outrider.v1.WorkerInfo2\xa3\x01\n\x0cTargetWorker\x12\x46\n\x07Session\x12\x1a.outrider.v1.VerifyRequest\x1a\x1b.outrider.v1.VerifyResponse(\x01\x30\x01\x12K\n\rGetWorkerInfo\x12!.outrider.v1.GetWorkerInfoRequest\x1a\x17.outrider.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONOPEN']._serialized_start=632
   _globals['_SESSIONOPEN']._serialized_end=886
   _globals['_SAMPLING']._serialized_start=889
-  _globals['_SAMPLING']._serialized_end=1103
-  _globals['_GRAMMAR']._serialized_start=1105
-  _globals['_GRAMMAR']._serialized_end=1157
-  _globals['_LOGPROBS']._serialized_start=1159
-  _globals['_LOGPROBS']._serialized_end=1255
-  _globals['_DRAFTPROBS']._serialized_start=1257
-  _globals['_DRAFTPROBS']._serialized_end=1303
-  _globals['_SESSIONOPENED']._serialized_start=1306
-  _globals['_SESSIONOPENED']._serialized_end=1541
-  _globals['_DRAFTROUND']._serialized_start=1544
-  _globals['_DRAFTROUND']._serialized_end=1742
-  _globals['_SESSIONCLOSE']._serialized_start=1744
-  _globals['_SESSIONCLOSE']._serialized_end=1758
-  _globals['_DRAFTREQUEST']._serialized_start=1761
-  _globals['_DRAFTREQUEST']._serialized_end=1911
-  _globals['_DRAFTPROPOSAL']._serialized_start=1914
-  _globals['_DRAFTPROPOSAL']._serialized_end=2145
-  _globals['_DRAFTRESPONSE']._serialized_start=2147
-  _globals['_DRAFTRESPONSE']._serialized_end=2264
-  _globals['_VERIFYROUND']._serialized_start=2266
-  _globals['_VERIFYROUND']._serialized_end=2373
-  _globals['_VERIFYREQUEST']._serialized_start=2376
-  _globals['_VERIFYREQUEST']._serialized_end=2528
-  _globals['_VERDICT']._serialized_start=2531
-  _globals['_VERDICT']._serialized_end=2774
-  _globals['_VERIFYRESPONSE']._serialized_start=2776
-  _globals['_VERIFYRESPONSE']._serialized_end=2887
-  _globals['_DRAFTWORKER']._serialized_start=2890
-  _globals['_DRAFTWORKER']._serialized_end=3050
-  _globals['_TARGETWORKER']._serialized_start=3053
-  _globals['_TARGETWORKER']._serialized_end=3216
+  _globals['_SAMPLING']._serialized_end=1162
+  _globals['_GRAMMAR']._serialized_start=1164
+  _globals['_GRAMMAR']._serialized_end=1201
+  _globals['_LOGPROBS']._serialized_start=1203
+  _globals['_LOGPROBS']._serialized_end=1299
+  _globals['_DRAFTPROBS']._serialized_start=1301
+  _globals['_DRAFTPROBS']._serialized_end=1347
+  _globals['_SESSIONOPENED']._serialized_start=1350
+  _globals['_SESSIONOPENED']._serialized_end=1585
+  _globals['_DRAFTROUND']._serialized_start=1588
+  _globals['_DRAFTROUND']._serialized_end=1786
+  _globals['_SESSIONCLOSE']._serialized_start=1788
+  _globals['_SESSIONCLOSE']._serialized_end=1802
+  _globals['_DRAFTREQUEST']._serialized_start=1805
+  _globals['_DRAFTREQUEST']._serialized_end=1955
+  _globals['_DRAFTPROPOSAL']._serialized_start=1958
+  _globals['_DRAFTPROPOSAL']._serialized_end=2189
+  _globals['_DRAFTRESPONSE']._serialized_start=2191
+  _globals['_DRAFTRESPONSE']._serialized_end=2308
+  _globals['_VERIFYROUND']._serialized_start=2310
+  _globals['_VERIFYROUND']._serialized_end=2417
+  _globals['_VERIFYREQUEST']._serialized_start=2420
+  _globals['_VERIFYREQUEST']._serialized_end=2572
+  _globals['_VERDICT']._serialized_start=2575
+  _globals['_VERDICT']._serialized_end=2818
+  _globals['_VERIFYRESPONSE']._serialized_start=2820
+  _globals['_VERIFYRESPONSE']._serialized_end=2931
+  _globals['_DRAFTWORKER']._serialized_start=2934
+  _globals['_DRAFTWORKER']._serialized_end=3094
+  _globals['_TARGETWORKER']._serialized_start=3097
+  _globals['_TARGETWORKER']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

@@ -88,7 +88,7 @@ class SessionOpen(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., target_vocab_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., first_token: _Optional[bool] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification", "logprobs", "grammar")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "verification", "logprobs", "grammar", "min_tokens", "stop_token_ids", "start")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,9 @@ class Sampling(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -105,17 +108,18 @@ class Sampling(_message.Message):
     verification: _coordinator_pb2.Verification
     logprobs: int
     grammar: Grammar
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[_coordinator_pb2.Verification, str]] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[_coordinator_pb2.Verification, str]] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("kind", "spec", "start")
+    __slots__ = ("kind", "spec")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
-    start: int
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("token_logprobs", "num_top", "top_token_ids", "top_logprobs")

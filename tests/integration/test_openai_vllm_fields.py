@@ -12,7 +12,8 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from outrider.client import AsyncClient
 from tests.integration.harness import reference_greedy, running_stack
@@ -52,7 +53,23 @@ def repeated_token(reference: list[int]) -> tuple[int, int, int]:
     raise AssertionError(f"no token repeats in {reference}")
 
 
-async def test_min_tokens_holds_back_a_stop_token_id_and_a_stop_string(stack, tokenizer):
+def held_back_greedy(model_dir, banned: int, min_tokens: int) -> list[int]:
+    """Target-only greedy decoding of MAX_TOKENS after PROMPT_IDS, ``banned``
+    given no mass in the first ``min_tokens`` tokens (Hugging Face's forward)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    ids = list(PROMPT_IDS)
+    while len(ids) - len(PROMPT_IDS) < MAX_TOKENS:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        if len(ids) - len(PROMPT_IDS) < min_tokens:
+            logits[banned] = -torch.inf
+        ids.append(int(logits.argmax()))
+    return ids[len(PROMPT_IDS) :]
+
+
+async def test_min_tokens_holds_back_a_stop_token_id_and_a_stop_string(
+    stack, tokenizer, tiny_target_dir
+):
     async with stack as s, AsyncClient(s.address) as grpc_client, api(s) as client:
         reference = list(
             (await grpc_client.generate(token_ids=PROMPT_IDS, max_new_tokens=MAX_TOKENS)).token_ids
@@ -71,22 +88,26 @@ async def test_min_tokens_holds_back_a_stop_token_id_and_a_stop_string(stack, to
             first + 1,
             "stop",
         )
+        # Held back, the stop token gets no mass in the first min_tokens
+        # tokens (vLLM's min_tokens): the target takes its next choice there.
         held = dict(stops, min_tokens=first + 1)
+        want = held_back_greedy(tiny_target_dir, stop_id, first + 1)
+        end = want.index(stop_id) if stop_id in want else len(want)
         assert await text_and_tokens(**held) == (
-            decoded(tokenizer, reference[:again]),
-            again + 1,
-            "stop",
+            decoded(tokenizer, want[:end]),
+            min(end + 1, MAX_TOKENS),
+            "stop" if end < len(want) else "length",
         )
         # The stop token's text is kept when asked, as a stop string's is.
         kept = dict(held, include_stop_str_in_output=True)
-        assert (await text_and_tokens(**kept))[0] == decoded(tokenizer, reference[: again + 1])
-        # The gRPC API: the same fields, the same tokens and text.
-        via_grpc = await grpc_client.generate(
-            token_ids=PROMPT_IDS, max_new_tokens=MAX_TOKENS, stop_token_ids=[stop_id],
-            min_tokens=first + 1,
-        )  # fmt: skip
-        assert list(via_grpc.token_ids) == reference[: again + 1]
-        assert via_grpc.text == decoded(tokenizer, reference[:again])
+        assert (await text_and_tokens(**kept))[0] == decoded(tokenizer, want[: end + 1])
+        # The gRPC API: the same fields, the same tokens, drafted or not.
+        for k in (0, 4):
+            via_grpc = await grpc_client.generate(
+                token_ids=PROMPT_IDS, max_new_tokens=MAX_TOKENS, stop_token_ids=[stop_id],
+                min_tokens=first + 1, num_speculative_tokens=k,
+            )  # fmt: skip
+            assert list(via_grpc.token_ids) == want[: end + 1]
 
         # A stop string counts once it ends in the text of a token past min_tokens.
         full = decoded(tokenizer, reference)
@@ -103,7 +124,7 @@ async def test_min_tokens_holds_back_a_stop_token_id_and_a_stop_string(stack, to
 
 async def test_min_tokens_holds_back_eos(tiny_target_dir, tiny_draft_other_dir, tokenizer):
     reference = reference_greedy(tiny_target_dir, PROMPT_IDS, MAX_TOKENS, eos=None)
-    eos, first, again = repeated_token(reference)
+    eos, first, _ = repeated_token(reference)
     async with (
         running_stack(
             tiny_target_dir, draft_dir=tiny_draft_other_dir, eos_token_ids={eos}, http=True
@@ -111,15 +132,23 @@ async def test_min_tokens_holds_back_eos(tiny_target_dir, tiny_draft_other_dir, 
         api(s) as client,
     ):
         greedy = dict(model=served(s), prompt=PROMPT_IDS, temperature=0, max_tokens=MAX_TOKENS)
-        for fields, tokens, reason in (
-            ({}, first + 1, "stop"),
-            ({"min_tokens": first + 1}, again + 1, "stop"),
-            ({"min_tokens": first + 1, "ignore_eos": True}, MAX_TOKENS, "length"),
+        held = held_back_greedy(tiny_target_dir, eos, first + 1)
+        assert eos not in held[: first + 1]
+        end = held.index(eos) + 1 if eos in held else MAX_TOKENS  # (tokens, EOS included)
+        for fields, tokens, reason, text in (
+            ({}, first + 1, "stop", decoded(tokenizer, reference[:first])),
+            (
+                {"min_tokens": first + 1},
+                end,
+                "stop" if eos in held else "length",
+                decoded(tokenizer, held[:end]),  # (EOS has no text)
+            ),
+            ({"ignore_eos": True}, MAX_TOKENS, "length", decoded(tokenizer, reference)),
         ):
             reply = await client.completions.create(**greedy, extra_body=fields)
             assert reply.usage.completion_tokens == tokens, fields
             assert reply.choices[0].finish_reason == reason
-        assert reply.choices[0].text == decoded(tokenizer, reference)
+            assert reply.choices[0].text == text
     assert await s.sessions_left() == (0, 0)
 
 

@@ -81,7 +81,7 @@ from tests.integration.test_sampling_distribution import (
 
 EOS = VOCAB - 1  # "p"
 PATTERN = "(?:[a-h][i-o])*[a-h]?"
-OUTPUT = StructuredOutput("regex", PATTERN, start=len(PROMPT))
+OUTPUT = StructuredOutput("regex", PATTERN)
 
 
 def grammars() -> Grammars:
@@ -219,7 +219,9 @@ async def samples(
         drafted = accepted = hits = misses = 0
         for seed in range(n):
             req = request(setting, mode, seed, k, pipeline)
-            req = replace(req, sampling=replace(req.sampling, structured_output=OUTPUT))
+            req = replace(
+                req, sampling=replace(req.sampling, structured_output=OUTPUT, start=len(PROMPT))
+            )
             tokens, st = await run_once(world.models, target, draft_client_, req)
             out[seed] = tokens
             drafted += st.draft_tokens

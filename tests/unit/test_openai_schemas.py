@@ -175,7 +175,7 @@ def test_the_builder_names_fields_as_the_receiving_api_does():
     with pytest.raises(errors.InvalidArgument) as info:
         builder.build(RequestParams(token_ids=[1], min_tokens=-1))
     assert info.value.param == "min_tokens" and "0 or more" in str(info.value)
-    assert builder.build(RequestParams(token_ids=[1], min_tokens=16)).min_tokens == 16
+    assert builder.build(RequestParams(token_ids=[1], min_tokens=16)).sampling.min_tokens == 16
     assert not builder.build(
         RequestParams(token_ids=[1], skip_special_tokens=False)
     ).skip_special_tokens
