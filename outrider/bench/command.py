@@ -124,7 +124,11 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
     """One request at a time: for each prompt, every configuration in turn."""
     endpoints: dict[str | None, OutriderEndpoint] = {}
     for label, services in stack.coordinators.items():
-        endpoint = OutriderEndpoint(services[0].address, ignore_eos=options.ignore_eos)
+        endpoint = OutriderEndpoint(
+            services[0].address,
+            ignore_eos=options.ignore_eos,
+            json_schema=options.json_schema.read_text() if options.json_schema else None,
+        )
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
     configs = outrider_configs(

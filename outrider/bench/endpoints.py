@@ -14,11 +14,16 @@ from outrider.bench.prompts import Prompt
 class OutriderEndpoint:
     """One coordinator, asked through the SDK's blocking client."""
 
-    def __init__(self, address: str, *, ignore_eos: bool = False) -> None:
-        from outrider.client import Client
+    def __init__(
+        self, address: str, *, ignore_eos: bool = False, json_schema: str | None = None
+    ) -> None:
+        from outrider.client import Client, StructuredOutput
 
         self.client = Client(address)
         self.ignore_eos = ignore_eos
+        self.structured_output = (
+            None if json_schema is None else StructuredOutput("json_schema", json_schema)
+        )
 
     def generate(
         self,
@@ -43,6 +48,7 @@ class OutriderEndpoint:
             adaptive=adaptive,
             pipeline=pipeline,
             ignore_eos=self.ignore_eos,
+            structured_output=self.structured_output,
         )
         wall_s = time.perf_counter() - started
         return measurement_from_stats(result.token_ids, result.stats, wall_s)

@@ -69,7 +69,9 @@ class BenchOptions:
         default=(DEFAULT_PROMPT_SET,), metadata={"repeatable": True, "metavar": "SET|FILE"}
     )
     """a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 HumanEval
-    prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those) or a JSONL file,
+    prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those; describe: 20
+    requests for a JSON description, whose schema is outrider/bench/data/describe/
+    describe.schema.json) or a JSONL file,
     rows with `turns` (the first is used) or `prompt`, and optionally `category` (else the file
     stem); each is sent as one user chat message; repeatable"""
     limit: int | None = None
@@ -105,6 +107,10 @@ class BenchOptions:
     device: str = field(default="auto", metadata={"parse": check_device, "metavar": "DEVICE"})
     """where both workers and the Hugging Face configurations run: auto (the first CUDA device if
     there is one, else the CPU), cpu, cuda or cuda:N"""
+    json_schema: Path | None = field(default=None, metadata={"metavar": "FILE"})
+    """constrain every Outrider request's output to the JSON schema in FILE (structured
+    output; one request at a time only); Hugging Face's configurations then do not run (they
+    take no constraint), and the outputs are checked against outrider-k0's"""
     ignore_eos: bool = False
     """fixed-length runs: every request generates exactly --max-new-tokens, past end-of-sequence
     tokens (Outrider's ignore_eos; Hugging Face with no end-of-sequence token, which does the same
@@ -176,6 +182,13 @@ class BenchOptions:
             raise ValueError("--repeat must be at least 1")
         for drafter in self.drafters:
             parse_drafter(drafter, target_model=None)
+        if self.json_schema is not None:
+            if not self.json_schema.is_file():
+                raise ValueError(f"--json-schema {self.json_schema}: no such file")
+            if self.concurrency:
+                raise ValueError(
+                    "--json-schema runs one request at a time: leave out --concurrency"
+                )
 
     @property
     def prompt_files(self) -> tuple[Path, ...]:
@@ -184,7 +197,7 @@ class BenchOptions:
 
     @property
     def hf(self) -> bool:
-        return not self.no_hf
+        return not self.no_hf and self.json_schema is None
 
     @property
     def adaptive(self) -> bool:

@@ -20,9 +20,12 @@ PROMPT_SETS = {
     "mt-bench": DATA_DIR / "mt_bench" / "question.jsonl",
     "humaneval": DATA_DIR / "humaneval" / "HumanEval_prompts.jsonl",
     "long-context": DATA_DIR / "long_context" / "long_context.jsonl",
+    "describe": DATA_DIR / "describe" / "describe.jsonl",
 }
 """The shipped prompt sets, by the name ``--prompts`` takes."""
 DEFAULT_PROMPT_SET = "mt-bench"
+DESCRIBE_SCHEMA = DATA_DIR / "describe" / "describe.schema.json"
+"""The JSON schema the ``describe`` set's answers follow (``--json-schema``)."""
 
 
 def prompt_file(name_or_path: str) -> Path:

@@ -146,7 +146,7 @@ def test_sampled_twins_of_target_only_and_adaptive_k_run_last_at_temperature_1()
 
 def test_a_sampled_request_sends_its_temperature_and_its_prompts_seed():
     endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
-    endpoint.client, endpoint.ignore_eos = FakeClient(), False
+    endpoint.client, endpoint.ignore_eos, endpoint.structured_output = FakeClient(), False, None
     configs = outrider_configs({None: endpoint}, [4], adaptive=False, pipelined=False, sampled=True)
     assert [c.name for c in configs] == ["outrider-k0", "outrider-k0-t1"]
     for config in configs:
@@ -193,7 +193,7 @@ class FakeClient:
 
 def test_every_outrider_configuration_sends_pipeline_explicitly():
     endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
-    endpoint.client, endpoint.ignore_eos = FakeClient(), False
+    endpoint.client, endpoint.ignore_eos, endpoint.structured_output = FakeClient(), False, None
     configs = outrider_configs({"int4": endpoint}, [4], adaptive=True, pipelined=True)
     prompt = Prompt("q:1", "c", "x")
     for config in configs:

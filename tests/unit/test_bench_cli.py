@@ -8,7 +8,7 @@ import os
 import pytest
 
 from outrider.bench.options import BenchOptions, options_from_args
-from outrider.bench.prompts import PROMPT_SETS
+from outrider.bench.prompts import DESCRIBE_SCHEMA, PROMPT_SETS
 from outrider.cli import build_parser, main
 
 
@@ -29,6 +29,12 @@ def test_bench_flags_keep_their_defaults():
     assert (options.concurrency, options.configs, options.levels) == (None, None, ())
     assert (options.repeat, options.coordinators, options.target_tp, options.draft_tp) == (1,) * 4
     assert options.torch_threads == (os.cpu_count() or 1)
+
+
+def test_a_json_schema_constrains_outrider_and_leaves_hugging_face_out():
+    options = bench_options("--prompts", "describe", "--json-schema", str(DESCRIBE_SCHEMA))
+    assert options.prompt_files == (PROMPT_SETS["describe"],)
+    assert options.json_schema == DESCRIBE_SCHEMA and not options.hf
 
 
 def test_bench_flags_parse_to_their_values(tmp_path):
@@ -53,6 +59,11 @@ def test_bench_flags_parse_to_their_values(tmp_path):
         (["--drafters", "medusa"], "unknown drafter 'medusa'"),
         (["--limit", "0"], "--limit must be at least 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--json-schema", "nowhere.json"], "--json-schema nowhere.json: no such file"),
+        (
+            ["--json-schema", str(DESCRIBE_SCHEMA), "--concurrency", "8"],
+            "--json-schema runs one request at a time",
+        ),
     ],
 )
 def test_a_bad_value_is_the_bench_s_error_not_a_usage_error(capsys, flags, error):
