@@ -18,7 +18,9 @@ import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from coordinator.chat_template import ChatMessage, render
 from coordinator.served_models import Models
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
@@ -77,12 +79,6 @@ class SpeculationDefaults:
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
 class RequestParams:
     """A request as an API received it, not yet validated. The prompt is the
     one of ``text``, ``messages`` and ``token_ids`` that is set."""
@@ -91,6 +87,8 @@ class RequestParams:
     """Raw text, tokenized exactly as ``tokenizer(text)`` does."""
     messages: Sequence[ChatMessage] | None = None
     """Chat messages, rendered with the target's chat template."""
+    tools: Sequence[dict[str, Any]] = ()
+    """OpenAI's tool objects the chat template lists for the model (chat only)."""
     token_ids: Sequence[int] | None = None
     max_new_tokens: int | None = None
     """None: the server's default, within the room the context leaves."""
@@ -322,12 +320,7 @@ class RequestBuilder:
                     "the target's tokenizer has no chat template: send a text prompt instead",
                     param=names.messages,
                 )
-            ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
+            ids = render(tokenizer, messages, params.tools)
         elif params.token_ids is not None:
             ids = list(params.token_ids)
             if not ids:

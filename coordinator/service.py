@@ -7,10 +7,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from coordinator.adaptive.cost_model import CostModels
+from coordinator.chat_template import ChatMessage
 from coordinator.lookup import PromptLookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.requests import (
-    ChatMessage,
     GenerationRequest,
     RequestBuilder,
     RequestParams,
