@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.requests import ChatMessage, FieldNames, RequestParams
+from coordinator.requests import FieldNames, RequestParams
 from coordinator.service import CoordinatorService
 from outrider import errors
 from outrider.logging import bind_contextvars
@@ -114,6 +114,7 @@ class OpenAIApi:
             logprobs=None
             if body.num_logprobs is None
             else LogprobsFormat(self.service.models.tokenizer, chat=shape is CHAT),
+            tool_calls=isinstance(body, ChatCompletionRequest) and body.tool_mode != "none",
         )
         return GenerationResponse(completion, self.drain, {REQUEST_ID_KEY: request_id})
 
@@ -135,6 +136,7 @@ def choice_params(
                 base,
                 text=prompt.text,
                 messages=prompt.messages,
+                tools=prompt.tools,
                 token_ids=prompt.token_ids,
                 max_new_tokens=prompt.max_new_tokens,
                 seed=None if body.seed is None else body.seed + i,
@@ -183,9 +185,11 @@ def body_params(body: GenerationBody) -> RequestParams:
 
 def chat_prompt(body: ChatCompletionRequest) -> list[tuple[RequestParams, FieldNames]]:
     limit_field, limit = body.token_limit()
-    messages = [ChatMessage(m.role, m.text) for m in body.messages]
     names = FieldNames(messages="messages", max_new_tokens=limit_field)
-    return [(RequestParams(messages=messages, max_new_tokens=limit), names)]
+    params = RequestParams(
+        messages=body.chat_messages(), tools=body.rendered_tools(), max_new_tokens=limit
+    )
+    return [(params, names)]
 
 
 def completion_prompts(body: CompletionRequest) -> list[tuple[RequestParams, FieldNames]]:

@@ -33,6 +33,8 @@ from outrider.rpc import Drain
 
 from .errors import status_and_error
 from .logprobs import LogprobsFormat
+from .tool_calls import ToolCallParser, delta_call, finish_reason, message_call
+from .tool_calls import parse as parse_tool_calls
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -132,16 +134,23 @@ class ClientWatch:
 
 
 class ChatShape:
-    """Chat completions: a message per choice, a delta per chunk."""
+    """Chat completions: a message per choice, a delta per chunk; the
+    ``tool_calls`` of either, when there are some, come ready-made."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     @staticmethod
     def choice(
-        index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = list(tool_calls)
         return {
             "index": index,
             "message": message,
@@ -156,8 +165,12 @@ class ChatShape:
         finish_reason: str | None,
         logprobs: dict[str, Any] | None,
         first: bool,
+        tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["content"] = text if text or not tool_calls else None
+        if tool_calls:
+            delta["tool_calls"] = list(tool_calls)
         return {
             "index": index,
             "delta": delta,
@@ -174,7 +187,11 @@ class TextShape:
 
     @staticmethod
     def choice(
-        index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -185,6 +202,7 @@ class TextShape:
         finish_reason: str | None,
         logprobs: dict[str, Any] | None,
         first: bool,
+        tool_calls: Sequence[dict[str, Any]] = (),
     ) -> dict[str, Any]:
         return TextShape.choice(index, text, finish_reason, logprobs)
 
@@ -257,7 +275,11 @@ class Completion:
     """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
     logprobs: LogprobsFormat | None = None
     """How to write the choices' log-probabilities (None: not asked for)."""
+    tool_calls: bool = False
+    """Parse the choices' Hermes tool calls (chat with tools) into ``tool_calls``."""
     created: int = field(default_factory=lambda: int(time.time()))
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+    """Each streamed choice's tool-call parser."""
 
     def head(self, object_name: str) -> dict[str, Any]:
         return {
@@ -275,18 +297,20 @@ class Completion:
         stats = stats_of(finished)
         return {
             **self.head(self.shape.object),
-            "choices": [
-                self.shape.choice(
-                    i,
-                    "".join(d.text for d in deltas),
-                    deltas[-1].finish_reason,
-                    self.logprobs_of(deltas),
-                )
-                for i, deltas in enumerate(choices)
-            ],
+            "choices": [self.choice(i, deltas) for i, deltas in enumerate(choices)],
             "usage": usage(stats, self.n),
             "metrics": {"speculative_decoding": speculative_decoding(stats)},
         }
+
+    def choice(self, index: int, deltas: Sequence[Delta]) -> dict[str, Any]:
+        """Choice ``index`` of the answer, from all its deltas."""
+        text: str | None = "".join(d.text for d in deltas)
+        finish, calls = deltas[-1].finish_reason, []
+        if self.tool_calls:
+            text, parsed = parse_tool_calls(text or "")
+            text, calls = text or None, [message_call(call) for call in parsed]
+            finish = finish_reason(finish, called=bool(parsed))
+        return self.shape.choice(index, text, finish, self.logprobs_of(deltas), calls)
 
     def logprobs_of(self, deltas: Sequence[Delta], offset: int = 0) -> dict[str, Any] | None:
         """The log-probabilities of the deltas' tokens, if asked for;
@@ -302,7 +326,14 @@ class Completion:
         """A chunk of choice ``index``, which has ``generated`` tokens so
         far (and ``offset`` characters of text before this chunk's)."""
         logprobs = self.logprobs_of([delta], offset)
-        choice = self.shape.chunk_choice(index, delta.text, delta.finish_reason, logprobs, first)
+        text, finish, calls = delta.text, delta.finish_reason, []
+        if self.tool_calls:
+            parser = self.parsers.setdefault(index, ToolCallParser())
+            called = len(parser.calls)
+            text, parsed = parser.feed(text, final=finish is not None)
+            calls = [delta_call(call, called + i) for i, call in enumerate(parsed)]
+            finish = finish_reason(finish, called=bool(parser.calls))
+        choice = self.shape.chunk_choice(index, text, finish, logprobs, first, calls)
         chunk = {**self.head(self.shape.chunk_object), "choices": [choice]}
         if self.continuous_usage:  # vLLM's: the choice's usage so far
             chunk["usage"] = usage_of(self.prompt_tokens[index], generated)

@@ -12,6 +12,11 @@ with vLLM's meaning, or refused the same way (``repetition_penalty`` but 1,
 the guided-decoding fields); Outrider's own (``num_speculative_tokens``,
 ``adaptive``, ``verification``, ``pipeline``) are extra fields too. Any other
 field is refused as OpenAI refuses it (docs/openai-api.md lists them all).
+
+Tools are checked here too (``tools``, ``tool_choice``, the messages'
+``tool_calls`` and ``tool_call_id``): ``tool_choice`` ``"required"`` or a
+named function is a structured output like ``response_format``, a grammar
+of the calls (``coordinator.openai.tool_calls``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from coordinator.chat_template import ChatMessage, ToolCall
 from outrider.errors import InvalidArgument
 from outrider.sampling_params import MAX_LOGPROBS, StructuredOutput
+
+from .tool_calls import call_grammar
 
 
 def one_of(description: str) -> WrapValidator:
@@ -47,18 +55,100 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class MessageToolCall(Body):
+    """A call an assistant message made."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(Body):
     role: str
     content: Annotated[
-        str | list[TextPart], one_of("a string or a list of text parts ({type: text, text})")
-    ]
+        str | list[TextPart] | None,
+        one_of("a string or a list of text parts ({type: text, text})"),
+    ] = None
+    """None only in an assistant message that calls tools."""
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def chat_message(self, where: str) -> ChatMessage:
+        """The message for the chat template; ``where``: its field (``messages[2]``)."""
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidArgument(
+                f"{where}.tool_calls: only an assistant message calls tools",
+                param=f"{where}.tool_calls",
+            )
+        if self.content is None and not self.tool_calls:
+            raise InvalidArgument(
+                f"{where}.content is missing: only an assistant message with tool_calls "
+                "may leave it out",
+                param=f"{where}.content",
+            )
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            needs = "needs" if self.role == "tool" else "is only for a message of role tool:"
+            raise InvalidArgument(
+                f"{where}.tool_call_id {needs} the id of the call it answers",
+                param=f"{where}.tool_call_id",
+            )
+        calls = []
+        for i, call in enumerate(self.tool_calls or ()):
+            try:
+                json.loads(call.function.arguments)
+            except json.JSONDecodeError as exc:
+                field = f"{where}.tool_calls[{i}].function.arguments"
+                raise InvalidArgument(f"{field} is not JSON: {exc}", param=field) from None
+            calls.append(ToolCall(call.id, call.function.name, call.function.arguments))
+        return ChatMessage(self.role, self.text, tuple(calls), self.tool_call_id)
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for a function's name."""
+
+
+class FunctionDefinition(Body):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema; None: the function takes none."""
+    strict: bool | None = None
+    """No effect: "required" and a named tool_choice always follow the schema."""
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]
 
 
 class StreamOptions(Body):
@@ -75,8 +165,6 @@ UNCHANGED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
@@ -255,8 +343,9 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    """None: "auto" with tools, else "none"."""
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -267,19 +356,71 @@ class ChatCompletionRequest(GenerationBody):
     web_search_options: Any = None
 
     def constraints(self) -> dict[str, StructuredOutput]:
-        found = super().constraints()
+        found = {**self.response_format_constraint(), **super().constraints()}
+        if (calls := self.tool_call_constraint()) is not None:
+            found["tool_choice"] = calls  # last: a clash names the other field
+        return found
+
+    def response_format_constraint(self) -> dict[str, StructuredOutput]:
         rf = self.response_format
         if rf is None or rf.type == "text":
-            return found
+            return {}
         if rf.type == "json_object":
-            return {"response_format": StructuredOutput("json_object"), **found}
+            return {"response_format": StructuredOutput("json_object")}
         if rf.json_schema is None:
             raise InvalidArgument(
                 "response_format of type json_schema needs its json_schema ({name, schema})",
                 param="response_format.json_schema",
             )
         schema = json.dumps(rf.json_schema.schema_)
-        return {"response_format": StructuredOutput("json_schema", schema), **found}
+        return {"response_format": StructuredOutput("json_schema", schema)}
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the request uses its tools (see docs/openai-api.md#tool-calls)."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def rendered_tools(self) -> list[dict[str, Any]]:
+        """The tools the prompt lists (none under tool_choice "none"), as sent."""
+        if self.tool_mode == "none":
+            return []
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+
+    def tool_call_constraint(self) -> StructuredOutput | None:
+        """The grammar of the calls "required" or a named function asks for."""
+        mode, tools = self.tool_mode, self.tools or []
+        names = [tool.function.name for tool in tools]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise InvalidArgument(
+                    f"tools[{i}].function.name = {name!r} is the name of an earlier tool: "
+                    "give each tool its own name",
+                    param=f"tools[{i}].function.name",
+                )
+        if mode in ("none", "auto"):
+            return None
+        if not tools:
+            raise InvalidArgument(
+                f"tool_choice asks for a tool call ({mode}) but the request has no tools",
+                param="tool_choice",
+            )
+        if isinstance(choice := self.tool_choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidArgument(
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    f"among the tools ({', '.join(names)})",
+                    param="tool_choice",
+                )
+            tools = [tools[names.index(choice.function.name)]]
+        functions = [(t.function.name, t.function.parameters) for t in tools]
+        many = mode == "required" and self.parallel_tool_calls is not False
+        return StructuredOutput("grammar", call_grammar(functions, many=many))
+
+    def chat_messages(self) -> list[ChatMessage]:
+        return [m.chat_message(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     @property
     def num_logprobs(self) -> int | None:
