@@ -23,16 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator.chat_template import TOOL_CALL_END, TOOL_CALL_START, ToolCall
+from outrider.grammar import JSON_LAYOUT
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 """The arguments of a function that declares no ``parameters`` (OpenAI's
 meaning: it takes none)."""
-
-
-JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-"""llguidance's options for a call's JSON: laid out as ``json.dumps`` (and
-the Hermes prompt) lay it out. Flexible whitespace would let a weak model
-pad a call with blanks until its token limit."""
 
 
 def new_call_id() -> str:
