@@ -348,24 +348,34 @@ def _build_request(
             min_p=min_p,
             seed=seed,
             logprobs=logprobs,
+            structured_output=structured_output,
         ),
+        speculation=_speculation_to_pb(num_speculative_tokens, adaptive, pipeline, verification),
         request_id=request_id or "",
     )
-    if structured_output is not None:
-        request.sampling.structured_output.kind = structured_output.kind
-        request.sampling.structured_output.spec = structured_output.spec
-    if verification is not None:
-        request.speculation.verification = _verification_to_pb(verification)
     _set_prompt(request, prompt, messages, token_ids)
-    # Explicit presence: 0 means "no drafting", unset the server default.
-    if num_speculative_tokens is not None:
-        request.speculation.num_speculative_tokens = num_speculative_tokens
-    if adaptive:
-        request.speculation.adaptive = True
-    # Explicit presence: unset means the server's default.
-    if pipeline is not None:
-        request.speculation.pipeline = pipeline
     return request, timeout
+
+
+def _speculation_to_pb(
+    num_speculative_tokens: int | None,
+    adaptive: bool,
+    pipeline: bool | None,
+    verification: str | None,
+) -> pb.SpeculationParams | None:
+    """The request's speculation; None when it leaves all of it to the server."""
+    if (num_speculative_tokens, adaptive, pipeline, verification) == (None, False, None, None):
+        return None
+    speculation = pb.SpeculationParams(adaptive=adaptive)
+    # Explicit presence: K = 0 means "no drafting", unset the server default;
+    # pipeline unset means the server's default.
+    if num_speculative_tokens is not None:
+        speculation.num_speculative_tokens = num_speculative_tokens
+    if pipeline is not None:
+        speculation.pipeline = pipeline
+    if verification is not None:
+        speculation.verification = _verification_to_pb(verification)
+    return speculation
 
 
 def _sampling_to_pb(
@@ -382,6 +392,7 @@ def _sampling_to_pb(
     min_p: float,
     seed: int | None,
     logprobs: int | None,
+    structured_output: StructuredOutput | None,
 ) -> pb.SamplingParams:
     if isinstance(stop, str):  # a lone string is one stop string, not one per character
         stop = [stop]
@@ -403,6 +414,9 @@ def _sampling_to_pb(
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if structured_output is not None:
+        sampling.structured_output.kind = structured_output.kind
+        sampling.structured_output.spec = structured_output.spec
     return sampling
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from outrider.eagle.features import pack
@@ -135,8 +136,7 @@ class TargetSessions:
             #    (p(d) = 0, and the recovered token is then drawn from p itself):
             #    verify none after it.
             masks, allowed = session.grammar.masks(draft_tokens)
-            if q is None:
-                draft_tokens = draft_tokens[: allowed + 1]
+            draft_tokens = draft_tokens if q is not None else draft_tokens[: allowed + 1]
         k = len(draft_tokens)
 
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
@@ -156,12 +156,7 @@ class TargetSessions:
         verified = len(out.argmax) - 1
         if verified < k:
             draft_tokens, q = draft_tokens[:verified], None if q is None else q[:verified]
-        logits, argmax = out.values, out.argmax
-        if masks is not None:
-            logits = constrain(logits, masks[: verified + 1])
-        logits = hold_back(logits, session.sampling, committed_len)
-        if logits is not out.values:
-            argmax = logits.argmax(dim=-1).tolist()
+        logits, argmax = _restricted(out, masks, session.sampling, committed_len)
 
         # 2. Verify (greedy against the argmaxes the engine took for the whole step).
         try:
@@ -203,6 +198,19 @@ class TargetSessions:
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
+
+
+def _restricted(
+    out: Logits, masks: np.ndarray | None, sampling: SamplingParams, position: int
+) -> tuple[torch.Tensor, list[int]]:
+    """A round's logits (of the positions from ``position``) with what the
+    request forbids at each at -inf — its structured output's ``masks``,
+    min_tokens' held-back stop tokens — and their argmaxes."""
+    logits = out.values if masks is None else constrain(out.values, masks[: len(out.argmax)])
+    logits = hold_back(logits, sampling, position)
+    if logits is out.values:
+        return logits, out.argmax
+    return logits, logits.argmax(dim=-1).tolist()
 
 
 def _packed(features: list[torch.Tensor] | None, rows: int | None = None) -> HiddenStates:
