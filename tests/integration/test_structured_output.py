@@ -98,6 +98,7 @@ STACKS = {
     "same": dict(draft="same"),
     "prompt-lookup": dict(drafter="prompt-lookup"),
     "int4": dict(drafter="int4"),
+    "eagle": dict(drafter="eagle", head="head"),
 }
 
 
@@ -108,6 +109,8 @@ async def test_constrained_greedy_output_equals_constrained_target_only(
     options = dict(STACKS[drafter])
     if "draft" in options:
         options["draft_dir"] = request.getfixturevalue(f"tiny_draft_{options.pop('draft')}_dir")
+    if "head" in options:
+        options["head_dir"] = request.getfixturevalue(f"tiny_{options.pop('head')}_dir")
     eos = {tokenizer.eos_token_id if tokenizer.eos_token_id is not None else EOS}
     draft_tokens = 0
     async with running_stack(tiny_target_dir, eos_token_ids=eos, **options) as stack:
