@@ -86,8 +86,8 @@ class SamplingParams:
     """The first ``min_tokens`` generated tokens are none of ``stop_token_ids``:
     the target gives those no mass there (vLLM's min_tokens)."""
     stop_token_ids: frozenset[int] = frozenset()
-    """The ids that end a generation (its end-of-sequence and stop token
-    ids), which ``min_tokens`` holds back."""
+    """The ids ``min_tokens`` holds back: those that end the generation
+    (its end-of-sequence and stop token ids); empty without ``min_tokens``."""
     start: int = 0
     """The history's position where generation began (the prompt's
     length): where ``structured_output`` and ``min_tokens`` apply from."""
