@@ -4,14 +4,16 @@ and a field OpenAI's API does not have is refused, as OpenAI refuses it.
 
 Fields of OpenAI's API that Outrider does not implement are accepted only
 at the value that leaves the output unchanged (``frequency_penalty: 0``,
-``logprobs: false``, ...), else refused with a message naming the field.
+``echo: false``, ...), else refused with a message naming the field.
 vLLM's extra fields that its clients send (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ...) are accepted
-with vLLM's meaning, or refused the same way (``repetition_penalty`` but 1,
-the guided-decoding fields); Outrider's own (``num_speculative_tokens``,
+``include_stop_str_in_output``, ``skip_special_tokens``, the guided-decoding
+fields, ...) are accepted with vLLM's meaning, or refused the same way
+(``repetition_penalty`` but 1); Outrider's own (``num_speculative_tokens``,
 ``adaptive``, ``verification``, ``pipeline``) are extra fields too. Any other
 field is refused as OpenAI refuses it (docs/openai-api.md lists them all).
+``response_format`` and the guided-decoding fields become the request's
+structured output (one of them at most).
 
 Tools are checked here too (``tools``, ``tool_choice``, the messages'
 ``tool_calls`` and ``tool_call_id``): ``tool_choice`` ``"required"`` or a
