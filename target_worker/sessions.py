@@ -129,14 +129,7 @@ class TargetSessions:
         positions it made committed but the last (when the session sends
         them)."""
         committed_len = session.committed_len
-        masks = None
-        if session.grammar is not None:
-            # 0. Structured output: the tokens allowed at each position. A
-            #    deterministic draft the grammar forbids is rejected for sure
-            #    (p(d) = 0, and the recovered token is then drawn from p itself):
-            #    verify none after it.
-            masks, allowed = session.grammar.masks(draft_tokens)
-            draft_tokens = draft_tokens if q is not None else draft_tokens[: allowed + 1]
+        masks, draft_tokens = _allowed(session, draft_tokens, q)  # 0. structured output
         k = len(draft_tokens)
 
         # 1. One forward pass over [x_n, d_1 .. d_K]: K + 1 distributions
@@ -198,6 +191,19 @@ class TargetSessions:
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
+
+
+def _allowed(
+    session: Session, draft_tokens: Sequence[int], q: torch.Tensor | None
+) -> tuple[np.ndarray | None, Sequence[int]]:
+    """Structured output's masks of a round's positions (None: the session
+    has none), and the drafts to verify: a deterministic draft the grammar
+    forbids is rejected for sure (p(d) = 0, and the recovered token is then
+    drawn from p itself), so none after it is verified."""
+    if session.grammar is None:
+        return None, draft_tokens
+    masks, allowed = session.grammar.masks(draft_tokens)
+    return masks, draft_tokens if q is not None else draft_tokens[: allowed + 1]
 
 
 def _restricted(
