@@ -126,9 +126,9 @@ def choice_params(
     numbers them (prompt index × n + i). As in vLLM, choice i of a seeded
     body is seeded with seed + i; unseeded, each draws a seed of its own."""
     n = choices_per_prompt(body.n, len(prompts))
-    base = body_params(body)
+    output, constraint_field = body.structured_output()
+    base = dataclasses.replace(body_params(body), structured_output=output)
     choices = []
-    constraint_field = body.structured_output()[1]
     for prompt, names in prompts:
         names = dataclasses.replace(names, structured_output=constraint_field)
         for i in range(n):
@@ -161,7 +161,8 @@ def choices_per_prompt(n: int | None, prompts: int) -> int:
 
 
 def body_params(body: GenerationBody) -> RequestParams:
-    """The sampling and speculation parameters of a body (its prompts apart)."""
+    """The sampling and speculation parameters of a body (its prompts and
+    its structured output apart: :func:`choice_params` reads that once)."""
     return RequestParams(
         stop=body.stops,
         stop_token_ids=body.stop_token_ids,
@@ -175,7 +176,6 @@ def body_params(body: GenerationBody) -> RequestParams:
         min_p=body.min_p,
         seed=body.seed,
         logprobs=body.num_logprobs,
-        structured_output=body.structured_output()[0],
         verification=Verification(body.verification) if body.verification else None,
         num_speculative_tokens=body.num_speculative_tokens,
         adaptive=body.adaptive,
