@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -87,13 +87,7 @@ class Grammars:
         """For a Hugging Face fast tokenizer, with ``vocab_size`` logits a
         row (the model's, which may exceed the tokenizer's) and the model's
         end-of-sequence ids (what a finished constraint allows)."""
-
-        def load() -> llguidance.LLTokenizer:
-            from llguidance.hf import from_tokenizer
-
-            return from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos))
-
-        return cls(load)
+        return cls(lambda: _llguidance_tokenizer(hf_tokenizer, vocab_size, eos))
 
     @classmethod
     def of_checkpoint(
@@ -103,13 +97,11 @@ class Grammars:
         ``spec``) and end-of-sequence ids, as the coordinator reads them."""
 
         def load() -> llguidance.LLTokenizer:
-            from llguidance.hf import from_tokenizer
-
             from outrider import models
 
             tokenizer = models.load_tokenizer(spec, trust_remote_code=trust_remote_code)
             eos = models.eos_token_ids(tokenizer, models.generation_config(spec))
-            return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos))
+            return _llguidance_tokenizer(tokenizer, vocab_size, eos)
 
         return cls(load)
 
@@ -149,6 +141,14 @@ class Grammars:
             self._templates[key] = template
         self._templates.move_to_end(key)
         return template
+
+
+def _llguidance_tokenizer(
+    hf_tokenizer: Any, vocab_size: int, eos: Iterable[int]
+) -> llguidance.LLTokenizer:
+    from llguidance.hf import from_tokenizer  # (imports transformers: at the first use)
+
+    return from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos))
 
 
 class Matcher:
