@@ -189,7 +189,8 @@ class Generation:
             self.drafts.received(reply.hidden_states)
         record.verify_s = self.prefill_s = reply.compute_s
         self.placed(reply.load)
-        self.costs.observe_prefill(len(self.history), reply.compute_s)
+        self.stats.cached_prompt_tokens = reply.cached_tokens
+        self.costs.observe_prefill(len(self.history) - reply.cached_tokens, reply.compute_s)
         verdict = reply.value
         delta = self.commit(None, verdict)
         record.ended()

@@ -187,6 +187,7 @@ def stats_to_pb(stats: Stats) -> pb.GenerationStats:
         critical_path_overhead_s_p50=stats.critical_path_overhead_s_p50,
         rounds_by_k=stats.rounds_by_k,
         proposed_tokens=stats.proposed_tokens,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
     )
 
 

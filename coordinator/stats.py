@@ -71,6 +71,8 @@ class Stats:
     round cut short by a stop counts only the positions before the cut."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Of those, the tokens the target found in its prefix cache (at the first open)."""
     generated_tokens: int = 0
     rounds: int = 0
     num_drafts: int = 0

@@ -23,12 +23,13 @@ from outrider.eagle.features import pack
 from outrider.eagle.forward import EagleForward, check_head, target_embeddings
 from outrider.eagle.head import load_head, shipped_head
 from outrider.engine import Engine, InlineEngine
-from outrider.engine.build import BLOCK_SIZE, build_runner
+from outrider.engine.build import build_runner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
 from outrider.grammar import Grammars
 from outrider.hidden_states import HiddenStates
 from outrider.logging import get_logger
+from outrider.prefix import BLOCK_SIZE
 from outrider.rpc import run_service
 from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
@@ -114,6 +115,8 @@ def eagle_sessions(config: DraftWorkerConfig) -> DraftSessions:
     forward = EagleForward(head, embed, dtype=dtype, device=device)
     max_context = min(models.context_length(target_config), forward.max_positions)
     tokens = config.limits.max_cached_tokens or config.limits.max_sessions * max_context
+    # No prefix cache: a head's KV at a position depends on the target's
+    # features of it, and an EAGLE session is opened on those of every position.
     runner = PagedRunner(forward, BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE))
     info = DraftInfo(
         vocab_fingerprint=models.vocab_fingerprint_of(

@@ -15,7 +15,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
     sessions: DraftSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.DraftResponse:
-        committed_len, timing = await self.engine.timed(
+        (committed_len, cached), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
@@ -25,7 +25,9 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             hidden_states_from_pb(request.hidden_states),
         )
         return pb.DraftResponse(
-            opened=pb.SessionOpened(committed_len=committed_len, compute_s=timing.compute_s)
+            opened=pb.SessionOpened(
+                committed_len=committed_len, cached_tokens=cached, compute_s=timing.compute_s
+            )
         )
 
     async def _round(self, session_id: str, request: pb.DraftRound) -> pb.DraftResponse:

@@ -76,11 +76,12 @@ class DraftSessions:
         target_fingerprint: str,
         sampling: SamplingParams = SamplingParams(),
         features: HiddenStates | None = None,
-    ) -> Job[int]:
+    ) -> Job[tuple[int, int]]:
         """Opens a session on the committed history and caches what its
         first round builds on (the drafter's ``open``): given the target's
         ``features`` of the history's last positions, for a drafter that
-        reads them. Returns the committed length."""
+        reads them. Returns the committed length and how many tokens of the
+        history came from the prefix cache."""
         self.check_pairing(target_vocab_size, target_fingerprint)
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
@@ -93,8 +94,9 @@ class DraftSessions:
         except Exception:
             self.store.close(session_id)
             raise
+        cached = len(kv)
         yield from self.drafter.open(session, features)
-        return session.committed_len
+        return session.committed_len, cached
 
     def propose(
         self,

@@ -130,6 +130,8 @@ class GenerationStats:
     policy chose."""
     proposed_tokens: int = 0
     """Draft tokens proposed; ``draft_tokens`` counts those the target verified."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the target found in its prefix cache (not prefilled)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-serialisable dict."""

@@ -186,6 +186,10 @@ class EngineConfig:
     --max-tokens-per-step)"""
     enforce_eager: bool = False
     """never capture CUDA graphs (every step runs eagerly)"""
+    enable_prefix_caching: bool | None = None
+    """keep the KV of full blocks of final tokens after their sessions end, shared by
+    sessions that open on the same prefix and evicted least recently used when the pool
+    needs room (default: on; the fallback runner of non-Llama models never caches)"""
     max_batch_wait: float = 0.25
     """how long a step may wait for the sessions the previous step answered, so they stay in
     one batch, as a share of a forward pass (0: never wait)"""
@@ -464,6 +468,9 @@ class StackConfig:
     """draft the next round while the target verifies this one (requests may override)"""
     threads: int | None = None
     """torch threads per worker (default: all cores)"""
+    enable_prefix_caching: bool | None = None
+    """both workers keep the KV of prefixes their sessions computed, shared by later
+    sessions (default: on)"""
     target_tp: int = field(default=1, metadata={"metavar": "N"})
     """tensor-parallel size of the target worker: its model split over N ranks (GPUs, or
     processes on the CPU)"""

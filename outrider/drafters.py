@@ -90,10 +90,13 @@ class ModelDrafter:
         self.vocab_size = runner.vocab_size
 
     def open(self, session: Session, features: HiddenStates | None) -> Job[None]:
-        """Prefills all of the history but its last token."""
+        """Prefills all of the history but its last token, after the prefix
+        the cache holds already."""
         self.receive(session, 0, features)
-        if len(session.tokens) > 1:
-            yield Feed(session.kv, list(session.tokens[:-1]), num_logits=0)
+        kv = session.kv
+        if len(session.tokens) - 1 > len(kv):
+            yield Feed(kv, list(session.tokens[len(kv) : -1]), num_logits=0)
+        kv.seal(len(kv))
 
     def receive(self, session: Session, new_tokens: int, features: HiddenStates | None) -> None:
         if features is not None and features.rows:
@@ -107,6 +110,9 @@ class ModelDrafter:
         its last token (the draft feeds it)."""
         kv = session.kv
         kv.crop(min(kv.shared_prefix(history, agreed), len(history) - 1))
+        # What is left of the committed history, but its last token, no
+        # later rollback crops: it is shared (where the pool caches).
+        kv.seal(min(len(kv), session.committed_len - 1))
 
     def propose(self, session: Session, history: list[int], k: int) -> Job[Proposal]:
         # Sync: feed the tokens of the history the cache lacks (at least the

@@ -13,7 +13,9 @@ Workers: ``outrider_worker_sessions_active`` and
 ``outrider_worker_cached_tokens`` (read from the session store at scrape
 time), ``outrider_kv_cache_usage_perc`` (the fraction of the worker's KV
 cache blocks in use, 0 to 1), sessions opened / rejected by status /
-closed by how the stream ended, prefill tokens,
+closed by how the stream ended, prefill tokens (those not found in the
+prefix cache), ``outrider_prefix_cache_queries_total`` and
+``outrider_prefix_cache_hits_total`` (in tokens, as vLLM's),
 ``outrider_worker_step_seconds{step}`` (prefill, propose or verify, engine
 queue included), and per engine step ``outrider_iteration_tokens_total``
 (vLLM's name), ``outrider_worker_step_rows`` (sessions batched) and
@@ -215,7 +217,20 @@ class WorkerMetrics:
         )
         self.prefill_tokens = Counter(
             PREFIX + "worker_prefill_tokens",
-            "Tokens of the histories sessions were opened on.",
+            "Tokens of the histories sessions were opened on, prefilled (not found in the "
+            "prefix cache).",
+            registry=registry,
+        )
+        self.caching = store.pool.caching
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Tokens of the histories sessions were opened on, looked up in the prefix cache "
+            "(counted where the worker caches prefixes).",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits",
+            "Of those, tokens found in the prefix cache (not prefilled).",
             registry=registry,
         )
         steps = Histogram(
@@ -252,10 +267,14 @@ class WorkerMetrics:
         self.iteration_rows.observe(stats.rows)
         self.forward_seconds.observe(stats.seconds)
 
-    def session_opened(self, tokens: int, seconds: float) -> None:
+    def session_opened(self, tokens: int, cached: int, seconds: float) -> None:
+        """A session opened on ``tokens`` tokens, ``cached`` of them from the prefix cache."""
         self.opened.inc()
-        self.prefill_tokens.inc(tokens)
+        self.prefill_tokens.inc(tokens - cached)
         self.prefill_seconds.observe(seconds)
+        if self.caching:
+            self.prefix_cache_queries.inc(tokens)
+            self.prefix_cache_hits.inc(cached)
 
 
 def _add_store_gauges(registry: CollectorRegistry, store: SessionStore) -> None:

@@ -123,9 +123,13 @@ class SessionStore:
         tokens: Sequence[int],
         kv: KVCache,
         sampling: SamplingParams = SamplingParams(),
+        *,
+        reuse: bool = True,
     ) -> Session:
-        """A new session; its cache gets room for the whole history at once,
-        so its prefill cannot run out of memory halfway."""
+        """A new session; its cache starts with the cached blocks of its
+        history's prefix (``reuse``, where the pool caches; never the last
+        token, whose logits the first round needs) and gets room for the
+        whole history at once, so its prefill cannot run out of memory halfway."""
         if session_id in self._sessions:
             raise InvalidArgument(f"session {session_id!r} is already open")
         if len(self._sessions) >= self.max_sessions:
@@ -133,7 +137,13 @@ class SessionStore:
                 f"worker is full: {len(self._sessions)} of {self.max_sessions} sessions open; "
                 "retry later or on another replica"
             )
-        kv.reserve(len(tokens))
+        if reuse:
+            kv.reuse(tokens[:-1])
+        try:
+            kv.reserve(len(tokens))
+        except ResourceExhausted:
+            kv.free()
+            raise
         session = Session(session_id=session_id, tokens=list(tokens), kv=kv, sampling=sampling)
         self._sessions[session_id] = session
         return session

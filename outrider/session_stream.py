@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from outrider.metrics import WorkerMetrics
 
 log = get_logger(__name__)
-Response = TypeVar("Response")
+Response = TypeVar("Response", worker_pb2.VerifyResponse, worker_pb2.DraftResponse)
 
 
 async def session_stream(
@@ -107,7 +107,9 @@ async def _open(
             metrics.rejected.labels(status_of(exc).name).inc()
         raise
     if metrics:
-        metrics.session_opened(len(open_.token_ids), time.perf_counter() - started)
+        metrics.session_opened(
+            len(open_.token_ids), response.opened.cached_tokens, time.perf_counter() - started
+        )
     log.debug("session opened", committed_len=len(open_.token_ids))
     return response
 

@@ -225,6 +225,10 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
     if config.threads:
         target += ["--threads", str(config.threads)]
         draft += ["--threads", str(config.threads)]
+    if config.enable_prefix_caching is not None:
+        caching = f"--{'' if config.enable_prefix_caching else 'no-'}enable-prefix-caching"
+        target.append(caching)
+        draft.append(caching)
     if config.target_tp != 1:
         target += ["--tensor-parallel-size", str(config.target_tp)]
     if config.draft_tp != 1:

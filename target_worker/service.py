@@ -20,7 +20,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
     sessions: TargetSessions
 
     async def _open(self, session_id: str, request: pb.SessionOpen) -> pb.VerifyResponse:
-        (committed_len, first, features), timing = await self.engine.timed(
+        (committed_len, first, features, cached), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(request.token_ids),
@@ -31,6 +31,7 @@ class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer)
         return pb.VerifyResponse(
             opened=pb.SessionOpened(
                 committed_len=committed_len,
+                cached_tokens=cached,
                 compute_s=timing.compute_s,
                 load=load_to_pb(self.engine.load),
                 first_token_id=None if first is None else first.next_token,

@@ -54,21 +54,24 @@ class TargetSessions:
         sampling: SamplingParams = SamplingParams(),
         first_token: bool = False,
         feature_layers: Sequence[int] = (),
-    ) -> Job[tuple[int, Verdict | None, HiddenStates]]:
+    ) -> Job[tuple[int, Verdict | None, HiddenStates, int]]:
         """Opens a session on the committed history ``tokens`` and prefills
-        everything but its last token. With ``first_token``, it then runs the
+        everything but its last token, after the prefix the cache holds
+        already. With ``first_token``, it then runs the
         stream's first round with no drafts: the token after the history is
         drawn and committed (the recovered token of an empty proposal).
-        Returns the committed length, that round's verdict (or None), and the hidden
+        Returns the committed length, that round's verdict (or None), the hidden
         states entering ``feature_layers`` at every position now committed
-        but the last (none when no layers are named)."""
+        but the last (none when no layers are named), and how many tokens of
+        the history came from the prefix cache (none where hidden states are
+        sent: a cached block has none)."""
         if not tokens:
             raise InvalidArgument("the session's history is empty: send at least one token")
         check_token_ids(tokens, self.info.vocab_size, what="token_ids")
         check_context(len(tokens) + first_token, self.info.max_context, what="the history")
         layers = self._check_layers(feature_layers)
         kv = self.runner.new_kv()
-        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
+        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling, reuse=not layers)
         session.feature_layers = layers
         try:
             session.follow(self.grammars)
@@ -76,15 +79,17 @@ class TargetSessions:
             self.store.close(session_id)
             raise
         features: list[torch.Tensor] | None = [] if layers else None
-        if len(tokens) > 1:
+        cached = len(kv)
+        if len(tokens) - 1 > cached:
             yield Feed(
-                kv, list(tokens[:-1]), num_logits=0, features=features, feature_layers=layers
+                kv, list(tokens[cached:-1]), num_logits=0, features=features, feature_layers=layers
             )
+        kv.seal(len(kv))
         prefilled = _packed(features)
         if not first_token:
-            return session.committed_len, None, prefilled
+            return session.committed_len, None, prefilled, cached
         verdict, _, more = yield from self._round(session, [], None)
-        return session.committed_len, verdict, concat([prefilled, more])
+        return session.committed_len, verdict, concat([prefilled, more]), cached
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """The layers a session's hidden states come from, checked."""
@@ -171,6 +176,7 @@ class TargetSessions:
             verdict = replace(verdict, logprobs=token_logprobs(logits, new, num_top))
         session.tokens.extend(draft_tokens[: verdict.num_accepted])
         kv.crop(len(session.tokens))
+        kv.seal(len(kv))  # committed: no later round crops it
         session.tokens.append(verdict.next_token)
         if session.grammar is not None:
             session.grammar.extend(new)

@@ -44,7 +44,7 @@ class InProcessTargetClient:
         hidden_state_layers: Sequence[int] = (),
     ):
         session_id = uuid.uuid4().hex[:16]
-        (_, first, features), timing = await self.engine.timed(
+        (_, first, features, cached), timing = await self.engine.timed(
             self.sessions.open,
             session_id,
             list(tokens),
@@ -53,7 +53,9 @@ class InProcessTargetClient:
             list(hidden_state_layers),
         )
         session = _InProcessTargetSession(self, session_id)
-        return session, Reply(first, timing.compute_s, self.engine.load, hidden_states=features)
+        return session, Reply(
+            first, timing.compute_s, self.engine.load, hidden_states=features, cached_tokens=cached
+        )
 
 
 class _InProcessTargetSession:

@@ -225,11 +225,16 @@ def usage_of(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
-def usage(stats: Sequence[Stats], n: int = 1) -> dict[str, int]:
+def usage(stats: Sequence[Stats], n: int = 1) -> dict[str, Any]:
     """The usage of generations in choice order, ``n`` per prompt: each
-    prompt counted once, as OpenAI and vLLM count it."""
+    prompt counted once, as OpenAI and vLLM count it; of the prompt tokens,
+    those the target's prefix cache held (OpenAI's ``cached_tokens``)."""
     prompt = sum(s.prompt_tokens for s in stats[::n])
-    return usage_of(prompt, sum(s.generated_tokens for s in stats))
+    cached = sum(s.cached_prompt_tokens for s in stats[::n])
+    return {
+        **usage_of(prompt, sum(s.generated_tokens for s in stats)),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def speculative_decoding(stats: Sequence[Stats]) -> dict[str, Any]:

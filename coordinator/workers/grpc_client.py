@@ -279,7 +279,7 @@ class GrpcWorkerClient:
     async def _open(self, request, *, request_id: str, deadline_s: float | None = None):
         """Opens a session on a replica; one that does not answer within
         ``deadline_s`` (frozen) counts as failed: Unavailable."""
-        replica = await self.replicas.choose(deadline_s)
+        replica = await self.replicas.choose(deadline_s, request.open.token_ids)
         try:
             call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
         except grpc.aio.UsageError:  # its channel closed since it was chosen: it is gone
@@ -305,7 +305,13 @@ class GrpcWorkerClient:
             else None
         )
         features = hidden_states_from_pb(opened.hidden_states)
-        return session, Reply(first, opened.compute_s, _load(opened), hidden_states=features)
+        return session, Reply(
+            first,
+            opened.compute_s,
+            _load(opened),
+            hidden_states=features,
+            cached_tokens=opened.cached_tokens,
+        )
 
 
 class GrpcDraftClient(GrpcWorkerClient):

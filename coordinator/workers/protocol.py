@@ -51,6 +51,9 @@ class Reply(Generic[T]):
     hidden_states: HiddenStates = NONE
     """A target's, for a session that asked for them: the hidden states of
     the positions the answer made committed but the last."""
+    cached_tokens: int = 0
+    """An open's: tokens of the history the worker found in its prefix
+    cache, and did not prefill."""
 
 
 class DraftSession(Protocol):

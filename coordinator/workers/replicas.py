@@ -2,8 +2,10 @@
 new sessions, and how loaded each one is.
 
 A session is one bidirectional stream on one replica's channel, so it stays
-pinned to the replica it opened on; only new sessions are routed — to the
-least-loaded replica that takes sessions, one that has not just failed first.
+pinned to the replica it opened on; only new sessions are routed — to a
+replica that takes sessions, one that has not just failed first, the one
+most likely to hold the session's prefix in its cache within a bound on its
+load (``coordinator.workers.prefixes``), else the least loaded.
 
 Members are the static ``HOST:PORT`` addresses (fixed) and the endpoints of
 each ``k8s://`` address, which a watch of the Service's EndpointSlices keeps
@@ -38,6 +40,7 @@ import grpc
 
 from coordinator.workers import discovery
 from coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
+from coordinator.workers.prefixes import PrefixIndex, prompt_names
 from outrider.errors import Unavailable
 from outrider.load import EngineLoad
 from outrider.logging import get_logger
@@ -151,6 +154,8 @@ class Replicas:
         self._changed = asyncio.Event()
         self._reference: pb.WorkerInfo | None = None
         self._tiebreak = itertools.count()
+        self.prefixes = PrefixIndex()
+        """The prompt blocks sent to each replica (prefix-aware routing)."""
         static = [a for a in addresses if not discovery.is_service_address(a)]
         if static:
             self.update(STATIC, dict.fromkeys(static, True))
@@ -207,6 +212,7 @@ class Replicas:
         for address in self._members.keys() - wanted.keys():
             replica = self._members.pop(address)
             replica.removed = True
+            self.prefixes.forget(replica)
             log.warning(
                 "worker gone: its sessions fail over",
                 role=self.role,
@@ -253,27 +259,29 @@ class Replicas:
             channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
         return Replica(address, channel, self._stub_class(channel), ready=ready)
 
-    def pick(self) -> Replica:
-        """The replica for a new session: one that takes sessions, not
-        recently failed, then the least loaded, ties taken in turn."""
+    def pick(self, names: Sequence[bytes] = ()) -> Replica:
+        """The replica for a new session on the prompt blocks ``names``
+        (:func:`coordinator.workers.prefixes.prompt_names`): one that takes
+        sessions, not recently failed, then the one most likely to hold the
+        longest prefix of them among those its load allows
+        (:meth:`PrefixIndex.choose`), then the least loaded, ties taken in turn."""
         candidates = [r for r in self._members.values() if r.ready and not r.refused]
         if not candidates:
             raise Unavailable(f"no {self.role} worker takes new sessions: {self._why_none()}")
-        turn = next(self._tiebreak)
+        turn = next(self._tiebreak) % len(candidates)
+        candidates = candidates[turn:] + candidates[:turn]
         now = time.monotonic()
-        n = len(candidates)
-        return min(
-            enumerate(candidates),
-            key=lambda ir: (ir[1].down_until > now, ir[1].load, (ir[0] - turn) % n),
-        )[1]
+        healthy = [r for r in candidates if r.down_until <= now] or candidates
+        return self.prefixes.choose(healthy, names)[0]
 
-    async def choose(self, timeout_s: float | None = None) -> Replica:
-        """:meth:`pick`, asking a replica what it serves before its first
-        session; one that has not answered within ``timeout_s`` (at most
-        DESCRIBE_TIMEOUT_S) counts as failed."""
+    async def choose(self, timeout_s: float | None = None, prompt: Sequence[int] = ()) -> Replica:
+        """:meth:`pick` for a session on ``prompt``, asking a replica what it
+        serves before its first session; one that has not answered within
+        ``timeout_s`` (at most DESCRIBE_TIMEOUT_S) counts as failed."""
         timeout_s = min(DESCRIBE_TIMEOUT_S, timeout_s or DESCRIBE_TIMEOUT_S)
+        names = prompt_names(prompt) if len(self._members) > 1 else []
         while True:
-            replica = self.pick()
+            replica = self.pick(names)
             if not replica.checked:
                 try:
                     info = await replica.stub.GetWorkerInfo(
@@ -286,6 +294,7 @@ class Replicas:
                     ) from exc
                 self._check(replica, info)
             if not replica.refused:
+                self.prefixes.sent(replica, names)
                 return replica
 
     async def wait_ready(self, timeout_s: float) -> pb.WorkerInfo:

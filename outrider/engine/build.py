@@ -18,11 +18,9 @@ from outrider.engine.runner import FallbackRunner, PagedRunner
 from outrider.engine.shards import divisibility_problem
 from outrider.logging import get_logger
 from outrider.memory import worker_cache_budget
+from outrider.prefix import BLOCK_SIZE
 
 log = get_logger(__name__)
-
-BLOCK_SIZE = 16
-"""Tokens per block (vLLM's default)."""
 
 
 def build_runner(
@@ -63,7 +61,7 @@ def build_runner(
         return FallbackRunner(model, BlockPool(_cache_tokens(model, limits, max_context), 1))
     # Quantizing frees memory, so it comes before the budget.
     forward = _llama_forward(model, int4_group_size)
-    pool = _paged_pool(_cache_tokens(model, limits, max_context))
+    pool = _paged_pool(_cache_tokens(model, limits, max_context), engine)
     return PagedRunner(
         forward, pool, cuda_graphs=not engine.enforce_eager and forward.device.type == "cuda"
     )
@@ -103,7 +101,7 @@ def _tensor_parallel_runner(
     )
     try:
         pool = _paged_pool(
-            _cache_tokens(model, limits, max_context, tensor_parallel=(size, device))
+            _cache_tokens(model, limits, max_context, tensor_parallel=(size, device)), engine
         )
         return PagedRunner(ranks, pool)
     except BaseException:
@@ -146,9 +144,11 @@ def _cache_tokens(
     )
 
 
-def _paged_pool(tokens: int) -> BlockPool:
-    """A pool of blocks for ``tokens`` tokens (one at least)."""
-    return BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE)
+def _paged_pool(tokens: int, engine: EngineConfig) -> BlockPool:
+    """A pool of blocks for ``tokens`` tokens (one at least), a prefix
+    cache unless the engine says none."""
+    caching = engine.enable_prefix_caching is not False
+    return BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE, caching=caching)
 
 
 def tensor_parallel_problem(config, size: int, int4_group_size: int | None = None) -> str | None:

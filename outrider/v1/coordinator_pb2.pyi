@@ -114,7 +114,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "overhead_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts", "pipeline", "speculation_hits", "speculation_misses", "critical_path_overhead_s_p50", "rounds_by_k", "proposed_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "acceptance_rate", "draft_time_s", "verify_time_s", "overhead_time_s", "time_to_first_token_s", "total_time_s", "num_speculative_tokens", "seed", "verification", "draft_probs_bytes", "adaptive", "overhead_s_p50", "num_drafts", "pipeline", "speculation_hits", "speculation_misses", "critical_path_overhead_s_p50", "rounds_by_k", "proposed_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GenerationStats(_message.Message):
     CRITICAL_PATH_OVERHEAD_S_P50_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_BY_K_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -167,7 +168,8 @@ class GenerationStats(_message.Message):
     critical_path_overhead_s_p50: float
     rounds_by_k: _containers.RepeatedScalarFieldContainer[int]
     proposed_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ..., pipeline: _Optional[bool] = ..., speculation_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., critical_path_overhead_s_p50: _Optional[float] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., proposed_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[Verification, str]] = ..., draft_probs_bytes: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overhead_s_p50: _Optional[float] = ..., num_drafts: _Optional[int] = ..., pipeline: _Optional[bool] = ..., speculation_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., critical_path_overhead_s_p50: _Optional[float] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., proposed_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

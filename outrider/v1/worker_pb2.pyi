@@ -142,20 +142,22 @@ class DraftProbs(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("committed_len", "compute_s", "load", "first_token_id", "logprobs", "hidden_states")
+    __slots__ = ("committed_len", "compute_s", "load", "first_token_id", "logprobs", "hidden_states", "cached_tokens")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     compute_s: float
     load: EngineLoad
     first_token_id: int
     logprobs: Logprobs
     hidden_states: HiddenStates
-    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRound(_message.Message):
     __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id", "hidden_states")

@@ -66,7 +66,7 @@ async def test_the_head_drafts_on_the_targets_hidden_states(tiny_target_dir, tin
     draft = DraftSessions(
         drafter, SessionStore(max_sessions=1, pool=drafter.runner.pool), DraftInfo("", 256, 8)
     )
-    _, first, features = InlineEngine(target_runner).call(
+    _, first, features, _ = InlineEngine(target_runner).call(
         target.open, "s", prompt, SamplingParams(), True, layers
     )
     history = [*prompt, first.next_token]

@@ -161,10 +161,20 @@ async def test_speculation_counters_add_up_to_the_per_request_stats(tiny_target_
     # Workers: one target session per request, one draft session per request
     # that drafts (opened at its first drafting round, on the history so far);
     # every one closed by its coordinator; nothing left cached.
+    # Six requests on one prompt: the prefix cache holds its full blocks
+    # after the first, and prefill tokens are those it did not hold.
     drafting = sum(1 for s in stats if s.num_drafts > 0)
     prompt_tokens = stats[0].prompt_tokens
-    assert target.value("outrider_worker_prefill_tokens_total") == 6 * prompt_tokens
-    assert draft.value("outrider_worker_prefill_tokens_total") >= drafting * prompt_tokens
+    cached = sum(s.cached_prompt_tokens for s in stats)
+    assert cached == 5 * ((prompt_tokens - 1) // 16 * 16) > 0
+    assert target.value("outrider_prefix_cache_queries_total") == 6 * prompt_tokens
+    assert target.value("outrider_prefix_cache_hits_total") == cached
+    assert target.value("outrider_worker_prefill_tokens_total") == 6 * prompt_tokens - cached
+    draft_opened = draft.value("outrider_prefix_cache_queries_total")
+    assert draft_opened >= drafting * prompt_tokens
+    assert draft.value("outrider_worker_prefill_tokens_total") == draft_opened - draft.value(
+        "outrider_prefix_cache_hits_total"
+    )
     for worker, opened, rounds, step in (
         # (the first round of each request is its open: the prefill draws it)
         (target, 6, sum(s.rounds - 1 for s in stats), "verify"),

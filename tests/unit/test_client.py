@@ -572,6 +572,7 @@ def test_to_dict_is_json_serialisable() -> None:
             "critical_path_overhead_s_p50": 0.0,
             "rounds_by_k": [],
             "proposed_tokens": 0,
+            "cached_prompt_tokens": 0,
         },
     }
     assert json.loads(json.dumps(EXPECTED_MODEL_INFO.to_dict()))["drafter"] == "model"

@@ -134,9 +134,15 @@ def test_a_response_speculation_adds_up_its_generations():
 
 def test_usage_counts_each_prompt_once_whatever_n():
     stats = [
-        Stats(prompt_tokens=p, generated_tokens=g) for p, g in ((5, 3), (5, 4), (7, 2), (7, 1))
+        Stats(prompt_tokens=p, generated_tokens=g, cached_prompt_tokens=c)
+        for p, g, c in ((5, 3, 0), (5, 4, 0), (7, 2, 4), (7, 1, 4))
     ]
-    assert usage(stats, n=2) == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
+    assert usage(stats, n=2) == {
+        "prompt_tokens": 12,
+        "completion_tokens": 10,
+        "total_tokens": 22,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert usage(stats)["prompt_tokens"] == 24  # four prompts
 
 
