@@ -30,9 +30,14 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     tokens = auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else frozenset()
     tokenizer, generation_config = await load_tokenizer(config)
     worker_credentials = config.worker_tls.credentials() if config.worker_tls else None
-    target = GrpcTargetClient(config.target, credentials=worker_credentials)
+    by_prefix = config.routing == "prefix"
+    target = GrpcTargetClient(
+        config.target, credentials=worker_credentials, prefix_routing=by_prefix
+    )
     workers = (
-        GrpcDraftClient(config.draft, credentials=worker_credentials) if config.draft else None
+        GrpcDraftClient(config.draft, credentials=worker_credentials, prefix_routing=by_prefix)
+        if config.draft
+        else None
     )
     lookup = PromptLookup(max_ngram=config.max_ngram) if config.prompt_lookup else None
     draft = workers or lookup

@@ -44,6 +44,7 @@ CPU_TOKENS_PER_STEP = 256
 CUDA_TOKENS_PER_STEP = 2048
 CPU_PREFILL_TOKENS = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROUTINGS = ("prefix", "least-loaded")
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -352,6 +353,9 @@ class CoordinatorConfig:
     --draft)"""
     max_ngram: int = 3
     """longest n-gram --prompt-lookup matches"""
+    routing: str = field(default="prefix", metadata={"choices": ROUTINGS})
+    """how a new session chooses among a role's replicas: prefix (the one most likely to
+    hold its prompt's prefix in its cache, within 1.25 times the mean load) or least-loaded"""
     tokenizer: str | None = None
     """tokenizer: embedded name, directory or hub id (default: the default model's)"""
     num_speculative_tokens: int | str = field(

@@ -258,11 +258,17 @@ class GrpcWorkerClient:
         *,
         credentials: grpc.ChannelCredentials | None = None,
         kube_api=None,
+        prefix_routing: bool = True,
     ) -> None:
         self.role = role
         self.session_class = session_class
         self.replicas = Replicas(
-            role, addresses, stub_class, credentials=credentials, kube_api=kube_api
+            role,
+            addresses,
+            stub_class,
+            credentials=credentials,
+            kube_api=kube_api,
+            prefix_routing=prefix_routing,
         )
 
     async def start(self) -> None:
@@ -315,7 +321,9 @@ class GrpcWorkerClient:
 
 
 class GrpcDraftClient(GrpcWorkerClient):
-    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+    def __init__(
+        self, addresses: Sequence[str], *, credentials=None, kube_api=None, prefix_routing=True
+    ) -> None:
         super().__init__(
             "draft",
             addresses,
@@ -323,6 +331,7 @@ class GrpcDraftClient(GrpcWorkerClient):
             GrpcDraftSession,
             credentials=credentials,
             kube_api=kube_api,
+            prefix_routing=prefix_routing,
         )
 
     async def open(
@@ -350,7 +359,9 @@ class GrpcDraftClient(GrpcWorkerClient):
 
 
 class GrpcTargetClient(GrpcWorkerClient):
-    def __init__(self, addresses: Sequence[str], *, credentials=None, kube_api=None) -> None:
+    def __init__(
+        self, addresses: Sequence[str], *, credentials=None, kube_api=None, prefix_routing=True
+    ) -> None:
         super().__init__(
             "target",
             addresses,
@@ -358,6 +369,7 @@ class GrpcTargetClient(GrpcWorkerClient):
             GrpcTargetSession,
             credentials=credentials,
             kube_api=kube_api,
+            prefix_routing=prefix_routing,
         )
 
     async def open(

@@ -133,7 +133,14 @@ class Replicas:
     """One role's routing table: worker address → channel, load, health."""
 
     def __init__(
-        self, role: str, addresses: Sequence[str], stub_class, *, credentials=None, kube_api=None
+        self,
+        role: str,
+        addresses: Sequence[str],
+        stub_class,
+        *,
+        credentials=None,
+        kube_api=None,
+        prefix_routing: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError(f"at least one {role} worker address is needed")
@@ -156,6 +163,8 @@ class Replicas:
         self._tiebreak = itertools.count()
         self.prefixes = PrefixIndex()
         """The prompt blocks sent to each replica (prefix-aware routing)."""
+        self.prefix_routing = prefix_routing
+        """Route by prefix (else to the least loaded)."""
         static = [a for a in addresses if not discovery.is_service_address(a)]
         if static:
             self.update(STATIC, dict.fromkeys(static, True))
@@ -279,7 +288,7 @@ class Replicas:
         serves before its first session; one that has not answered within
         ``timeout_s`` (at most DESCRIBE_TIMEOUT_S) counts as failed."""
         timeout_s = min(DESCRIBE_TIMEOUT_S, timeout_s or DESCRIBE_TIMEOUT_S)
-        names = prompt_names(prompt) if len(self._members) > 1 else []
+        names = prompt_names(prompt) if self.prefix_routing and len(self._members) > 1 else []
         while True:
             replica = self.pick(names)
             if not replica.checked:

@@ -22,6 +22,7 @@ from outrider.bench.options import (
     HttpOptions,
     MemoryOptions,
     PoolOptions,
+    PrefixOptions,
     StepsOptions,
 )
 
@@ -38,6 +39,7 @@ TOOLS = {
     "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
     "http": Tool(HttpOptions, "outrider.bench.http_overhead"),
     "memory": Tool(MemoryOptions, "outrider.bench.resident_memory"),
+    "prefix": Tool(PrefixOptions, "outrider.bench.prefix_cache"),
 }
 """``outrider bench TOOL``, by name."""
 

@@ -415,3 +415,54 @@ class MemoryOptions:
         default=(), metadata={"nargs": argparse.REMAINDER, "metavar": "-- UP_FLAGS"}
     )
     """flags of `outrider up`, after -- (e.g. -- --drafter int4 --device cpu)"""
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    """prefix caching: time to first token and tokens/s with the cache on and off, and routing
+
+    Starts the default model's target worker, a draft worker for --drafter (none for
+    prompt-lookup) and a coordinator, once with both workers' prefix caches on and once off, and
+    sends three chat workloads through the gRPC SDK, each turn resending the whole conversation:
+    system (a ~1k-token system prompt, cached by one request first, in front of short MT-Bench
+    questions), mt-bench (MT-Bench's two turns) and chat-4 (conversations of four MT-Bench
+    questions of one category), each at every --concurrency. Reports per workload, N and cache
+    setting the time to first token at p50 and p99 (and p50 of the turns that found a cached
+    prefix), output tokens/s, the share of prompt tokens the target found cached, and TTFT p50
+    on ÷ off; and whether the outputs were identical. --part routing instead starts two target
+    replicas and a coordinator drafting by prompt lookup, and runs 16 streams over 4 ~1k-token
+    system prompts with --routing-requests questions each, routed by prefix and by load: the
+    prompt tokens found cached, TTFT, and the sessions each replica opened.
+    """
+
+    part: str = field(default="all", metadata={"choices": ("all", "cache", "routing")})
+    """what to measure: the cache on and off (cache), prefix against least-loaded routing
+    (routing), or both"""
+    drafter: str = field(default="int4", metadata={"choices": ("int4", "prompt-lookup")})
+    """the drafter of the cache runs (with adaptive K, the coordinator's default)"""
+    concurrency: tuple[int, ...] = field(
+        default=(1, 8),
+        metadata={"parse": _as_tuple(parse_concurrency_list), "metavar": "LIST"},
+    )
+    """N, the conversations at once, comma-separated"""
+    conversations: int = 8
+    """conversations per workload"""
+    max_tokens: int = 32
+    """most tokens per answer"""
+    routing_requests: int = 4
+    """requests per stream in the routing runs"""
+    threads: int | None = None
+    """torch threads per worker (default: all cores)"""
+    json: Path | None = None
+    """also write the figures as JSON"""
+    no_progress: bool = False
+    """no progress bar"""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--conversations", self.conversations),
+            ("--max-tokens", self.max_tokens),
+            ("--routing-requests", self.routing_requests),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1")
