@@ -430,9 +430,10 @@ class PrefixOptions:
     setting the time to first token at p50 and p99 (and p50 of the turns that found a cached
     prefix), output tokens/s, the share of prompt tokens the target found cached, and TTFT p50
     on ÷ off; and whether the outputs were identical. --part routing instead starts two target
-    replicas and a coordinator drafting by prompt lookup, and runs 16 streams over 4 ~1k-token
-    system prompts with --routing-requests questions each, routed by prefix and by load: the
-    prompt tokens found cached, TTFT, and the sessions each replica opened.
+    replicas and a coordinator drafting by prompt lookup, sends one request per system prompt,
+    then runs 16 streams of --routing-requests questions each behind one of 4 ~1k-token system
+    prompts drawn at random, routed by prefix and by load: the prompt tokens found cached, TTFT,
+    and the sessions each replica opened.
     """
 
     part: str = field(default="all", metadata={"choices": ("all", "cache", "routing")})
@@ -451,6 +452,9 @@ class PrefixOptions:
     """most tokens per answer"""
     routing_requests: int = 4
     """requests per stream in the routing runs"""
+    routing_cache_tokens: int | None = None
+    """--max-cached-tokens of the target replicas in the routing runs (default: sized from free
+    memory)"""
     threads: int | None = None
     """torch threads per worker (default: all cores)"""
     json: Path | None = None

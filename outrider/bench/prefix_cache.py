@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -174,8 +175,9 @@ def cache_runs(options: PrefixOptions, bar) -> dict[tuple[str, int, bool], Run]:
 
 def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float]]]:
     """16 streams over 4 system prompts on two target replicas (prompt
-    lookup: no draft), routed by prefix and by load; each run's turns and
-    the sessions each replica opened."""
+    lookup: no draft), routed by prefix and by load, after one request per
+    system prompt; each request's system prompt drawn at random (seeded);
+    each run's turns and the sessions each replica opened."""
     import tempfile
     from pathlib import Path
 
@@ -186,10 +188,13 @@ def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float
     results = {}
     for routing in ("prefix", "least-loaded"):
         with Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-"))) as stack:
+            target_args = _worker_args(options, True)
+            if options.routing_cache_tokens is not None:
+                target_args += ["--max-cached-tokens", str(options.routing_cache_tokens)]
             targets = [
                 stack.start(
                     "target",
-                    _worker_args(options, True),
+                    target_args,
                     timeout_s=300,
                     label=f"target-{i}",
                     metrics_port=0,
@@ -209,13 +214,15 @@ def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float
                 from outrider.client import AsyncClient
 
                 async with AsyncClient(address, timeout=600) as client:
+                    for system in systems:
+                        await converse(client, ["Hello."], system, 1)
 
                     async def stream(i: int) -> list[Turn]:
-                        turns = []
+                        turns, rng = [], random.Random(i)
                         for j in range(options.routing_requests):
                             question = questions[(i * options.routing_requests + j) % 80]
                             turns += await converse(
-                                client, [question], systems[i % 4], options.max_tokens
+                                client, [question], rng.choice(systems), options.max_tokens
                             )
                         return turns
 
