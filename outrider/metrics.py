@@ -222,17 +222,7 @@ class WorkerMetrics:
             registry=registry,
         )
         self.caching = store.pool.caching
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
-            "Tokens of the histories sessions were opened on, looked up in the prefix cache "
-            "(counted where the worker caches prefixes).",
-            registry=registry,
-        )
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits",
-            "Of those, tokens found in the prefix cache (not prefilled).",
-            registry=registry,
-        )
+        self.prefix_cache_queries, self.prefix_cache_hits = _prefix_cache_counters(registry)
         steps = Histogram(
             PREFIX + "worker_step_seconds",
             "Time to answer a session message, the wait for the engine thread included.",
@@ -275,6 +265,22 @@ class WorkerMetrics:
         if self.caching:
             self.prefix_cache_queries.inc(tokens)
             self.prefix_cache_hits.inc(cached)
+
+
+def _prefix_cache_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """vLLM's prefix cache queries and hits, in tokens."""
+    queries = Counter(
+        PREFIX + "prefix_cache_queries",
+        "Tokens of the histories sessions were opened on, looked up in the prefix cache "
+        "(counted where the worker caches prefixes).",
+        registry=registry,
+    )
+    hits = Counter(
+        PREFIX + "prefix_cache_hits",
+        "Of those, tokens found in the prefix cache (not prefilled).",
+        registry=registry,
+    )
+    return queries, hits
 
 
 def _add_store_gauges(registry: CollectorRegistry, store: SessionStore) -> None:

@@ -58,6 +58,38 @@ def stack(tiny_target_dir, tiny_draft_other_dir):
     )
 
 
+async def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stack):
+    """A conversation's second turn resends the first: its full blocks come
+    from the target's cache, and usage says how many tokens."""
+    system = {"role": "system", "content": " ".join(["The quick brown fox."] * 12)}
+    async with stack as s, api(s) as client:
+        model = served(s)
+        first = await client.chat.completions.create(
+            model=model, messages=[system, *CHAT], **GREEDY
+        )
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        turn = [
+            system,
+            *CHAT,
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then?"},
+        ]
+        second = await client.chat.completions.create(model=model, messages=turn, **GREEDY)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached % 16 == 0 and first.usage.prompt_tokens - 16 <= cached
+        assert cached < second.usage.prompt_tokens
+        _, chunks = await streamed(
+            await client.chat.completions.create(
+                model=model,
+                messages=turn,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+        )
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 async def test_chat_and_completions_give_the_grpc_text_and_token_counts(stack):
     async with stack as s, AsyncClient(s.address) as grpc_client, api(s) as client:
         model = (await client.models.list()).data[0].id

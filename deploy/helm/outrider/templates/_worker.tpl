@@ -89,6 +89,10 @@ spec:
             - name: OUTRIDER_ENFORCE_EAGER
               value: "true"
             {{- end }}
+            {{- if not $values.prefixCaching }}
+            - name: OUTRIDER_ENABLE_PREFIX_CACHING
+              value: "false"
+            {{- end }}
             - name: OUTRIDER_MAX_SESSIONS
               value: {{ int $values.maxSessions | quote }}
             {{- if gt (int $values.maxCachedTokens) 0 }}
