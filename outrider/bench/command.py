@@ -33,7 +33,12 @@ from outrider.bench.runner import run_interleaved, selected, warm_up, without_ig
 
 def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
     common = ("--log-level", options.log_level)
-    workers = [*common, "--threads", str(options.torch_threads), "--device", options.device]
+    # No prefix cache: every configuration runs each prompt, and the ones
+    # after the first would find it cached (outrider bench prefix measures it).
+    workers = [
+        *common, "--threads", str(options.torch_threads), "--device", options.device,
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
     if (
         options.concurrency
     ):  # every stream holds a session on each worker, and one may linger as the next opens

@@ -183,8 +183,6 @@ def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float
 
     from outrider.stack import Stack
 
-    systems = system_prompts()
-    questions = [row["turns"][0] for row in _rows(DATA_DIR / "mt_bench" / "question.jsonl")]
     results = {}
     for routing in ("prefix", "least-loaded"):
         with Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-"))) as stack:
@@ -193,11 +191,7 @@ def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float
                 target_args += ["--max-cached-tokens", str(options.routing_cache_tokens)]
             targets = [
                 stack.start(
-                    "target",
-                    target_args,
-                    timeout_s=300,
-                    label=f"target-{i}",
-                    metrics_port=0,
+                    "target", target_args, timeout_s=300, label=f"target-{i}", metrics_port=0
                 )
                 for i in range(2)
             ]
@@ -209,34 +203,32 @@ def routing_runs(options: PrefixOptions, bar) -> dict[str, tuple[Run, list[float
                 ],
                 timeout_s=300,
             )  # fmt: skip
-
-            async def streams(address: str) -> Run:
-                from outrider.client import AsyncClient
-
-                async with AsyncClient(address, timeout=600) as client:
-                    for system in systems:
-                        await converse(client, ["Hello."], system, 1)
-
-                    async def stream(i: int) -> list[Turn]:
-                        turns, rng = [], random.Random(i)
-                        for j in range(options.routing_requests):
-                            question = questions[(i * options.routing_requests + j) % 80]
-                            turns += await converse(
-                                client, [question], rng.choice(systems), options.max_tokens
-                            )
-                        return turns
-
-                    started = time.perf_counter()
-                    done = await asyncio.gather(*(stream(i) for i in range(16)))
-                    return Run([t for ts in done for t in ts], time.perf_counter() - started)
-
-            run = asyncio.run(streams(stack.coordinator.address))
-            opened = [
-                _counter(t.metrics_url, "outrider_worker_sessions_opened_total") for t in targets
-            ]
-            results[routing] = (run, opened)
+            run = asyncio.run(routed_streams(stack.coordinator.address, options))
+            results[routing] = (run, [_counter(t.metrics_url, OPENED) for t in targets])
             bar.update()
     return results
+
+
+async def routed_streams(address: str, options: PrefixOptions) -> Run:
+    """One request per system prompt, then the 16 streams."""
+    from outrider.client import AsyncClient
+
+    systems = system_prompts()
+    questions = [row["turns"][0] for row in _rows(DATA_DIR / "mt_bench" / "question.jsonl")]
+    async with AsyncClient(address, timeout=600) as client:
+        for system in systems:
+            await converse(client, ["Hello."], system, 1)
+
+        async def stream(i: int) -> list[Turn]:
+            turns, rng = [], random.Random(i)
+            for j in range(options.routing_requests):
+                question = questions[(i * options.routing_requests + j) % len(questions)]
+                turns += await converse(client, [question], rng.choice(systems), options.max_tokens)
+            return turns
+
+        started = time.perf_counter()
+        done = await asyncio.gather(*(stream(i) for i in range(16)))
+        return Run([t for ts in done for t in ts], time.perf_counter() - started)
 
 
 def _counter(url: str | None, name: str) -> float:
