@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from coordinator.workers.protocol import WorkerInfo
 
@@ -29,8 +30,9 @@ DRAFTER = "prompt-lookup"
 
 @dataclass(frozen=True)
 class Match:
-    """A history's draft: the tokens that followed the latest earlier
-    occurrence of its last ``n`` tokens (n = 0, none: no match)."""
+    """A history's draft and the evidence it rests on (``n``; 0: no
+    draft): for prompt lookup, the tokens that followed the latest earlier
+    occurrence of its last ``n`` tokens."""
 
     n: int
     tokens: list[int]
@@ -39,8 +41,40 @@ class Match:
 NO_MATCH = Match(0, [])
 
 
-class PromptLookup:
+class Lookup:
+    """A drafter in the coordinator: each session's next draft looked up
+    after every round from what the coordinator holds (prompt lookup,
+    suffix decoding), no draft worker."""
+
+    name = ""
+
+    @property
+    def info(self) -> WorkerInfo:
+        """The drafter as a worker would describe itself: any vocabulary, any context."""
+        return WorkerInfo(
+            model=self.name, drafter=self.name, vocab_size=0, vocab_fingerprint="", max_context=0
+        )
+
+    def index(self, prompt_len: int = 0) -> SessionLookup:
+        """What one session's lookups keep as its history (its first
+        ``prompt_len`` tokens the prompt) grows."""
+        raise NotImplementedError
+
+
+class SessionLookup(Protocol):
+    def match(self, history: Sequence[int], k: int) -> Match:
+        """Up to ``k`` tokens to follow ``history``, which extends the
+        history of the previous call, and the evidence they rest on."""
+        ...
+
+    def ended(self, history: Sequence[int]) -> None:
+        """The session ended with ``history``."""
+
+
+class PromptLookup(Lookup):
     """Drafts by matching the history's last n-gram, the longest n first."""
+
+    name = DRAFTER
 
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -48,14 +82,7 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    @property
-    def info(self) -> WorkerInfo:
-        """The drafter as a worker would describe itself: any vocabulary, any context."""
-        return WorkerInfo(
-            model=DRAFTER, drafter=DRAFTER, vocab_size=0, vocab_fingerprint="", max_context=0
-        )
-
-    def index(self) -> NgramIndex:
+    def index(self, prompt_len: int = 0) -> NgramIndex:
         """An index for one session's growing history."""
         return NgramIndex(range(self.max_ngram, self.min_ngram - 1, -1))
 
@@ -96,3 +123,6 @@ class NgramIndex:
             if start is not None:
                 return Match(n, list(history[start : start + k]))
         return NO_MATCH
+
+    def ended(self, history: Sequence[int]) -> None:
+        """(A session's own history is forgotten with it.)"""

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from coordinator.lookup import PromptLookup
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.lookup import Lookup, PromptLookup
+from coordinator.metrics import CoordinatorMetrics, SuffixCacheMetrics
 from coordinator.openai import HttpServer, create_app, start_http_server
 from coordinator.requests import SpeculationDefaults
 from coordinator.served_models import Models
 from coordinator.service import CoordinatorService
+from coordinator.suffix import Limits, SuffixDecoding
 from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient
 from coordinator.workers.protocol import WorkerInfo
 from outrider import models
@@ -39,7 +40,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         if config.draft
         else None
     )
-    lookup = PromptLookup(max_ngram=config.max_ngram) if config.prompt_lookup else None
+    lookup = lookup_of(config)
     draft = workers or lookup
     defaults = SpeculationDefaults(
         default_k=config.default_k if draft else 0,
@@ -72,11 +73,26 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             if metrics
             else None,
         )
+        if metrics and isinstance(lookup, SuffixDecoding):
+            SuffixCacheMetrics(metrics.registry, lookup.cache)
         await run(config, service, tokens, metrics)
     finally:
         await target.close()
         if workers:
             await workers.close()
+
+
+def lookup_of(config: CoordinatorConfig) -> Lookup | None:
+    """The drafter in this process the flags name, if any."""
+    if config.prompt_lookup:
+        return PromptLookup(max_ngram=config.max_ngram)
+    if config.suffix_decoding:
+        limits = Limits(
+            max_spec_factor=config.suffix_max_spec_factor,
+            min_token_prob=config.suffix_min_token_prob,
+        )
+        return SuffixDecoding(max_cached_tokens=config.suffix_cache_tokens, limits=limits)
+    return None
 
 
 async def load_tokenizer(config: CoordinatorConfig) -> tuple[Any, dict[str, Any]]:
@@ -97,7 +113,7 @@ async def connect(
     config: CoordinatorConfig,
     target: GrpcTargetClient,
     workers: GrpcDraftClient | None,
-    lookup: PromptLookup | None,
+    lookup: Lookup | None,
 ) -> tuple[WorkerInfo, WorkerInfo | None]:
     """Starts the worker clients and waits for each pool to say what it
     serves; a draft must pair with the target."""

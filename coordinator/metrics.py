@@ -37,6 +37,12 @@ Coordinator (per request, recorded when it finishes unless said otherwise):
   workers' compute and the waits behind other sessions' steps (RPC +
   coordinator).
 
+Suffix decoding (``--suffix-decoding``), read at scrape time:
+``outrider_suffix_cache_tokens`` (earlier outputs held),
+``outrider_suffix_cache_lookups_total`` (drafts looked up) and
+``outrider_suffix_cache_hits_total`` (of those, drafted from the earlier
+outputs rather than the session's own history).
+
 The hot path stays cheap: a request's aggregates are recorded once, when it
 finishes.
 """
@@ -48,6 +54,7 @@ import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.round_loop import Delta
 from coordinator.stats import Stats
@@ -191,3 +198,29 @@ class CoordinatorMetrics:
             if position >= len(self.accepted_per_pos):
                 self.accepted_per_pos.append(self._per_pos.labels(self.model_name, str(position)))
             self.accepted_per_pos[position].inc(accepted)
+
+
+class SuffixCacheMetrics:
+    """The shared outputs of suffix decoding (``coordinator.suffix.SuffixCache``),
+    read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, cache) -> None:
+        self.cache = cache
+        registry.register(self)
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            PREFIX + "suffix_cache_tokens",
+            "Tokens of earlier outputs suffix decoding drafts from.",
+            value=self.cache.tokens,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "suffix_cache_lookups",
+            "Suffix decoding drafts looked up.",
+            value=self.cache.lookups,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "suffix_cache_hits",
+            "Suffix decoding drafts taken from earlier outputs (not the session's own history).",
+            value=self.cache.hits,
+        )

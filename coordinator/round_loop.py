@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.adaptive.session import AdaptiveK, adaptive_k_max
-from coordinator.lookup import NO_MATCH, PromptLookup
+from coordinator.lookup import NO_MATCH, Lookup
 from coordinator.requests import GenerationRequest
 from coordinator.served_models import Models
 from coordinator.stats import RoundRecord, Stats
@@ -56,7 +56,7 @@ async def generate(
     request: GenerationRequest,
     models: Models,
     target: TargetClient,
-    draft: DraftClient | PromptLookup | None,
+    draft: DraftClient | Lookup | None,
     costs: CostModels | None = None,
     recovery: Recovery = Recovery(),
 ) -> AsyncIterator[Delta]:
@@ -102,7 +102,7 @@ class Generation:
         request: GenerationRequest,
         models: Models,
         target: TargetClient,
-        draft: DraftClient | PromptLookup | None,
+        draft: DraftClient | Lookup | None,
         costs: CostModels,
         recovery: Recovery,
     ) -> None:
@@ -115,9 +115,11 @@ class Generation:
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
         k_max = request.num_speculative_tokens if draft is not None else 0
-        self.lookup = draft.index() if isinstance(draft, PromptLookup) and k_max > 0 else None
+        self.lookup = (
+            draft.index(len(self.history)) if isinstance(draft, Lookup) and k_max > 0 else None
+        )
         self.match = NO_MATCH
-        """The draft prompt lookup offers after the history (:meth:`look_up`)."""
+        """The draft the lookup offers after the history (:meth:`look_up`)."""
         if request.adaptive:
             k_max = adaptive_k_max(k_max, models.target.graphed_tokens_per_row)
         self.k_max = k_max
@@ -155,12 +157,10 @@ class Generation:
         if self.drafts is not None:
             self.target.hidden_state_layers = models.hidden_state_layers
 
-    def _draft_link(
-        self, draft: DraftClient | PromptLookup | None, models: Models
-    ) -> DraftLink | None:
+    def _draft_link(self, draft: DraftClient | Lookup | None, models: Models) -> DraftLink | None:
         """The session on the draft workers (none for prompt lookup, which
         drafts here)."""
-        if draft is None or isinstance(draft, PromptLookup):
+        if draft is None or isinstance(draft, Lookup):
             return None
         request, recovery = self.request, self.recovery
         return DraftLink(
@@ -334,10 +334,15 @@ class Generation:
         return delta
 
     def look_up(self) -> None:
-        """Prompt lookup's draft after the history, looked up as soon as a
-        round has committed: each session's offer (its n and length) is
-        known to the plan of K before any of them asks (:mod:`coordinator.lookup`)."""
-        if self.lookup is None or self.finish_reason is not None:
+        """The lookup's draft after the history (prompt lookup's, suffix
+        decoding's), looked up as soon as a round has committed: each
+        session's offer (its evidence and length) is known to the plan of K
+        before any of them asks (:mod:`coordinator.lookup`). At the end, the
+        lookup is told the history the session ended with."""
+        if self.lookup is None:
+            return
+        if self.finish_reason is not None:
+            self.lookup.ended(self.history)
             return
         self.match = self.lookup.match(self.history, self.k_max)
         if self.policy is not None:

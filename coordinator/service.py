@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.chat_template import ChatMessage
-from coordinator.lookup import PromptLookup
+from coordinator.lookup import Lookup
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.requests import (
     GenerationRequest,
@@ -36,7 +36,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         models: Models,
         target: TargetClient,
-        draft: DraftClient | PromptLookup | None,
+        draft: DraftClient | Lookup | None,
         defaults: SpeculationDefaults,
         draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),

@@ -231,7 +231,7 @@ def _demo(config: DemoConfig) -> int:
         services = (
             "target worker, draft worker and coordinator"
             if stack_args.get("with_draft", True)
-            else "target worker and coordinator (drafting by prompt lookup)"
+            else "target worker and coordinator (drafting in the coordinator)"
         )
         print(f"Starting {services}...", flush=True)
         stack = start_stack(**stack_args)

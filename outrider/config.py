@@ -26,9 +26,13 @@ MODEL_DRAFTERS = ("model", "int4", "early-exit", "eagle")
 target's checkpoint in 4 bits (``outrider.quantize``); early-exit: the
 target's first L layers; eagle: an EAGLE-3 head reading the target's
 hidden states (``outrider.eagle``)."""
-DRAFTERS = ("model", "int4", "prompt-lookup", "early-exit", "eagle")
+DRAFTERS = ("model", "int4", "prompt-lookup", "suffix", "early-exit", "eagle")
 """A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
-the history, in the coordinator (``coordinator.lookup``), no draft worker."""
+the history, in the coordinator (``coordinator.lookup``) — or suffix —
+the history and earlier outputs, in the coordinator (``coordinator.suffix``):
+no draft worker."""
+COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-decoding"}
+"""The drafters that run in the coordinator, and its flag for each."""
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
 """The drafter ``outrider up`` runs when none is named (nor a draft model),
 by device type (docs/benchmark.md#the-drafters): on the CPU a step
@@ -353,6 +357,18 @@ class CoordinatorConfig:
     --draft)"""
     max_ngram: int = 3
     """longest n-gram --prompt-lookup matches"""
+    suffix_decoding: bool = False
+    """draft by suffix decoding here, in the coordinator: the continuation that most often
+    followed the history's longest earlier match, in its own history or in the outputs of
+    earlier requests, no model and no draft worker (instead of --draft)"""
+    suffix_cache_tokens: int = 1 << 20
+    """tokens of earlier requests' outputs --suffix-decoding drafts from, the oldest output
+    evicted first"""
+    suffix_min_token_prob: float = 0.1
+    """least estimated chance of a suffix decoding draft up to a token for it to draft that
+    token"""
+    suffix_max_spec_factor: float = 1.0
+    """most tokens a suffix decoding draft takes per token of the history it matched"""
     routing: str = field(default="prefix", metadata={"choices": ROUTINGS})
     """how a new session chooses among a role's replicas: prefix (the one most likely to
     hold its prompt's prefix in its cache, within 1.25 times the mean load) or least-loaded"""
@@ -397,11 +413,23 @@ class CoordinatorConfig:
                 f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
             )
         _at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
-        if self.prompt_lookup and self.draft:
+        for flag, given in (
+            ("--prompt-lookup", self.prompt_lookup),
+            ("--suffix-decoding", self.suffix_decoding),
+        ):
+            if given and self.draft:
+                raise ValueError(
+                    f"{flag} drafts in the coordinator: drop --draft, or drop {flag} "
+                    "to draft on the draft workers"
+                )
+        if self.prompt_lookup and self.suffix_decoding:
+            raise ValueError("--prompt-lookup and --suffix-decoding: choose one drafter")
+        _at_least(self.suffix_cache_tokens, 1, "--suffix-cache-tokens")
+        if not 0 <= self.suffix_min_token_prob <= 1:
             raise ValueError(
-                "--prompt-lookup drafts in the coordinator: drop --draft, or drop --prompt-lookup "
-                "to draft on the draft workers"
+                f"--suffix-min-token-prob {self.suffix_min_token_prob}: a probability, 0 to 1"
             )
+        _positive(self.suffix_max_spec_factor, "--suffix-max-spec-factor")
         _at_least(self.max_ngram, 1, "--max-ngram")
         if self.worker_tls_key is not None and self.worker_tls_cert is None:
             raise ValueError("--worker-tls-key needs --worker-tls-cert")

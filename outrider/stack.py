@@ -27,7 +27,7 @@ from typing import IO, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from outrider.config import StackConfig, default_drafter, http_port_file
+from outrider.config import COORDINATOR_DRAFTERS, StackConfig, default_drafter, http_port_file
 from outrider.metrics import metrics_port_file
 
 
@@ -241,8 +241,8 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
     if config.target_model:
         coordinator += ["--tokenizer", config.target_model]
     drafter = config.drafter or default_drafter(config.device, draft_model=config.draft_model)
-    if drafter == "prompt-lookup":
-        coordinator += ["--prompt-lookup"]
+    if drafter in COORDINATOR_DRAFTERS:
+        coordinator += [COORDINATOR_DRAFTERS[drafter]]
         return dict(target_args=target, coordinator_args=coordinator, with_draft=False)
     draft += ["--drafter", drafter]
     if drafter == "early-exit":

@@ -18,7 +18,7 @@ SAMPLED = "-t1"
 with rejection sampling (OpenAI's default, what serving benchmarks send),
 each prompt seeded by its index."""
 SAMPLED_TEMPERATURE = 1.0
-UNPIPELINED = frozenset({"prompt-lookup"})
+UNPIPELINED = frozenset({"prompt-lookup", "suffix"})
 """Drafters whose rounds are never pipelined: prompt lookup drafts in the
 coordinator, in microseconds, with nothing to overlap."""
 
@@ -107,12 +107,15 @@ def outrider_variants(
 
 
 def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
-    """``prompt-lookup``, ``bf16`` (the target itself in bfloat16), ``int4``
-    (the target with 4-bit weights), ``early-exit-L`` or ``eagle`` (the
-    EAGLE-3 head shipped for the target; Hugging Face has no peer)."""
+    """``prompt-lookup``, ``suffix`` (suffix decoding; Hugging Face has no
+    peer), ``bf16`` (the target itself in bfloat16), ``int4`` (the target
+    with 4-bit weights), ``early-exit-L`` or ``eagle`` (the EAGLE-3 head
+    shipped for the target; no peer either)."""
     model = ("--model", target_model) if target_model else ()
     if spec == "prompt-lookup":
         return Drafter(spec, (), "prompt-lookup", coordinator_args=("--prompt-lookup",))
+    if spec == "suffix":
+        return Drafter(spec, (), None, coordinator_args=("--suffix-decoding",))
     if spec == "bf16":
         return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "bf16")
     if spec == "int4":
@@ -124,7 +127,7 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
     raise ValueError(
         f"unknown drafter {spec!r}: "
-        "use prompt-lookup, bf16, int4, eagle or early-exit-L (e.g. early-exit-8)"
+        "use prompt-lookup, suffix, bf16, int4, eagle or early-exit-L (e.g. early-exit-8)"
     )
 
 

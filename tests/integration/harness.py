@@ -19,6 +19,7 @@ from coordinator.openai import HttpServer, create_app, start_http_server
 from coordinator.requests import SpeculationDefaults
 from coordinator.served_models import Models
 from coordinator.service import CoordinatorService
+from coordinator.suffix import SuffixDecoding
 from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
 from draft_worker import main as draft_main
 from draft_worker.sessions import DraftSessions
@@ -183,8 +184,8 @@ async def running_stack(
         await target.start()
 
         draft_worker, draft_engine, draft, draft_info = None, None, None, None
-        if drafter == "prompt-lookup":  # (in the coordinator: no draft worker)
-            draft = PromptLookup()
+        if drafter in ("prompt-lookup", "suffix"):  # (in the coordinator: no draft worker)
+            draft = PromptLookup() if drafter == "prompt-lookup" else SuffixDecoding()
             draft_info = draft.info
         elif drafter is not None:
             draft_config = DraftWorkerConfig(

@@ -65,6 +65,7 @@ from coordinator.lookup import PromptLookup
 from coordinator.requests import GenerationRequest
 from coordinator.round_loop import generate
 from coordinator.served_models import Models
+from coordinator.suffix import SuffixDecoding
 from coordinator.workers.protocol import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.config import Recovery
@@ -109,6 +110,7 @@ DRAFTED = [
     ("rejection", "good"),
     ("rejection", "bad"),
     ("rejection", "prompt-lookup"),
+    ("rejection", "suffix"),
     ("gumbel", "good"),
     ("gumbel", "bad"),
 ]
@@ -294,7 +296,7 @@ class World:
     target_model: torch.nn.Module
     good_model: torch.nn.Module
     target: InProcessTargetClient
-    drafts: dict[str, InProcessDraftClient | PromptLookup]
+    drafts: dict[str, InProcessDraftClient | PromptLookup | SuffixDecoding]
     models: Models
     references: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     samples: dict[tuple[str, str, str, int, bool], Samples] = field(default_factory=dict)
@@ -396,6 +398,7 @@ def world(tmp_path_factory) -> World:
         "good": draft_client(ModelDrafter(runner(TableLM(good, PROMPT, depth)), model_name="good")),
         "bad": draft_client(ModelDrafter(runner(TableLM(bad, PROMPT, depth)), model_name="bad")),
         "prompt-lookup": PromptLookup(),
+        "suffix": SuffixDecoding(),
     }
     info = WorkerInfo(
         model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512
