@@ -71,7 +71,8 @@ class BenchOptions:
     """a shipped prompt set (mt-bench: the 80 MT-Bench questions; humaneval: the 164 HumanEval
     prompts; long-context: 8 prompts of ~1k and ~3k tokens built from those; describe: 20
     requests for a JSON description, whose schema is outrider/bench/data/describe/
-    describe.schema.json) or a JSONL file,
+    describe.schema.json; agentic: 8 coding sessions of 4 turns over HumanEval, each turn
+    resending the last answer's code with a change) or a JSONL file,
     rows with `turns` (the first is used) or `prompt`, and optionally `category` (else the file
     stem); each is sent as one user chat message; repeatable"""
     limit: int | None = None
@@ -85,7 +86,8 @@ class BenchOptions:
     drafters: tuple[str, ...] = field(
         default=("prompt-lookup", "int4"), metadata={"metavar": "LIST"}
     )
-    """drafters, comma-separated: prompt-lookup, int4 (the target with 4-bit weights), bf16 (the
+    """drafters, comma-separated: prompt-lookup, suffix (suffix decoding; no HF peer), int4 (the
+    target with 4-bit weights), bf16 (the
     target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer), eagle
     (the EAGLE-3 head shipped for the target; no HF peer)"""
     no_hf: bool = False

@@ -1,9 +1,12 @@
 """The prompt set: JSONL rows, each sent as one user chat message.
 
-Three sets ship with the package, each beside its licence and provenance
+Five sets ship with the package, each beside its licence and provenance
 (``outrider/bench/data/``): the 80 MT-Bench questions (Apache-2.0), the
-164 HumanEval prompts (MIT), and 8 long-context prompts of about 1k and 3k
-tokens built from those two by ``scripts/build_long_prompts.py``.
+164 HumanEval prompts (MIT), 8 long-context prompts of about 1k and 3k
+tokens built from those two by ``scripts/build_long_prompts.py``, 20
+``describe`` requests for JSON, and 32 agentic turns — coding sessions over
+HumanEval, each turn resending the last answer's code with a change
+(``scripts/build_agentic_prompts.py``).
 ``--prompts`` names one of them or a file.
 """
 
@@ -21,6 +24,7 @@ PROMPT_SETS = {
     "humaneval": DATA_DIR / "humaneval" / "HumanEval_prompts.jsonl",
     "long-context": DATA_DIR / "long_context" / "long_context.jsonl",
     "describe": DATA_DIR / "describe" / "describe.jsonl",
+    "agentic": DATA_DIR / "agentic" / "agentic.jsonl",
 }
 """The shipped prompt sets, by the name ``--prompts`` takes."""
 DEFAULT_PROMPT_SET = "mt-bench"
