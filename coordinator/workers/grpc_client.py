@@ -284,7 +284,9 @@ class GrpcWorkerClient:
 
     async def _open(self, request, *, request_id: str, deadline_s: float | None = None):
         """Opens a session on a replica; one that does not answer within
-        ``deadline_s`` (frozen) counts as failed: Unavailable."""
+        ``deadline_s`` (frozen) or is unavailable (gone, draining) counts as
+        failed, so that new sessions, this one's reopen too, go to the others
+        first whatever prefixes it holds: Unavailable."""
         replica = await self.replicas.choose(deadline_s, request.open.token_ids)
         try:
             call = replica.stub.Session(metadata=((REQUEST_ID_KEY, request_id),))
@@ -300,6 +302,10 @@ class GrpcWorkerClient:
                 f"{self.role} worker {replica.address} did not open the session "
                 f"within {deadline_s:.3g} s"
             ) from None
+        except Unavailable:
+            session.cancel()
+            replica.failed()
+            raise
         except BaseException:
             session.cancel()
             raise

@@ -280,7 +280,9 @@ class Replicas:
         turn = next(self._tiebreak) % len(candidates)
         candidates = candidates[turn:] + candidates[:turn]
         now = time.monotonic()
-        healthy = [r for r in candidates if r.down_until <= now] or candidates
+        healthy = [r for r in candidates if r.down_until <= now]
+        if not healthy:  # every one failed lately: the least loaded, in turn, prefix or not
+            return min(candidates, key=lambda r: r.load)
         return self.prefixes.choose(healthy, names)[0]
 
     async def choose(self, timeout_s: float | None = None, prompt: Sequence[int] = ()) -> Replica:
