@@ -281,7 +281,9 @@ async def test_a_frozen_draft_stalls_a_stream_once_and_drafting_resumes_when_it_
 
     assert ids == reference and frozen_ids == reference
     assert sizes[:freeze_at] == [1] + [K + 1] * (freeze_at - 1)  # (the prefill's token first)
-    assert set(sizes[freeze_at:thaw_at]) == {1}, "not K=0 while the draft was frozen"
+    # (The round after the freeze may have had its drafts before the signal
+    # landed: the client sends it only once its chunk has arrived.)
+    assert set(sizes[freeze_at + 1 : thaw_at]) == {1}, "not K=0 while the draft was frozen"
     assert len(thawed_stalls) == 1 and thawed_stalls[0] <= deadline_s + 0.5, thawed_stalls
     assert resumed_after < 20, f"drafting resumed {resumed_after} chunks after the thaw"
     assert set(frozen_sizes) == {1} and frozen_stats.draft_tokens == 0
