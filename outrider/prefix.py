@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 BLOCK_SIZE = 16
 """Tokens per block (vLLM's default), of the workers' KV caches and of the
@@ -37,8 +37,13 @@ def block_names(
 ) -> list[bytes]:
     """The names of the full blocks of ``tokens`` from block ``start`` on,
     ``parent`` being block ``start - 1``'s."""
-    names = []
+    return list(iter_block_names(tokens, block_size, start=start, parent=parent))
+
+
+def iter_block_names(
+    tokens: Sequence[int], block_size: int = BLOCK_SIZE, *, start: int = 0, parent: bytes = ROOT
+) -> Iterator[bytes]:
+    """:func:`block_names`, each named only when asked for."""
     for begin in range(start * block_size, len(tokens) - block_size + 1, block_size):
         parent = block_name(parent, tokens[begin : begin + block_size])
-        names.append(parent)
-    return names
+        yield parent

@@ -39,10 +39,10 @@ way whichever runner a worker has.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from outrider.errors import ResourceExhausted
-from outrider.prefix import ROOT, block_names
+from outrider.prefix import ROOT, block_names, iter_block_names
 
 NULL_BLOCK = 0
 """Never owned by a session: padding in a batch points here (vLLM's null block)."""
@@ -131,15 +131,16 @@ class BlockPool:
         if self.used_blocks == 0:  # nothing held: uncached blocks ascending from 1, as new
             self._free.sort(reverse=True)
 
-    def cached_prefix(self, names: Sequence[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of ``names``."""
-        blocks = []
+    def cached_prefix(self, names: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """The names and cached blocks of the longest prefix of ``names``
+        (taken no further than its first miss)."""
+        found = []
         for name in names:
             block = self._block_named.get(name)
             if block is None:
                 break
-            blocks.append(block)
-        return blocks
+            found.append((name, block))
+        return found
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more session holds ``blocks`` (cached ones)."""
@@ -246,11 +247,13 @@ class KVCache:
             raise ValueError("only an empty cache reuses a cached prefix")
         if not self.pool.caching:
             return 0
-        names = block_names(tokens, self.pool.block_size)
-        blocks = self.pool.cached_prefix(names)
-        self.pool.share(blocks)
-        self.blocks, self.names = blocks, names[: len(blocks)]
-        self.token_ids = list(tokens[: len(blocks) * self.pool.block_size])
+        # Named lazily: the blocks after the first miss are named once,
+        # when the session seals them.
+        found = self.pool.cached_prefix(iter_block_names(tokens, self.pool.block_size))
+        self.names = [name for name, _ in found]
+        self.blocks = [block for _, block in found]
+        self.pool.share(self.blocks)
+        self.token_ids = list(tokens[: len(self.blocks) * self.pool.block_size])
         return len(self)
 
     def seal(self, length: int) -> None:
