@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
+from outrider.config import COORDINATOR_DRAFTERS
 
 BASELINE = "hf-generate"
 TARGET_ONLY = "outrider-k0"
@@ -18,9 +19,9 @@ SAMPLED = "-t1"
 with rejection sampling (OpenAI's default, what serving benchmarks send),
 each prompt seeded by its index."""
 SAMPLED_TEMPERATURE = 1.0
-UNPIPELINED = frozenset({"prompt-lookup", "suffix"})
-"""Drafters whose rounds are never pipelined: prompt lookup drafts in the
-coordinator, in microseconds, with nothing to overlap."""
+UNPIPELINED = frozenset(COORDINATOR_DRAFTERS)
+"""Drafters whose rounds are never pipelined: those of the coordinator
+(prompt lookup, suffix decoding) draft in microseconds, with nothing to overlap."""
 
 
 @dataclass
