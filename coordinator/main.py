@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from coordinator.lookup import Lookup, PromptLookup
@@ -63,6 +64,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             target,
             draft,
             defaults,
+            lookup=lookup if workers else None,
             draft_info=draft_info,
             recovery=config.recovery,
             metrics=CoordinatorMetrics(
@@ -125,6 +127,8 @@ async def connect(
     if workers:
         draft_info = await workers_info(workers, "--draft", config.draft, config.worker_wait_s)
         check_pairing(target_info, draft_info, config.draft)
+        if lookup:  # (each round drafts by whichever pays)
+            draft_info = replace(draft_info, drafter=f"{lookup.name}+{draft_info.drafter}")
     log.info(
         "workers ready",
         target=target_info.model,

@@ -22,8 +22,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from coordinator.adaptive.cost_model import CostModels
-from coordinator.adaptive.session import AdaptiveK, adaptive_k_max
+from coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
 from coordinator.lookup import NO_MATCH, Lookup
 from coordinator.requests import GenerationRequest
 from coordinator.served_models import Models
@@ -59,10 +61,13 @@ async def generate(
     draft: DraftClient | Lookup | None,
     costs: CostModels | None = None,
     recovery: Recovery = Recovery(),
+    lookup: Lookup | None = None,
 ) -> AsyncIterator[Delta]:
     """Runs ``request`` round by round, yielding what each round streams;
-    ``draft``: the draft workers, prompt lookup in this process, or none."""
-    generation = Generation(request, models, target, draft, costs or CostModels(), recovery)
+    ``draft``: the draft workers, a lookup in this process (prompt lookup,
+    suffix decoding), or none; ``lookup``: a lookup beside the draft
+    workers, each round drafted by whichever pays (:meth:`Generation.look_up`)."""
+    generation = Generation(request, models, target, draft, costs or CostModels(), recovery, lookup)
     try:
         # 1. Open: the target prefills the prompt and draws the first token,
         #    streamed at once; a draft model's session opens beside it, or
@@ -105,7 +110,10 @@ class Generation:
         draft: DraftClient | Lookup | None,
         costs: CostModels,
         recovery: Recovery,
+        lookup: Lookup | None = None,
     ) -> None:
+        if isinstance(draft, Lookup):
+            draft, lookup = None, draft
         self.request = request
         self.cost_models = costs
         self.costs = costs.likeliest()
@@ -114,10 +122,8 @@ class Generation:
         self.started = time.perf_counter()
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
-        k_max = request.num_speculative_tokens if draft is not None else 0
-        self.lookup = (
-            draft.index(len(self.history)) if isinstance(draft, Lookup) and k_max > 0 else None
-        )
+        k_max = request.num_speculative_tokens if draft is not None or lookup is not None else 0
+        self.lookup = lookup.index(len(self.history)) if lookup and k_max > 0 else None
         self.match = NO_MATCH
         """The draft the lookup offers after the history (:meth:`look_up`)."""
         if request.adaptive:
@@ -156,11 +162,13 @@ class Generation:
         self.drafts = self._draft_link(draft, models) if k_max > 0 else None
         if self.drafts is not None:
             self.target.hidden_state_layers = models.hidden_state_layers
+        self.by_lookup = self.lookup is not None and self.drafts is None
+        """Whether the next round drafts the lookup's offer (:meth:`look_up`)."""
 
-    def _draft_link(self, draft: DraftClient | Lookup | None, models: Models) -> DraftLink | None:
-        """The session on the draft workers (none for prompt lookup, which
+    def _draft_link(self, draft: DraftClient | None, models: Models) -> DraftLink | None:
+        """The session on the draft workers (none for a lookup alone, which
         drafts here)."""
-        if draft is None or isinstance(draft, Lookup):
+        if draft is None:
             return None
         request, recovery = self.request, self.recovery
         return DraftLink(
@@ -237,11 +245,11 @@ class Generation:
         ``beside``: asked as the target prefills, beside which it would
         run)."""
         room = max(0, self.max_len - history_len - 1)
-        if self.lookup is not None:
+        if self.by_lookup:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
             return min(self.k_max, room)
-        unopened = self.drafts is not None and not self.drafts.begun
+        unopened = not self.by_lookup and self.drafts is not None and not self.drafts.begun
         k = self.policy.choose(room, may_probe=not unopened)
         if unopened and k > 0:
             tokens_left = self.max_len - history_len
@@ -256,7 +264,7 @@ class Generation:
         """This round's proposal: the speculation's when it holds (a hit),
         else a fresh one (syncing the tokens committed since the last round).
         None when the round does not draft: K = 0, or the draft is lost."""
-        if self.lookup is not None:
+        if self.by_lookup:
             record.k = self.choose_k(len(self.history))
             record.drafted()
             drafts = self.match.tokens[: record.k]
@@ -345,15 +353,41 @@ class Generation:
             self.lookup.ended(self.history)
             return
         self.match = self.lookup.match(self.history, self.k_max)
+        if self.drafts is not None:
+            self.by_lookup = self.lookup_pays()
         if self.policy is not None:
-            self.policy.offer(self.match.n, len(self.match.tokens))
+            if self.by_lookup:
+                self.policy.offer(self.match.n, len(self.match.tokens))
+            else:
+                self.policy.offer(None, None)
+
+    def lookup_pays(self) -> bool:
+        """Whether the lookup's offer makes more tokens a second than the
+        draft model's drafts, each at its best K for a session alone
+        (:meth:`coordinator.adaptive.step_costs.StepCosts.best_rate_alone`):
+        the offer's drafts are priced by what drafts on its evidence had
+        accepted, depth by depth, and cost no draft step; the model's, a
+        step each, by its per-token α — as Arctic Inference sets suffix
+        drafts against its speculator's, by score against length."""
+        if not self.match.tokens:
+            return False
+        acceptance = self.costs.acceptance
+        offered = acceptance.survival_of(self.match.n, len(self.match.tokens), PRIOR_TOKENS)
+        if self.policy is not None:
+            alpha = self.policy.model_alpha
+        else:
+            alpha = 0.5 if acceptance.alpha is None else acceptance.alpha
+        modelled = alpha ** np.arange(1.0, self.k_max + 1)
+        return self.costs.best_rate_alone(offered, drafted=False) >= self.costs.best_rate_alone(
+            modelled, drafted=True
+        )
 
     def account(
         self, proposal: Proposal | None, judged: Judged, record: RoundRecord, delta: Delta
     ) -> None:
         """Records the round in the statistics, as far as the client got its
         tokens, and teaches the cost model and the policy what it cost and
-        what it accepted; with prompt lookup, looks the next draft up."""
+        what it accepted; with a lookup, looks the next draft up."""
         drafted = proposal.tokens if proposal else []
         verified, verdict = len(judged.proposal.tokens), judged.verdict
         record.ended()
@@ -374,11 +408,13 @@ class Generation:
         self.costs.observe(
             num_drafts=verified,
             draft_s=record.draft_s,
-            draft_steps=len(drafted) + bool(proposal and proposal.guess is not None),
+            draft_steps=0
+            if self.by_lookup
+            else len(drafted) + bool(proposal and proposal.guess is not None),
             num_accepted=verdict.num_accepted,
             overhead_s=record.overhead_s,
-            drafted=proposal is not None and not record.hit and self.lookup is None,
-            evidence=self.match.n if self.lookup is not None else None,
+            drafted=proposal is not None and not record.hit and not self.by_lookup,
+            evidence=self.match.n if self.by_lookup else None,
         )
         if self.policy:
             self.policy.observe(verified, verdict.num_accepted)

@@ -41,10 +41,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         draft_info: WorkerInfo | None = None,
         recovery: Recovery = Recovery(),
         metrics: CoordinatorMetrics | None = None,
+        lookup: Lookup | None = None,
     ) -> None:
         self.models = models
         self.target = target
         self.draft = draft
+        self.lookup = lookup
+        """A lookup beside the draft workers (suffix decoding): each round
+        drafts by whichever pays (:mod:`coordinator.round_loop`)."""
         self.defaults = defaults
         self.draft_info = draft_info
         self.recovery = recovery
@@ -63,6 +67,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.draft,
             self.costs,
             self.recovery,
+            self.lookup,
         )
         return self.metrics.track(deltas, received) if self.metrics else deltas
 

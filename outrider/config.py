@@ -360,7 +360,8 @@ class CoordinatorConfig:
     suffix_decoding: bool = False
     """draft by suffix decoding here, in the coordinator: the continuation that most often
     followed the history's longest earlier match, in its own history or in the outputs of
-    earlier requests, no model and no draft worker (instead of --draft)"""
+    earlier requests, no model and no draft worker; with --draft, each round drafts by
+    suffix decoding where its drafts pay more than the draft model's, else by the model"""
     suffix_cache_tokens: int = 1 << 20
     """tokens of earlier requests' outputs --suffix-decoding drafts from, the oldest output
     evicted first"""
@@ -413,15 +414,11 @@ class CoordinatorConfig:
                 f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
             )
         _at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
-        for flag, given in (
-            ("--prompt-lookup", self.prompt_lookup),
-            ("--suffix-decoding", self.suffix_decoding),
-        ):
-            if given and self.draft:
-                raise ValueError(
-                    f"{flag} drafts in the coordinator: drop --draft, or drop {flag} "
-                    "to draft on the draft workers"
-                )
+        if self.prompt_lookup and self.draft:
+            raise ValueError(
+                "--prompt-lookup drafts in the coordinator: drop --draft, or drop "
+                "--prompt-lookup to draft on the draft workers"
+            )
         if self.prompt_lookup and self.suffix_decoding:
             raise ValueError("--prompt-lookup and --suffix-decoding: choose one drafter")
         _at_least(self.suffix_cache_tokens, 1, "--suffix-cache-tokens")

@@ -315,7 +315,8 @@ def start_shared_target_stack(
     ``coordinator_replicas`` coordinators in front of that draft worker (and
     the shared target) are ``stack.coordinators[label]``.
     ``coordinator_drafts`` maps the label of a drafter that runs in the
-    coordinator (prompt lookup) to the coordinators' flags that name it.
+    coordinator (prompt lookup; suffix decoding, alone or beside a draft
+    worker of the same label) to the coordinators' flags that name it.
     With neither, the coordinators without a drafter are
     ``stack.coordinators[None]``.
     """
@@ -331,8 +332,11 @@ def start_shared_target_stack(
             for label, args in drafts.items()
         }
         draft_flags: dict[str | None, list[str]] = {
-            **{label: ["--draft", draft.address] for label, draft in draft_workers.items()},
             **{label: list(flags) for label, flags in coordinator_drafts.items()},
+            **{
+                label: ["--draft", draft.address, *coordinator_drafts.get(label, ())]
+                for label, draft in draft_workers.items()
+            },
         } or {None: []}
         for label, flags in draft_flags.items():
             stack.coordinators[label] = [

@@ -25,23 +25,35 @@ class Acceptance:
 
     accepted: float = 0.0
     judged: float = 0.0
-    """Accepted drafts, and those plus the rejected ones."""
+    """Accepted drafts, and those plus the rejected ones, of the rounds
+    drafted on no evidence (a model's)."""
+    accepted_on_evidence: float = 0.0
+    judged_on_evidence: float = 0.0
+    """The same of the rounds drafted on evidence (a lookup's), whatever it was."""
     by_evidence: dict[int, Depths] = field(default_factory=dict)
     """The drafts judged and accepted at each depth, by the evidence the
     drafter had for them before drafting them (prompt lookup: the n of its
     match)."""
 
     def observe(self, num_drafts: int, num_accepted: int, evidence: int | None = None) -> None:
-        """A round accepted ``num_accepted`` of ``num_drafts`` drafted on ``evidence``."""
+        """A round accepted ``num_accepted`` of ``num_drafts`` drafted on
+        ``evidence``: counted by depth under its evidence, or where it has
+        none (a model's drafts) in :attr:`alpha` — which then prices a
+        model's drafts, whatever a lookup beside it drafts
+        (:mod:`coordinator.round_loop`)."""
         judged = num_accepted + (num_accepted < num_drafts)
-        self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
-        self.judged = DEPLOYMENT_DECAY * self.judged + judged
         if evidence is not None:
             self.by_evidence.setdefault(evidence, Depths()).observe(num_drafts, num_accepted)
+            self.accepted_on_evidence = DEPLOYMENT_DECAY * self.accepted_on_evidence + num_accepted
+            self.judged_on_evidence = DEPLOYMENT_DECAY * self.judged_on_evidence + judged
+            return
+        self.accepted = DEPLOYMENT_DECAY * self.accepted + num_accepted
+        self.judged = DEPLOYMENT_DECAY * self.judged + judged
 
     @property
     def alpha(self) -> float | None:
-        """Per-token acceptance over every session's recent drafting rounds."""
+        """Per-token acceptance over every session's recent drafting rounds
+        on no evidence."""
         return self.accepted / self.judged if self.judged else None
 
     def judged_on(self, evidence: int) -> float:
@@ -55,12 +67,15 @@ class Acceptance:
         depth's acceptance once the drafts before it were, as every
         session's recent rounds on that evidence had it, each drawn by
         ``prior_weight`` judged drafts toward the depth's before it — the
-        first toward :attr:`alpha` (0.5 before any). Drafts copied from
+        first toward the per-token acceptance of every draft on evidence
+        (0.5 before any: a model's α says nothing of them). Drafts copied from
         the history come in runs, the first often rejected and a later one
         rarely once those before it were: no per-token rate prices both
         (docs/design.md#adaptive-k)."""
         depths = self.by_evidence.get(evidence, Depths())
-        conditional = 0.5 if self.alpha is None else self.alpha
+        conditional = (
+            self.accepted_on_evidence / self.judged_on_evidence if self.judged_on_evidence else 0.5
+        )
         survival = np.empty(k)
         for j in range(k):
             judged = depths.judged[j] if j < len(depths.judged) else 0.0

@@ -14,7 +14,8 @@ by depth (:mod:`coordinator.adaptive.acceptance`). Sessions share steps:
 the target verifies every session's round in one forward pass of
 T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R); the
 draft drafts in steps of every session drafting, n_j rows of a token at the
-j-th draft of a round, each costing d(n_j); w and w_d are the engines' work
+j-th draft of a round, each costing d(n_j) (drafts looked up in the
+coordinator take no row); w and w_d are the engines' work
 between steps per row, and o the coordinator's overhead
 (:mod:`coordinator.adaptive.step_costs`). So a round costs
 
@@ -82,6 +83,9 @@ class Bid:
     k_last: int
     """The K of its last verified round: its share of the target's steps."""
     pipelined: bool = False
+    looked_up: bool = False
+    """Its drafts are looked up in the coordinator (:mod:`coordinator.lookup`):
+    they cost the draft no step."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class _Others:
         tokens = max(0.0, costs.target.tokens_per_step - sum(b.k_last + 1 for b in bids))
         if rows < 0.5:
             rows = tokens = 0.0
-        drafting_now = sum(1 for b in bids if b.k_last)
+        drafting_now = sum(1 for b in bids if b.k_last and not b.looked_up)
         draft_rows = costs.draft.rows_per_step if costs.draft else 0.0
         return cls(
             committed=rows + n,
@@ -186,9 +190,12 @@ class _Drafts:
         # (Less than TIE of a token each: the plan without them is as good.)
         order = order[gain[order] >= TIE]
         owner, depth, gain = owner[order], depth[order], gain[order]
-        rows_before = np.where(depth <= others.depth, others.drafting, 0.0) + _rank_within(depth)
+        drafted = ~np.array([b.looked_up for b in bids], dtype=bool)[owner]
+        ranks = _rank_within(np.where(drafted, depth, 0))  # (looked up: no row)
+        rows_before = np.where(depth <= others.depth, others.drafting, 0.0) + ranks
         draft_add = costs.draft_step_costs(rows_before + 1) - costs.draft_step_costs(rows_before)
-        draft_add = np.maximum(draft_add, 0.0)  # a row never makes a step cheaper
+        # (A row never makes a step cheaper.)
+        draft_add = np.where(drafted, np.maximum(draft_add, 0.0), 0.0)
         return cls(owner, depth, gain, draft_add)
 
 

@@ -63,8 +63,9 @@ class AdaptiveK:
     evidence: int | None = None
     offered: int | None = None
     """What the drafter offers for the next round, where it knows before
-    drafting (prompt lookup, :meth:`offer`): the evidence its drafts rest on,
-    and how many there are. None: as many as asked, on no evidence."""
+    drafting (a lookup's drafts, :meth:`offer`): the evidence its drafts rest
+    on, and how many there are. None: a draft model's, as many as asked, on
+    no evidence."""
 
     key: int = field(init=False)
     """Its key in its cost model's plan."""
@@ -83,8 +84,9 @@ class AdaptiveK:
             self.costs = costs
             self.key = costs.join(self)
 
-    def offer(self, evidence: int, tokens: int) -> None:
-        """The drafter has ``tokens`` drafts for the next round, on ``evidence``."""
+    def offer(self, evidence: int | None, tokens: int | None) -> None:
+        """The drafter has ``tokens`` drafts for the next round, on
+        ``evidence`` (None, None: the draft model drafts it)."""
         if (evidence, tokens) != (self.evidence, self.offered):
             self.evidence, self.offered = evidence, tokens
             self.costs.changed()
@@ -96,14 +98,20 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        """Its per-token acceptance: its own rounds', drawn toward what every
-        session of the deployment has seen (its drafter's typical α; 0.5
-        before any) by :data:`PRIOR_TOKENS` judged drafts. For
-        drafts on evidence, the acceptance of the first draft that every
-        session's drafts on the same evidence had: that says more of the
-        next drafts than the session's past does (:meth:`gains`)."""
+        """Its per-token acceptance (:attr:`model_alpha`) — or, for drafts
+        on evidence, the acceptance of the first draft that every session's
+        drafts on the same evidence had: that says more of the next drafts
+        than the session's past does (:meth:`gains`)."""
         if self.evidence is not None:
             return float(self.gains(1)[0])
+        return self.model_alpha
+
+    @property
+    def model_alpha(self) -> float:
+        """The per-token acceptance of its draft model's drafts: its own
+        rounds', drawn toward what every session of the deployment has seen
+        (its drafter's typical α; 0.5 before any) by :data:`PRIOR_TOKENS`
+        judged drafts."""
         prior = self.costs.acceptance.alpha
         prior = 0.5 if prior is None else prior
         judged = self.accepted + self.rejected + PRIOR_TOKENS
@@ -128,7 +136,8 @@ class AdaptiveK:
         k_max = min(self.k_most, limit)
         if k_max <= 0:
             return 0
-        if not self.costs.measured or not self.costs.draft_measured:
+        looked_up = self.evidence is not None  # (its drafts cost no draft step)
+        if not self.costs.measured or not (looked_up or self.costs.draft_measured):
             return min(k_max, LEARNING_K)  # draft, and learn what a round costs
         plan = self.costs.plan()
         k = min(plan.ks.get(self.key, 0), k_max)
@@ -154,9 +163,11 @@ class AdaptiveK:
         return self.costs.acceptance.judged_on(self.evidence) >= PRIOR_TOKENS
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """Updates α with one round: its accepted drafts, and the rejected one."""
+        """Updates its draft model's α with one round of its drafts: their
+        accepted drafts, and the rejected one (drafts on evidence are
+        counted by depth for every session: :meth:`gains`)."""
         self.k_last = num_drafts
-        if not num_drafts:
+        if not num_drafts or self.evidence is not None:
             return
         self.accepted = self.decay * self.accepted + num_accepted
         self.rejected = self.decay * self.rejected + (1 if num_accepted < num_drafts else 0)
@@ -169,4 +180,5 @@ class AdaptiveK:
             alpha=self.alpha,
             k_last=self.k_last or 0,
             pipelined=self.pipeline,
+            looked_up=self.evidence is not None,
         )

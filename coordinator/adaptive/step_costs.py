@@ -146,6 +146,23 @@ class StepCosts:
             overhead = self.overhead[not drafted].value or 0.0
         return overhead
 
+    def best_rate_alone(self, gains: np.ndarray, *, drafted: bool) -> float:
+        """The most tokens a second a session alone makes with a prefix of
+        drafts that add ``gains`` to its round (S(j) of each; the empty
+        prefix too: K = 0), ``drafted`` by the draft model a step each, or
+        looked up for nothing — or, before the target's steps are measured,
+        the most tokens a round. A round of K costs
+        o + K·(d(1) + w_d) + c(K + 1; 1) + w (:mod:`coordinator.adaptive.planner`)."""
+        k = np.arange(len(gains) + 1.0)
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
+        if not self.measured:
+            return float(tokens.max())
+        cost = self.target.step_costs(k + 1.0, 1.0) + self.target.work_per_row_s
+        cost = cost + np.where(k > 0, self.rpc_cost(drafted), self.rpc_cost(False))
+        if drafted:
+            cost = cost + k * float(self.draft_step_costs(np.array([1.0]))[0])
+        return float((tokens / np.maximum(cost, 1e-9)).max())
+
     def draft_step_costs(self, rows: np.ndarray) -> np.ndarray:
         """d(n) of draft steps of ``rows`` rows (0 rows: no step), the draft
         engine's work on the rows around each included: along its steps of a

@@ -54,7 +54,7 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
     drafts = {
         d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args]
         for d in drafters
-        if not d.coordinator_args
+        if d.draft_args
     }
     # A model drafter runs in the target's dtype unless its flags say otherwise.
     for args in drafts.values():
@@ -94,7 +94,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     meta = _meta(options, model_dir, len(prompts), started)
 
     with ExitStack() as cleanup:
-        workers = sum(1 for d in drafters if not d.coordinator_args)
+        workers = sum(1 for d in drafters if d.draft_args)
         coordinators = max(1, len(drafters)) * options.coordinators
         services = f"{_count(workers, 'draft worker')} and {_count(coordinators, 'coordinator')}"
         print(f"Starting 1 target worker, {services} ...", file=sys.stderr, flush=True)

@@ -19,9 +19,15 @@ SAMPLED = "-t1"
 with rejection sampling (OpenAI's default, what serving benchmarks send),
 each prompt seeded by its index."""
 SAMPLED_TEMPERATURE = 1.0
-UNPIPELINED = frozenset(COORDINATOR_DRAFTERS)
-"""Drafters whose rounds are never pipelined: those of the coordinator
-(prompt lookup, suffix decoding) draft in microseconds, with nothing to overlap."""
+LOOKUP_BESIDE = "suffix+"
+"""The prefix of a drafter label that runs suffix decoding beside a model drafter."""
+
+
+def pipelines(label: str) -> bool:
+    """Whether a drafter's rounds may be pipelined: not where the coordinator
+    looks drafts up (prompt lookup, suffix decoding, alone or beside a
+    model), in microseconds, with nothing to overlap."""
+    return label not in COORDINATOR_DRAFTERS and not label.startswith(LOOKUP_BESIDE)
 
 
 @dataclass
@@ -55,7 +61,8 @@ class Drafter:
     (``"bf16"``) or with the int4 drafter's weights (``"int4"``),
     ``"prompt-lookup"``, or None (no HF peer)."""
     coordinator_args: tuple[str, ...] = ()
-    """Set for a drafter in the coordinator, whose ``draft_args`` are empty."""
+    """The coordinator's flags for a drafter in the coordinator: alone (no
+    ``draft_args``, no draft worker) or beside a draft worker's."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def outrider_variants(
             )
         for v in synchronous:
             variants.append(v)
-            if pipelined and label not in UNPIPELINED:
+            if pipelined and pipelines(label):
                 variants.append(replace(v, name=v.name + PIPELINED, pipeline=True))
     if sampled:
         twins = [v for v in variants if v.k == 0 or (v.adaptive and not v.pipeline)]
@@ -111,8 +118,14 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
     """``prompt-lookup``, ``suffix`` (suffix decoding; Hugging Face has no
     peer), ``bf16`` (the target itself in bfloat16), ``int4`` (the target
     with 4-bit weights), ``early-exit-L`` or ``eagle`` (the EAGLE-3 head
-    shipped for the target; no peer either)."""
+    shipped for the target; no peer either), or ``suffix+D``: suffix
+    decoding beside model drafter D (no peer)."""
     model = ("--model", target_model) if target_model else ()
+    if spec.startswith(LOOKUP_BESIDE):
+        beside = parse_drafter(spec.removeprefix(LOOKUP_BESIDE), target_model=target_model)
+        if not beside.draft_args:
+            raise ValueError(f"drafter {spec!r}: suffix decoding goes beside a model drafter")
+        return Drafter(spec, beside.draft_args, None, coordinator_args=("--suffix-decoding",))
     if spec == "prompt-lookup":
         return Drafter(spec, (), "prompt-lookup", coordinator_args=("--prompt-lookup",))
     if spec == "suffix":
@@ -128,7 +141,8 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
     raise ValueError(
         f"unknown drafter {spec!r}: "
-        "use prompt-lookup, suffix, bf16, int4, eagle or early-exit-L (e.g. early-exit-8)"
+        "use prompt-lookup, suffix, bf16, int4, eagle, early-exit-L (e.g. early-exit-8) "
+        "or suffix+D (e.g. suffix+int4)"
     )
 
 

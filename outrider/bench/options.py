@@ -87,9 +87,10 @@ class BenchOptions:
         default=("prompt-lookup", "int4"), metadata={"metavar": "LIST"}
     )
     """drafters, comma-separated: prompt-lookup, suffix (suffix decoding; no HF peer), int4 (the
-    target with 4-bit weights), bf16 (the
-    target itself in bfloat16), early-exit-L (the target's first L layers; no HF peer), eagle
-    (the EAGLE-3 head shipped for the target; no HF peer)"""
+    target with 4-bit weights), bf16 (the target itself in bfloat16), early-exit-L (the
+    target's first L layers; no HF peer), eagle (the EAGLE-3 head shipped for the target; no
+    HF peer), or suffix+D (suffix decoding beside model drafter D, e.g. suffix+int4: each
+    round drafts by whichever pays; no HF peer)"""
     no_hf: bool = False
     """skip the Hugging Face configurations (speedup is then vs outrider-k0)"""
     no_adaptive: bool = False

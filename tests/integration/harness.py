@@ -115,7 +115,9 @@ async def running_stack(
     http: bool = False,
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
-    them (``engine`` says how: by default float64 on the CPU, each model
+    them (``drafter``: a draft worker's, a lookup's — "prompt-lookup",
+    "suffix" — or suffix decoding beside a draft worker's, "suffix+model";
+    ``engine`` says how: by default float64 on the CPU, each model
     worker batching on its own engine thread). ``step_s`` paces the
     workers' forward passes (``{"target": s, "draft": s}``, see
     :class:`PacedRunner`). ``http``: the coordinator also serves its
@@ -184,6 +186,9 @@ async def running_stack(
         await target.start()
 
         draft_worker, draft_engine, draft, draft_info = None, None, None, None
+        lookup = None  # beside the draft worker: "suffix+DRAFTER"
+        if drafter is not None and drafter.startswith("suffix+"):
+            lookup, drafter = SuffixDecoding(), drafter.removeprefix("suffix+")
         if drafter in ("prompt-lookup", "suffix"):  # (in the coordinator: no draft worker)
             draft = PromptLookup() if drafter == "prompt-lookup" else SuffixDecoding()
             draft_info = draft.info
@@ -243,6 +248,7 @@ async def running_stack(
             SpeculationDefaults(default_k=k, max_k=16, default_max_new_tokens=64),
             recovery=recovery,
             draft_info=draft_info,
+            lookup=lookup,
             metrics=CoordinatorMetrics(
                 coordinator_registry, model_name=target_info.model, max_num_speculative_tokens=16
             )

@@ -111,6 +111,7 @@ DRAFTED = [
     ("rejection", "bad"),
     ("rejection", "prompt-lookup"),
     ("rejection", "suffix"),
+    ("rejection", "suffix+bad"),
     ("gumbel", "good"),
     ("gumbel", "bad"),
 ]
@@ -291,12 +292,21 @@ def chi_square_p(tokens: np.ndarray, probs: torch.Tensor) -> float:
 # --- the world: models, clients, exact references, samples -----------------------------
 
 
+Drafters = (
+    InProcessDraftClient
+    | PromptLookup
+    | SuffixDecoding
+    | tuple[InProcessDraftClient, SuffixDecoding]
+)
+"""A drafter, or suffix decoding beside a draft model."""
+
+
 @dataclass
 class World:
     target_model: torch.nn.Module
     good_model: torch.nn.Module
     target: InProcessTargetClient
-    drafts: dict[str, InProcessDraftClient | PromptLookup | SuffixDecoding]
+    drafts: dict[str, Drafters]
     models: Models
     references: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     samples: dict[tuple[str, str, str, int, bool], Samples] = field(default_factory=dict)
@@ -400,6 +410,7 @@ def world(tmp_path_factory) -> World:
         "prompt-lookup": PromptLookup(),
         "suffix": SuffixDecoding(),
     }
+    drafts["suffix+bad"] = (drafts["bad"], SuffixDecoding())  # (each round: whichever pays)
     info = WorkerInfo(
         model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512
     )
@@ -419,8 +430,11 @@ def request(
     )
 
 
-async def run_once(models, target, draft, req) -> tuple[list[int], object]:
-    deltas = [delta async for delta in generate(req, models, target, draft, None, Recovery())]
+async def run_once(models, target, draft: Drafters, req) -> tuple[list[int], object]:
+    draft, lookup = draft if isinstance(draft, tuple) else (draft, None)
+    deltas = [
+        delta async for delta in generate(req, models, target, draft, None, Recovery(), lookup)
+    ]
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == req.max_new_tokens and deltas[-1].finish_reason == "length"
     return tokens, deltas[-1].stats

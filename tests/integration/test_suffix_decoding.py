@@ -80,3 +80,42 @@ async def test_concurrent_sessions_share_the_cache_as_they_generate(tiny_target_
     assert all(list(r.token_ids) == reference for r in results)
     assert cache.hits > 0
     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("streams", [1, 8])
+@pytest.mark.parametrize("speculation", [dict(num_speculative_tokens=4), dict(adaptive=True)])
+async def test_suffix_drafts_beside_a_draft_model_give_the_target_only_output(
+    tiny_target_dir, tiny_draft_other_dir, streams, speculation
+):
+    """Suffix decoding beside a draft model: rounds whose suffix offer pays
+    draft it, the others (no match, or a weak one) ask the draft model —
+    whose cache then catches up on the tokens it did not draft. Both kinds
+    of round run, and the output is target-only greedy decoding's."""
+    max_new = 40
+    prompts = agentic_turns(4, seed=10 + streams, max_new=max_new, target_dir=tiny_target_dir)
+    references = [reference_greedy(tiny_target_dir, p, max_new, eos=None) for p in prompts]
+    async with running_stack(
+        tiny_target_dir,
+        drafter="suffix+model",
+        draft_dir=tiny_draft_other_dir,
+        eos_token_ids={NO_EOS},
+    ) as stack:
+        async with AsyncClient(stack.address, timeout=120) as client:
+            semaphore = asyncio.Semaphore(streams)
+
+            async def generate(prompt):
+                async with semaphore:
+                    return await client.generate(
+                        token_ids=prompt, max_new_tokens=max_new, **speculation
+                    )
+
+            first = await asyncio.gather(*(generate(p) for p in prompts[0::2]))
+            later = await asyncio.gather(*(generate(p) for p in prompts[1::2]))
+        acceptance = stack.coordinator.costs.acceptance
+        cache = stack.coordinator.lookup.cache
+        assert await stack.sessions_left() == (0, 0)
+    results = [r for pair in zip(first, later, strict=True) for r in pair]
+    assert [list(r.token_ids) for r in results] == references
+    assert cache.hits > 0
+    assert acceptance.judged_on_evidence > 0, "no round drafted by suffix decoding"
+    assert acceptance.judged > 0, "no round drafted by the draft model"

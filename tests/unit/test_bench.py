@@ -126,6 +126,18 @@ def test_prompt_lookup_has_no_pipelined_twin():
     ]  # fmt: skip
 
 
+def test_suffix_beside_a_model_drafter_runs_its_draft_worker_and_has_no_pipelined_twin():
+    combined = parse_drafter("suffix+int4", target_model="M")
+    assert combined.draft_args == ("--drafter", "int4", "--model", "M")
+    assert combined.coordinator_args == ("--suffix-decoding",) and combined.hf_peer is None
+    variants = outrider_variants(["suffix+int4"], [4], adaptive=True, pipelined=True)
+    assert [v.name for v in variants] == [
+        "outrider-k0", "outrider-suffix+int4-k4", "outrider-suffix+int4-adaptive"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="beside a model drafter"):
+        parse_drafter("suffix+prompt-lookup", target_model=None)
+
+
 def test_no_pipelined_leaves_the_twins_out():
     names = [v.name for v in outrider_variants(["int4"], [4], adaptive=True, pipelined=False)]
     assert names == ["outrider-k0", "outrider-int4-k4", "outrider-int4-adaptive"]

@@ -137,6 +137,13 @@ def test_a_coordinator_refuses_prompt_lookup_beside_draft_workers(capsys):
     assert "drop --draft" in capsys.readouterr().err
 
 
+def test_a_coordinator_takes_suffix_decoding_beside_draft_workers():
+    from outrider.config import CoordinatorConfig
+
+    config = CoordinatorConfig(target=("a:1",), draft=("b:2",), suffix_decoding=True)
+    assert config.suffix_decoding and config.draft == ("b:2",)
+
+
 def test_serve_refuses_an_int4_group_size_the_kernels_lack(capsys):
     from outrider.cli import main
 

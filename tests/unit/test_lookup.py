@@ -153,8 +153,8 @@ def test_drafts_that_come_in_runs_are_priced_by_depth_not_by_a_per_token_rate():
     for i in range(400):
         acceptance.observe(num_drafts=4, num_accepted=4 if i % 10 < 3 else 0, evidence=2)
     survival = acceptance.survival_of(2, 6, prior_weight=8.0)
-    alpha = acceptance.alpha
-    assert alpha == pytest.approx(12 / 19, abs=0.02)
+    alpha = acceptance.accepted_on_evidence / acceptance.judged_on_evidence
+    assert alpha == pytest.approx(12 / 19, abs=0.02) and acceptance.alpha is None
     assert survival[0] == pytest.approx(0.3, abs=0.03) and alpha > 1.9 * survival[0]
     assert survival[-1] > 0.8 * survival[0] and alpha**4 < 0.6 * survival[3]
     assert np.all(np.diff(survival) <= 0)
@@ -188,7 +188,9 @@ def test_the_plan_of_a_session_drafting_runs_follows_its_depths():
         step = costs.target.step_costs(np.arange(1.0, 10.0), 1.0)
         return int(np.argmax([(1 + gains[:k].sum()) / step[k] for k in range(9)]))
 
-    assert best(costs.acceptance.alpha ** np.arange(1, 9)) == 5
+    acceptance = costs.acceptance
+    alpha = acceptance.accepted_on_evidence / acceptance.judged_on_evidence
+    assert best(alpha ** np.arange(1, 9)) == 5
     assert best(policy.gains(8)) == 8 and policy.choose(limit=100) == 8
 
 
@@ -226,3 +228,52 @@ async def test_the_loop_drafting_by_prompt_lookup_gives_the_target_s_tokens(
     assert stats.draft_tokens > 0 and not stats.pipeline
     await target.engine.run(lambda: None)  # (once a later call ran, the close has)
     assert len(target.sessions.store) == 0
+
+
+def test_drafts_looked_up_beside_a_draft_model_cost_no_draft_step():
+    """Suffix decoding beside a draft model whose step costs more than a
+    target step: the plan gives the session drafting the model's drafts
+    (α 0.5) K = 0 and the one drafting a strong lookup offer all of it —
+    its drafts take no row in the draft's steps."""
+    costs = cpu_like(rows=2)
+    costs.draft_per_token.update(0.05)
+    for _ in range(200):
+        for evidence in (None, 3):
+            accepted = 4 if evidence else 1
+            costs.observe(
+                num_drafts=4,
+                num_accepted=accepted,
+                evidence=evidence,
+                draft_s=0.2 if evidence is None else 0.0,
+                draft_steps=None if evidence is None else 0,
+                overhead_s=0.0,
+                drafted=evidence is None,
+            )
+    modelled, looked_up = AdaptiveK(8, costs), AdaptiveK(8, costs)
+    for policy in (modelled, looked_up):
+        policy.k_last = 0
+    modelled.offer(None, None)
+    looked_up.offer(3, 6)
+    assert (modelled.choose(limit=100), looked_up.choose(limit=100)) == (0, 6)
+    assert costs.acceptance.alpha == pytest.approx(0.5, abs=0.01)  # the model's rounds alone
+    assert modelled.bid().looked_up is False and looked_up.bid().looked_up is True
+
+
+def test_a_session_alone_rates_free_drafts_above_the_same_drafts_from_a_model():
+    """The rate that chooses a round's drafter beside a draft model: the
+    same gains make more tokens a second looked up than drafted a step
+    each, and drafts that add nothing leave the rate of K = 0."""
+    costs = cpu_like(rows=1)
+    costs.draft_per_token.update(0.01)
+    gains = 0.8 ** np.arange(1.0, 7.0)
+    step = costs.target.step_costs(np.arange(1.0, 8.0), 1.0)
+    looked_up = costs.best_rate_alone(gains, drafted=False)
+    drafted = costs.best_rate_alone(gains, drafted=True)
+    assert looked_up == pytest.approx(max((1 + gains[:k].sum()) / step[k] for k in range(7)))
+    assert drafted == pytest.approx(
+        max((1 + gains[:k].sum()) / (step[k] + 0.01 * k) for k in range(7))
+    )
+    assert looked_up > drafted > 1 / step[0]
+    assert costs.best_rate_alone(np.zeros(4), drafted=False) == pytest.approx(1 / step[0])
+    unmeasured = CostModel()
+    assert unmeasured.best_rate_alone(gains[:2], drafted=True) == pytest.approx(1 + 0.8 + 0.64)
