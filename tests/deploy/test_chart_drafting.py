@@ -125,3 +125,29 @@ def test_whether_a_draft_pool_is_deployed_is_decided_in_one_helper():
         "coordinator-deployment.yaml",
     ):
         assert 'include "outrider.draftWorker"' in (templates / name).read_text(), name
+
+
+def test_the_suffix_drafter_runs_in_the_coordinator_with_no_draft_pool(render, monkeypatch):
+    objects = render(sets=("draft.drafter=suffix", "draft.suffixCacheTokens=4096"))
+    assert components(objects) == ["coordinator", "target"]
+    env = coordinator_env(objects)
+    assert (env["OUTRIDER_SUFFIX_DECODING"], env["OUTRIDER_SUFFIX_CACHE_TOKENS"]) == (
+        "true",
+        "4096",
+    )
+    assert "OUTRIDER_PROMPT_LOOKUP" not in env and "OUTRIDER_DRAFT" not in env
+    config = service_config(monkeypatch, objects, "coordinator")
+    assert (config.suffix_decoding, config.suffix_cache_tokens, config.draft) == (True, 4096, ())
+
+
+def test_suffix_decoding_beside_a_draft_pool(render, monkeypatch):
+    objects = render(sets=("draft.drafter=int4", "draft.suffixDecoding=true"))
+    assert "draft" in components(objects)
+    env = coordinator_env(objects)
+    assert env["OUTRIDER_SUFFIX_DECODING"] == "true"
+    assert env["OUTRIDER_DRAFT"] == f"k8s://{DRAFT}.{NAMESPACE}:grpc"
+    config = service_config(monkeypatch, objects, "coordinator")
+    assert config.suffix_decoding and not config.prompt_lookup and config.draft
+    # Without a draft pool it means nothing: prompt lookup stays prompt lookup.
+    env = coordinator_env(render(sets=("draft.suffixDecoding=true",)))
+    assert env["OUTRIDER_PROMPT_LOOKUP"] == "true" and "OUTRIDER_SUFFIX_DECODING" not in env

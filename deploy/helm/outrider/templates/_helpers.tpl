@@ -64,11 +64,20 @@ app.kubernetes.io/component: {{ .component }}
 {{/*
 Whether a draft-worker pool is deployed: "true", or "" (false in an if).
 It is, with drafting on (draft.enabled), for the drafters that run a model
-(model, int4, early-exit, eagle). The prompt-lookup drafter runs in the coordinator
-(--prompt-lookup), with no draft pod.
+(model, int4, early-exit, eagle). The prompt-lookup and suffix drafters run in the
+coordinator (--prompt-lookup, --suffix-decoding), with no draft pod.
 */}}
 {{- define "outrider.draftWorker" -}}
-{{- if and .Values.draft.enabled (ne .Values.draft.drafter "prompt-lookup") }}true{{ end }}
+{{- if and .Values.draft.enabled (not (has .Values.draft.drafter (list "prompt-lookup" "suffix"))) }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether the coordinator drafts by suffix decoding: "true", or "". It does for
+the suffix drafter, and beside a drafter that runs a model with
+draft.suffixDecoding (each round drafting by whichever pays).
+*/}}
+{{- define "outrider.suffixDecoding" -}}
+{{- if and .Values.draft.enabled (or (eq .Values.draft.drafter "suffix") (and .Values.draft.suffixDecoding (include "outrider.draftWorker" .))) }}true{{ end }}
 {{- end }}
 
 {{/*
