@@ -495,6 +495,9 @@ class StackConfig:
     """default draft tokens per round, or 'auto' (adaptive K: 0 wherever drafting does not pay)"""
     pipeline: bool = False
     """draft the next round while the target verifies this one (requests may override)"""
+    suffix_decoding: bool = False
+    """also draft by suffix decoding in the coordinator, beside a drafter that runs a model:
+    each round drafts by whichever pays (--drafter suffix drafts by it alone)"""
     threads: int | None = None
     """torch threads per worker (default: all cores)"""
     enable_prefix_caching: bool | None = None
@@ -512,6 +515,11 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.drafter == "early-exit" and not self.draft_layers:
             raise ValueError("--drafter early-exit needs --draft-layers L")
+        if self.suffix_decoding and self.drafter in COORDINATOR_DRAFTERS:
+            raise ValueError(
+                f"--suffix-decoding goes beside a drafter that runs a model, not "
+                f"--drafter {self.drafter} (--drafter suffix drafts by suffix decoding alone)"
+            )
         _at_least(self.target_tp, 1, "--target-tp")
         _at_least(self.draft_tp, 1, "--draft-tp")
 

@@ -242,9 +242,13 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
         coordinator += ["--tokenizer", config.target_model]
     drafter = config.drafter or default_drafter(config.device, draft_model=config.draft_model)
     if drafter in COORDINATOR_DRAFTERS:
+        if config.suffix_decoding:  # (the device's default drafter is prompt lookup)
+            drafter = "suffix"
         coordinator += [COORDINATOR_DRAFTERS[drafter]]
         return dict(target_args=target, coordinator_args=coordinator, with_draft=False)
     draft += ["--drafter", drafter]
+    if config.suffix_decoding:  # (beside the model: each round drafts by whichever pays)
+        coordinator.append(COORDINATOR_DRAFTERS["suffix"])
     if drafter == "early-exit":
         draft += ["--draft-layers", str(config.draft_layers)]
     if drafter == "eagle" and config.head:

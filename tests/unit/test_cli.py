@@ -120,6 +120,29 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
         assert "--model" not in draft  # the target's own checkpoint
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_up_runs_suffix_decoding_beside_the_model_drafter(monkeypatch, device_type):
+    import torch
+
+    monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
+    stack = serve_flags_of(["up", "--suffix-decoding"])
+    assert "--suffix-decoding" in stack["coordinator_args"]
+    if device_type == "cpu":  # beside the int4 draft worker
+        assert stack.get("with_draft", True) and "--drafter" in stack["draft_args"]
+    else:  # the default drafter runs in the coordinator: suffix decoding alone
+        assert stack["with_draft"] is False
+        assert "--prompt-lookup" not in stack["coordinator_args"]
+
+
+def test_up_refuses_suffix_decoding_beside_a_coordinator_drafter(capsys):
+    from outrider.cli import main
+
+    assert main(["up", "--drafter", "prompt-lookup", "--suffix-decoding"]) == 2
+    err = capsys.readouterr().err
+    assert "--suffix-decoding goes beside a drafter that runs a model" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_draft_worker_refuses_prompt_lookup_and_names_the_coordinator_s_flag(capsys):
     from outrider.cli import main
 
