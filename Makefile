@@ -7,6 +7,8 @@
 #                (two workers; its 25 slowest tests at the end)
 #   make lint    ruff check, ruff format --check and mypy (configured in pyproject.toml)
 #   make tools   install the deployment tests' tools (helm into ~/.cache/outrider/tools)
+#   make image   build the container image localhost/outrider:VERSION with podman
+#                (or docker) from deploy/docker/Dockerfile (scripts/build_image.py)
 #   make proto   regenerate outrider/v1 from protos/ (committed; a test checks it)
 #   make bench-gpu  on a CUDA machine: the CUDA tests and the concurrency bench
 #                in float32 and bfloat16 (scripts/bench_gpu.sh)
@@ -16,7 +18,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast lint tools proto model venv clean bench-gpu
+.PHONY: demo test test-fast lint tools proto model venv clean bench-gpu image
 
 venv: $(STAMP)
 
@@ -60,6 +62,11 @@ lint: venv
 # come with the test extra.
 tools: venv
 	$(PY) scripts/install_tools.py
+
+# Where the Dockerfile's base or PyTorch's index is out of reach, the script
+# builds a Debian base and uses this machine's pip settings (see its --help).
+image:
+	$(PYTHON) scripts/build_image.py
 
 bench-gpu: model
 	PYTHON=$(PY) scripts/bench_gpu.sh

@@ -120,10 +120,20 @@ team of one spun on the cores the other was computing on: drafting under
 load stalled for seconds (docs/benchmark.md#a-steps-cost)."""
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM while a service starts (loads its model): exit at once, as
+    the default action does. As a container's PID 1 a process has no default
+    action for SIGTERM (the kernel drops it), and a pod deleted while its
+    model loads would wait out its grace period for SIGKILL. Once serving,
+    the service's own handler replaces this one and drains."""
+    os._exit(128 + signum)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from outrider.logging import configure_logging
     from outrider.startup import StartupError
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.role != "coordinator":  # (before torch, and so OpenMP, loads)
         os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
     try:

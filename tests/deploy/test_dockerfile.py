@@ -1,6 +1,6 @@
-"""The container image: hadolint-clean, non-root, no build tools in the final
-stage, one entrypoint for the three services. (No Docker daemon here: the
-build itself is not run by the tests.)"""
+"""The Dockerfile: hadolint-clean, non-root, no build tools in the final
+stage, one entrypoint for the three services. (tests/e2e/test_image.py builds
+the image and runs it.)"""
 
 from __future__ import annotations
 
