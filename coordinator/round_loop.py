@@ -150,7 +150,17 @@ class Generation:
         )
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
-        self.target = TargetLink(
+        self.target = self._target_link(target)
+        self.drafts = self._draft_link(draft, models) if k_max > 0 else None
+        if self.drafts is not None:
+            self.target.hidden_state_layers = models.hidden_state_layers
+        self.by_lookup = self.lookup is not None and self.drafts is None
+        """Whether the next round drafts the lookup's offer (:meth:`look_up`)."""
+
+    def _target_link(self, target: TargetClient) -> TargetLink:
+        """The session on the target workers, reopened within the recovery's deadlines."""
+        request, recovery = self.request, self.recovery
+        return TargetLink(
             target,
             request_id=request.request_id,
             sampling=request.sampling,
@@ -159,11 +169,6 @@ class Generation:
                 self.costs.prefill_cost(tokens)
             ),
         )
-        self.drafts = self._draft_link(draft, models) if k_max > 0 else None
-        if self.drafts is not None:
-            self.target.hidden_state_layers = models.hidden_state_layers
-        self.by_lookup = self.lookup is not None and self.drafts is None
-        """Whether the next round drafts the lookup's offer (:meth:`look_up`)."""
 
     def _draft_link(self, draft: DraftClient | None, models: Models) -> DraftLink | None:
         """The session on the draft workers (none for a lookup alone, which

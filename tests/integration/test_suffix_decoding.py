@@ -30,6 +30,23 @@ def agentic_turns(count: int, *, seed: int, max_new: int, target_dir) -> list[li
     return turns
 
 
+async def tasks_then_turns(stack, prompts, streams: int, max_new: int, speculation: dict):
+    """Generates every task first (their outputs fill the shared cache),
+    then the turns that resend them, ``streams`` at a time."""
+    async with AsyncClient(stack.address, timeout=120) as client:
+        semaphore = asyncio.Semaphore(streams)
+
+        async def generate(prompt):
+            async with semaphore:
+                return await client.generate(
+                    token_ids=prompt, max_new_tokens=max_new, **speculation
+                )
+
+        first = await asyncio.gather(*(generate(p) for p in prompts[0::2]))
+        later = await asyncio.gather(*(generate(p) for p in prompts[1::2]))
+    return first, later
+
+
 @pytest.mark.parametrize("streams", [1, 8])
 @pytest.mark.parametrize("speculation", [dict(num_speculative_tokens=4), dict(adaptive=True)])
 async def test_suffix_drafts_give_the_target_only_output_and_come_from_earlier_outputs(
@@ -39,19 +56,7 @@ async def test_suffix_drafts_give_the_target_only_output_and_come_from_earlier_o
     prompts = agentic_turns(4, seed=streams, max_new=max_new, target_dir=tiny_target_dir)
     references = [reference_greedy(tiny_target_dir, p, max_new, eos=None) for p in prompts]
     async with running_stack(tiny_target_dir, drafter="suffix", eos_token_ids={NO_EOS}) as stack:
-        async with AsyncClient(stack.address, timeout=120) as client:
-            semaphore = asyncio.Semaphore(streams)
-
-            async def generate(prompt):
-                async with semaphore:
-                    return await client.generate(
-                        token_ids=prompt, max_new_tokens=max_new, **speculation
-                    )
-
-            # Every task first (their outputs fill the shared cache), then
-            # the turns that resend them.
-            first = await asyncio.gather(*(generate(p) for p in prompts[0::2]))
-            later = await asyncio.gather(*(generate(p) for p in prompts[1::2]))
+        first, later = await tasks_then_turns(stack, prompts, streams, max_new, speculation)
         cache = stack.coordinator.draft.cache
         assert await stack.sessions_left() == (0, 0)
     results = [r for pair in zip(first, later, strict=True) for r in pair]
@@ -100,17 +105,7 @@ async def test_suffix_drafts_beside_a_draft_model_give_the_target_only_output(
         draft_dir=tiny_draft_other_dir,
         eos_token_ids={NO_EOS},
     ) as stack:
-        async with AsyncClient(stack.address, timeout=120) as client:
-            semaphore = asyncio.Semaphore(streams)
-
-            async def generate(prompt):
-                async with semaphore:
-                    return await client.generate(
-                        token_ids=prompt, max_new_tokens=max_new, **speculation
-                    )
-
-            first = await asyncio.gather(*(generate(p) for p in prompts[0::2]))
-            later = await asyncio.gather(*(generate(p) for p in prompts[1::2]))
+        first, later = await tasks_then_turns(stack, prompts, streams, max_new, speculation)
         acceptance = stack.coordinator.costs.acceptance
         cache = stack.coordinator.lookup.cache
         assert await stack.sessions_left() == (0, 0)
