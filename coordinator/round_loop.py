@@ -378,10 +378,7 @@ class Generation:
             return False
         acceptance = self.costs.acceptance
         offered = acceptance.survival_of(self.match.n, len(self.match.tokens), PRIOR_TOKENS)
-        if self.policy is not None:
-            alpha = self.policy.model_alpha
-        else:
-            alpha = 0.5 if acceptance.alpha is None else acceptance.alpha
+        alpha = self.policy.model_alpha if self.policy is not None else acceptance.alpha_or_prior
         modelled = alpha ** np.arange(1.0, self.k_max + 1)
         return self.costs.best_rate_alone(offered, drafted=False) >= self.costs.best_rate_alone(
             modelled, drafted=True

@@ -15,6 +15,8 @@ import numpy as np
 DEPLOYMENT_DECAY = 0.99
 """Weight of older rounds in the deployment's acceptance (per round of
 any session): it is every session's prior, so it forgets slowly."""
+PRIOR_ALPHA = 0.5
+"""The per-token acceptance assumed of drafts before any is judged."""
 
 
 @dataclass
@@ -56,6 +58,11 @@ class Acceptance:
         on no evidence."""
         return self.accepted / self.judged if self.judged else None
 
+    @property
+    def alpha_or_prior(self) -> float:
+        """:attr:`alpha`, or :data:`PRIOR_ALPHA` before any such round."""
+        return PRIOR_ALPHA if self.alpha is None else self.alpha
+
     def judged_on(self, evidence: int) -> float:
         """Rounds whose first draft, drafted on ``evidence``, was judged (decayed)."""
         depths = self.by_evidence.get(evidence)
@@ -74,7 +81,9 @@ class Acceptance:
         (docs/design.md#adaptive-k)."""
         depths = self.by_evidence.get(evidence, Depths())
         conditional = (
-            self.accepted_on_evidence / self.judged_on_evidence if self.judged_on_evidence else 0.5
+            self.accepted_on_evidence / self.judged_on_evidence
+            if self.judged_on_evidence
+            else PRIOR_ALPHA
         )
         survival = np.empty(k)
         for j in range(k):

@@ -112,8 +112,7 @@ class AdaptiveK:
         rounds', drawn toward what every session of the deployment has seen
         (its drafter's typical α; 0.5 before any) by :data:`PRIOR_TOKENS`
         judged drafts."""
-        prior = self.costs.acceptance.alpha
-        prior = 0.5 if prior is None else prior
+        prior = self.costs.acceptance.alpha_or_prior
         judged = self.accepted + self.rejected + PRIOR_TOKENS
         return (self.accepted + PRIOR_TOKENS * prior) / judged
 
