@@ -23,12 +23,18 @@ STAMP := $(VENV)/.installed-stamp
 venv: $(STAMP)
 
 # torch is installed first, pinned: the CPU build that lies on this machine's
-# disk. An unpinned torch would pull a multi-GB CUDA build.
+# disk. An unpinned torch would pull a multi-GB CUDA build. The gguf extra
+# builds llama.cpp from source (gcc, g++, cmake; a few minutes, once: pip
+# keeps the wheel it built); GGUF=0 leaves it out, and the gguf drafter
+# then says in one line that it is missing.
+GGUF ?= 1
+comma := ,
+EXTRAS := test,bench$(if $(filter 1,$(GGUF)),$(comma)gguf)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 model: venv

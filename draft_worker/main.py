@@ -15,6 +15,7 @@ from outrider.device import resolve_device, resolve_dtype
 from outrider.drafters import (
     Drafter,
     EarlyExitDrafter,
+    GgufDrafter,
     Int4Drafter,
     ModelDrafter,
 )
@@ -33,7 +34,7 @@ from outrider.prefix import BLOCK_SIZE
 from outrider.rpc import run_service
 from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
-from outrider.startup import StartupError, check_worker, first_line
+from outrider.startup import StartupError, check_gguf, check_worker, first_line
 from outrider.v1 import worker_pb2, worker_pb2_grpc
 from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
 
@@ -51,6 +52,8 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     limits, kind = config.limits, config.drafter_kind
     if kind == "eagle":
         return eagle_sessions(config)
+    if kind == "gguf":
+        return gguf_sessions(config)
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
     info = DraftInfo(
         vocab_fingerprint=models.vocab_fingerprint_of(
@@ -132,6 +135,47 @@ def eagle_sessions(config: DraftWorkerConfig) -> DraftSessions:
     return DraftSessions(drafter, store, info, grammars_of(config, drafter.vocab_size))
 
 
+def gguf_sessions(config: DraftWorkerConfig) -> DraftSessions:
+    """A GGUF file's sessions on llama.cpp (``--model``: the file, a
+    directory holding one, or an embedded model, whose GGUF the fetch kept):
+    one context of ``--max-sessions`` sequences over ``--max-cached-tokens``
+    cells, run on ``--threads`` threads."""
+    from outrider import gguf_files
+    from outrider.engine.gguf_runner import GgufRunner, LlamaCppMissing, llama_cpp
+
+    path = check_gguf("--model", config.model)
+    limits = config.limits
+    if limits.max_sessions > (most := llama_cpp().llama_max_parallel_sequences()):
+        raise StartupError(
+            "--max-sessions",
+            limits.max_sessions,
+            f"llama.cpp runs at most {most} sequences in one context: give {most} or fewer",
+        )
+    try:
+        runner = GgufRunner.load(
+            path,
+            max_sessions=limits.max_sessions,
+            max_cached_tokens=limits.max_cached_tokens,
+            threads=config.engine.threads,
+        )
+    except LlamaCppMissing as exc:
+        raise StartupError("--drafter", "gguf", str(exc)) from None
+    except ValueError as exc:
+        raise StartupError("--model", str(path), str(exc)) from None
+    info = DraftInfo(
+        vocab_fingerprint=gguf_files.vocab_fingerprint(path),
+        max_context=runner.info.context_length,
+        max_draft_tokens=config.max_draft_tokens,
+        device="cpu",
+        dtype=runner.info.description.rsplit(" ", 1)[-1],
+    )
+    drafter = GgufDrafter(runner, model_name=path.name)
+    store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)
+
+    grammars = Grammars.loading(lambda: gguf_files.load_tokenizer(path), runner.vocab_size)
+    return DraftSessions(drafter, store, info, grammars)
+
+
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
     """Captures the CUDA graphs (on CUDA), then runs one short session end to end."""
     await engine.run(
@@ -141,7 +185,8 @@ async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:
             max_tokens_per_row=GRAPH_TOKENS_PER_ROW,
         )
     )
-    width = getattr(draft.runner.forward, "feature_width", 0)  # a head reads the target's
+    forward = getattr(draft.runner, "forward", None)
+    width = getattr(forward, "feature_width", 0)  # a head reads the target's
 
     def features(rows: int) -> HiddenStates | None:
         return pack(torch.zeros(rows, width)) if width else None

@@ -21,12 +21,13 @@ from outrider.device import DTYPES, check_device, check_dtype
 from outrider.sampling_params import UINT64_MAX, Verification
 from outrider.security import ClientTls, ServerTls, server_tls
 
-MODEL_DRAFTERS = ("model", "int4", "early-exit", "eagle")
+MODEL_DRAFTERS = ("model", "int4", "gguf", "early-exit", "eagle")
 """What a draft worker runs — model: a small model of its own; int4: the
-target's checkpoint in 4 bits (``outrider.quantize``); early-exit: the
-target's first L layers; eagle: an EAGLE-3 head reading the target's
-hidden states (``outrider.eagle``)."""
-DRAFTERS = ("model", "int4", "prompt-lookup", "suffix", "early-exit", "eagle")
+target's checkpoint in 4 bits (``outrider.quantize``); gguf: a GGUF file
+(by default the one the target was converted from) on llama.cpp
+(``outrider.engine.gguf_runner``); early-exit: the target's first L layers;
+eagle: an EAGLE-3 head reading the target's hidden states (``outrider.eagle``)."""
+DRAFTERS = ("model", "int4", "gguf", "prompt-lookup", "suffix", "early-exit", "eagle")
 """A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
 the history, in the coordinator (``coordinator.lookup``) — or suffix —
 the history and earlier outputs, in the coordinator (``coordinator.suffix``):
@@ -36,9 +37,13 @@ COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-
 DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
 """The drafter ``outrider up`` runs when none is named (nor a draft model),
 by device type (docs/benchmark.md#the-drafters): on the CPU a step
-reads weights, so the target's 4-bit copy is cheap and agrees; on CUDA the
-default model's step is launch-bound, so a 4-bit copy costs about a target
-step."""
+reads weights, so the target's own 4-bit GGUF on llama.cpp is cheap and
+agrees (where llama.cpp is not installed, or the target has no GGUF:
+``FALLBACK_CPU_DRAFTER``); on CUDA the default model's step is
+launch-bound, so a 4-bit copy costs about a target step."""
+FALLBACK_CPU_DRAFTER = "int4"
+"""The CPU default where the gguf drafter cannot run: the target's
+checkpoint in 4 bits, on torch."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -53,14 +58,38 @@ DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-def default_drafter(device: str, *, draft_model: str | None = None) -> str:
-    """``model`` when a draft model is named, else the default for
-    ``device``'s type (``auto``: as resolved)."""
+def default_drafter(
+    device: str, *, draft_model: str | None = None, target_model: str | None = None
+) -> str:
+    """``gguf`` for a ``.gguf`` draft model, ``model`` for another, else the
+    default for ``device``'s type (``auto``: as resolved) — on the CPU the
+    gguf drafter where llama.cpp is installed and ``target_model`` has a GGUF."""
     if draft_model:
-        return "model"
+        return "gguf" if draft_model.endswith(".gguf") else "model"
     from outrider.device import resolve_device
 
-    return DEFAULT_DRAFTERS.get(resolve_device(device).type, "prompt-lookup")
+    drafter = DEFAULT_DRAFTERS.get(resolve_device(device).type, "prompt-lookup")
+    if drafter == "gguf" and not _gguf_runs(target_model):
+        return FALLBACK_CPU_DRAFTER
+    return drafter
+
+
+def _gguf_runs(target_model: str | None) -> bool:
+    """Whether llama.cpp is installed and the target names a GGUF (or is an
+    embedded model not yet fetched, whose fetch keeps one)."""
+    import importlib.util
+
+    from outrider import gguf_files, models
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        gguf_files.gguf_path(target_model)
+    except models.ModelNotFetchedError:
+        return True
+    except gguf_files.NotAGguf:
+        return False
+    return True
 
 
 def all_cores() -> int:
@@ -250,14 +279,19 @@ class DraftWorkerConfig:
     """``outrider serve draft``."""
 
     service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["draft"])
-    drafter: str | None = field(default=None, metadata={"metavar": "{model,int4,early-exit,eagle}"})
-    """model (a small model), int4 (the checkpoint in 4 bits), early-exit, or eagle (an
-    EAGLE-3 head reading the target's hidden states) (default: model if --model is given,
-    else int4); prompt lookup needs no draft worker: it runs in the coordinator (its
+    drafter: str | None = field(
+        default=None, metadata={"metavar": "{model,int4,gguf,early-exit,eagle}"}
+    )
+    """model (a small model), int4 (the checkpoint in 4 bits), gguf (a GGUF file on
+    llama.cpp, on the CPU), early-exit, or eagle (an EAGLE-3 head reading the target's hidden
+    states) (default: gguf if --model is a .gguf file, model if it is another model, else
+    int4); prompt lookup needs no draft worker: it runs in the coordinator (its
     --prompt-lookup)"""
     model: str | None = None
     """draft model, or the checkpoint the int4 drafter quantizes or the early-exit drafter
-    cuts, or the target whose embeddings an EAGLE head reads (default: the default model)"""
+    cuts, or the target whose embeddings an EAGLE head reads; for gguf a .gguf file, a
+    directory holding one, or an embedded model, whose GGUF its fetch kept (default: the
+    default model)"""
     head: str | None = None
     """the EAGLE-3 head's directory (EAGLE's or speculators' layout) for --drafter eagle
     (default: the head shipped for --model, if one is)"""
@@ -286,6 +320,17 @@ class DraftWorkerConfig:
             raise ValueError("--draft-layers only applies to --drafter early-exit")
         if self.drafter != "eagle" and self.head is not None:
             raise ValueError("--head only applies to --drafter eagle")
+        if self.drafter_kind == "gguf":
+            if self.engine.device not in ("auto", "cpu"):
+                raise ValueError(
+                    f"--device {self.engine.device}: the gguf drafter runs on the CPU (llama.cpp); "
+                    "drop --device or give --device cpu"
+                )
+            if self.engine.tensor_parallel_size != 1:
+                raise ValueError(
+                    "--tensor-parallel-size: the gguf drafter runs on one llama.cpp context; "
+                    "give it --threads instead"
+                )
         _at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
         if self.int4_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
@@ -295,8 +340,13 @@ class DraftWorkerConfig:
 
     @property
     def drafter_kind(self) -> str:
-        """The drafter it runs: the one named, else a model if one is named, else int4."""
-        return self.drafter or ("model" if self.model else "int4")
+        """The drafter it runs: the one named, else gguf for a .gguf file, a
+        model if another is named, else int4."""
+        if self.drafter:
+            return self.drafter
+        if self.model:
+            return "gguf" if self.model.endswith(".gguf") else "model"
+        return "int4"
 
 
 @dataclass(frozen=True)
@@ -470,10 +520,12 @@ class StackConfig:
     target_model: str | None = None
     """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
     draft_model: str | None = None
-    """draft model sharing the target's tokenizer (implies --drafter model)"""
+    """draft model sharing the target's tokenizer (implies --drafter model, or --drafter gguf for
+    a .gguf file)"""
     drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
-    """drafter kind: model, int4 (the target in 4 bits), prompt-lookup, early-exit or eagle
-    (an EAGLE-3 head) (default: int4 on the CPU, prompt-lookup on CUDA)"""
+    """drafter kind: model, int4 (the target in 4 bits), gguf (the target's GGUF on llama.cpp,
+    on the CPU), prompt-lookup, suffix, early-exit or eagle (an EAGLE-3 head) (default: gguf
+    on the CPU, or int4 where llama.cpp is not installed; prompt-lookup on CUDA)"""
     draft_layers: int | None = None
     """layers kept by the early-exit drafter"""
     head: str | None = None

@@ -17,6 +17,9 @@ session's cache.
 * :class:`Int4Drafter` — a checkpoint (usually the target's own) with its
   weights in 4 bits (:mod:`outrider.quantize`): the target's own
   predictions at a fraction of its weight bytes.
+* :class:`GgufDrafter` — a GGUF file (usually the one the target was
+  converted from) run by llama.cpp on the CPU, its weights in their own
+  quantized formats (:mod:`outrider.engine.gguf_runner`).
 * :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
   target's own) followed by its final norm and head.
 * ``EagleDrafter`` (:mod:`outrider.eagle.drafter`) — an EAGLE-3 head that
@@ -36,19 +39,20 @@ from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
 
 if TYPE_CHECKING:
+    from outrider.engine.gguf_runner import GgufRunner
     from outrider.engine.kv_cache import KVCache
     from outrider.engine.runner import FallbackRunner, PagedRunner
 
 
 class Drafter(Protocol):
     kind: str
-    """"model", "int4", "early-exit" or "eagle"."""
+    """"model", "int4", "gguf", "early-exit" or "eagle"."""
     model_name: str
     hidden_state_layers: tuple[int, ...]
     """The target layers whose input hidden states it reads (none but an EAGLE head)."""
 
     @property
-    def runner(self) -> PagedRunner | FallbackRunner:
+    def runner(self) -> PagedRunner | FallbackRunner | GgufRunner:
         """The model runner."""
         ...
 
@@ -177,6 +181,15 @@ class Int4Drafter(ModelDrafter):
     ``outrider.engine.build.build_runner(..., int4_group_size=G)``)."""
 
     kind = "int4"
+
+
+class GgufDrafter(ModelDrafter):
+    """A model drafter whose model is a GGUF file run by llama.cpp
+    (:class:`outrider.engine.gguf_runner.GgufRunner`): each session a
+    sequence of one llama.cpp context, every draft step of every session
+    one ``llama_decode``, rollback a sequence removal."""
+
+    kind = "gguf"
 
 
 class EarlyExitDrafter(ModelDrafter):

@@ -96,14 +96,24 @@ class Grammars:
         """For a checkpoint's tokenizer (``outrider.models.resolve`` reads
         ``spec``) and end-of-sequence ids, as the coordinator reads them."""
 
-        def load() -> llguidance.LLTokenizer:
+        def load() -> tuple[Any, Iterable[int]]:
             from outrider import models
 
             tokenizer = models.load_tokenizer(spec, trust_remote_code=trust_remote_code)
-            eos = models.eos_token_ids(tokenizer, models.generation_config(spec))
-            return _llguidance_tokenizer(tokenizer, vocab_size, eos)
+            return tokenizer, models.eos_token_ids(tokenizer, models.generation_config(spec))
 
-        return cls(load)
+        return cls.loading(load, vocab_size)
+
+    @classmethod
+    def loading(cls, load: Callable[[], tuple[Any, Iterable[int]]], vocab_size: int) -> Grammars:
+        """For the Hugging Face tokenizer and end-of-sequence ids ``load``
+        returns, called at the first use."""
+
+        def tokenizer() -> llguidance.LLTokenizer:
+            hf_tokenizer, eos = load()
+            return _llguidance_tokenizer(hf_tokenizer, vocab_size, eos)
+
+        return cls(tokenizer)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:

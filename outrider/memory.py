@@ -20,6 +20,11 @@ once, after the model is loaded, from the memory that is still free
   full-length sessions of a small model. A CPU pool is mapped, not touched
   (:meth:`outrider.engine.llama.LlamaForward.allocate_cache`), so it becomes
   resident only as sessions fill it.
+
+A llama.cpp context (the ``gguf`` drafter) clears its whole cache when it is
+made, so all of it is resident from the start: its default is the same rule
+capped at 512 MiB (:func:`gguf_cache_tokens`; 22,755 tokens of the default
+model, shared by all its sessions).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ GPU_FRACTION = 0.9
 CPU_FRACTION = 0.4
 MARGIN_BYTES = 1 << 30
 CPU_MAX_BYTES = 4 << 30
+GGUF_MAX_BYTES = 512 << 20
 MIB = 1 << 20
 
 
@@ -156,6 +162,34 @@ def worker_cache_budget(
             max_context=max_context,
         )
     return budget.max_cached_tokens
+
+
+def gguf_cache_tokens(
+    kv_bytes_per_token: int, *, max_sessions: int, max_context: int, max_cached_tokens: int | None
+) -> int:
+    """The cells of a llama.cpp context: ``max_cached_tokens`` when given,
+    else the CPU rule of this module capped at ``GGUF_MAX_BYTES`` (the
+    context's cache is resident from the start)."""
+    if max_cached_tokens is not None:
+        return max_cached_tokens
+    budget = cache_budget(
+        kv_bytes_per_token=kv_bytes_per_token,
+        available_bytes=available_bytes(torch.device("cpu")),
+        on_gpu=False,
+        max_sessions=max_sessions,
+        max_context=max_context,
+    )
+    tokens = min(budget.max_cached_tokens, GGUF_MAX_BYTES // kv_bytes_per_token)
+    log.info(
+        "kv cache budget sized from free memory",
+        max_cached_tokens=tokens,
+        rule="min((available - margin) * fraction, 512 MiB) / kv_bytes_per_token, at most "
+        "max_sessions * max_context",
+        available_mib=round(budget.available_bytes / MIB, 1),
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_mib=round(tokens * kv_bytes_per_token / MIB, 1),
+    )
+    return max(1, tokens)
 
 
 def return_freed_memory() -> None:

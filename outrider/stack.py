@@ -219,9 +219,14 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
     """:func:`start_stack`'s arguments for ``config``: the flags of each
     service's ``outrider serve``, and no draft worker for prompt lookup
     (it drafts in the coordinator)."""
-    common = ["--log-level", config.log_level, "--device", config.device]
-    target = [*common, "--dtype", config.dtype]
-    draft = [*common, "--dtype", config.draft_dtype]
+    drafter = config.drafter or default_drafter(
+        config.device, draft_model=config.draft_model, target_model=config.target_model
+    )
+    target = ["--log-level", config.log_level, "--device", config.device, "--dtype", config.dtype]
+    # A GGUF runs on llama.cpp on the CPU, whatever the target's device.
+    draft_device = "cpu" if drafter == "gguf" else config.device
+    draft = ["--log-level", config.log_level, "--device", draft_device]
+    draft += ["--dtype", config.draft_dtype]
     if config.threads:
         target += ["--threads", str(config.threads)]
         draft += ["--threads", str(config.threads)]
@@ -240,7 +245,6 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
         coordinator += ["--pipeline"]
     if config.target_model:
         coordinator += ["--tokenizer", config.target_model]
-    drafter = config.drafter or default_drafter(config.device, draft_model=config.draft_model)
     if drafter in COORDINATOR_DRAFTERS:
         if config.suffix_decoding:  # (the device's default drafter is prompt lookup)
             drafter = "suffix"
@@ -253,8 +257,8 @@ def serve_flags(config: StackConfig) -> dict[str, Any]:
         draft += ["--draft-layers", str(config.draft_layers)]
     if drafter == "eagle" and config.head:
         draft += ["--head", config.head]
-    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, cut; a
-    # head reads its embeddings).
+    # Model drafters default to the target's checkpoint (in bfloat16, in 4 bits, its GGUF,
+    # cut; a head reads its embeddings).
     if model := config.draft_model or config.target_model:
         draft += ["--model", model]
     return dict(target_args=target, draft_args=draft, coordinator_args=coordinator)
@@ -310,6 +314,7 @@ def start_shared_target_stack(
     coordinator_drafts: Mapping[str, Sequence[str]] = {},
     coordinator_args: Sequence[str] = (),
     coordinator_replicas: int = 1,
+    coordinators: Mapping[str | None, str | None] | None = None,
     timeout_s: float = 300.0,
 ) -> Stack:
     """One target worker shared by every drafter's draft worker and
@@ -322,7 +327,9 @@ def start_shared_target_stack(
     coordinator (prompt lookup; suffix decoding, alone or beside a draft
     worker of the same label) to the coordinators' flags that name it.
     With neither, the coordinators without a drafter are
-    ``stack.coordinators[None]``.
+    ``stack.coordinators[None]``. ``coordinators`` maps other names to the
+    label whose flags their coordinators take (``stack.coordinators[name]``;
+    default: one name per label, the label itself).
     """
     stack = Stack(workdir=Path(tempfile.mkdtemp(prefix="outrider-bench-")))
     try:
@@ -342,12 +349,12 @@ def start_shared_target_stack(
                 for label, draft in draft_workers.items()
             },
         } or {None: []}
-        for label, flags in draft_flags.items():
-            stack.coordinators[label] = [
+        for name, label in (coordinators or {label: label for label in draft_flags}).items():
+            stack.coordinators[name] = [
                 stack.launch(
                     "coordinator",
-                    ["--target", target.address, *flags, *coordinator_args],
-                    label=f"coordinator-{label or 'target-only'}-{replica}",
+                    ["--target", target.address, *draft_flags[label], *coordinator_args],
+                    label=f"coordinator-{name or 'target-only'}-{replica}",
                 )
                 for replica in range(coordinator_replicas)
             ]

@@ -48,6 +48,9 @@ def check_worker(config: TargetWorkerConfig | DraftWorkerConfig) -> None:
     """Its address, TLS files, device and model."""
     check_service(config.service)
     check_device(config.engine.device)
+    if getattr(config, "drafter_kind", None) == "gguf":
+        check_gguf("--model", config.model)
+        return
     check_model("--model", config.model)
     if config.engine.tensor_parallel_size > 1:
         check_tensor_parallel(config)
@@ -102,22 +105,41 @@ def check_stack(config: StackConfig) -> None:
     """The checks of ``outrider up`` and ``outrider demo``, by their own
     flags: the device, the models, and that the draft model shares the
     target's vocabulary."""
-    from outrider import models
+    from outrider import gguf_files, models
 
     check_device(config.device)
     check_model("--target-model", config.target_model)
     if config.draft_model:
-        check_model("--draft-model", config.draft_model)
-        target, draft = (
-            models.vocab_fingerprint_of(spec) for spec in (config.target_model, config.draft_model)
-        )
+        target = models.vocab_fingerprint_of(config.target_model)
+        if config.draft_model.endswith(".gguf") or config.drafter == "gguf":
+            draft = gguf_files.vocab_fingerprint(check_gguf("--draft-model", config.draft_model))
+        else:
+            check_model("--draft-model", config.draft_model)
+            draft = models.vocab_fingerprint_of(config.draft_model)
         if target and draft and target != draft:
             raise StartupError(
                 "--draft-model",
                 config.draft_model,
-                "its vocabulary differs from the target's (--target-model): pick a draft model "
-                "that shares the target's tokenizer, or --drafter prompt-lookup",
+                "its vocabulary differs from the target's "
+                f"({config.target_model or models.DEFAULT_MODEL}): pick a draft model that "
+                "shares the target's tokenizer, or --drafter prompt-lookup",
             )
+
+
+def check_gguf(flag: str, spec: str | None) -> Path:
+    """A GGUF file the spec names (``outrider.gguf_files``), and llama.cpp to run it."""
+    from outrider import gguf_files, models
+    from outrider.engine.gguf_runner import LlamaCppMissing, llama_cpp
+
+    try:
+        path = gguf_files.gguf_path(spec)
+    except (gguf_files.NotAGguf, models.ModelNotFetchedError) as exc:
+        raise StartupError(flag, spec or models.DEFAULT_MODEL, str(exc)) from None
+    try:
+        llama_cpp()
+    except LlamaCppMissing as exc:
+        raise StartupError("--drafter", "gguf", str(exc)) from None
+    return path
 
 
 def check_service(service: ServiceConfig) -> None:

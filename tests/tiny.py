@@ -259,3 +259,109 @@ def build_tiny_head(path: Path, target_dir: Path, *, seed: int, draft_vocab_size
         head.set_draft_vocab(torch.randperm(target.vocab_size, generator=generator)[:size])
     head.save(path)
     return path
+
+
+def build_tiny_gguf(
+    model_dir: Path,
+    path: Path,
+    *,
+    tokenizer_dir: Path | None = None,
+    vocabulary: list[str] | None = None,
+) -> Path:
+    """Write the tiny Llama in ``model_dir`` as a GGUF file at ``path`` (float32
+    weights, a byte-level BPE vocabulary) that llama.cpp runs as a draft: the
+    same model, so nearly every draft is accepted. Its vocabulary is the
+    tokenizer's in ``tokenizer_dir`` (default: the model's own), so a
+    tokenizer other than the target's makes a GGUF the draft worker refuses;
+    or ``vocabulary``, tokens in id order (for a model without a tokenizer;
+    llama.cpp wants merges: it gets one, of its first two tokens).
+
+    The q and k projections are permuted as llama.cpp's ``convert_hf_to_gguf.py``
+    permutes them (llama.cpp's rotary embedding pairs neighbouring dimensions,
+    transformers' the two halves of each head)."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if vocabulary is None:
+        tokenizer = json.loads(((tokenizer_dir or model_dir) / "tokenizer.json").read_text())
+        vocab = dict(tokenizer["model"]["vocab"])
+        vocab.update({added["content"]: added["id"] for added in tokenizer["added_tokens"]})
+        special = {added["id"] for added in tokenizer["added_tokens"] if added["special"]}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    else:
+        vocab, special = {token: i for i, token in enumerate(vocabulary)}, set()
+        merges = [f"{vocabulary[0]} {vocabulary[1]}"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [
+            gguf.TokenType.CONTROL
+            if i in special
+            else gguf.TokenType.UNUSED
+            if i >= len(vocab)
+            else gguf.TokenType.NORMAL
+            for i in range(len(tokens))
+        ]
+    )
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(min(EOS_TOKEN_ID, len(tokens) - 1))
+    writer.add_add_bos_token(False)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+        return (
+            weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weight.shape)
+        )
+
+    state = model.state_dict()
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for i in range(config.num_hidden_layers):
+        for hf, ours in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+    for hf_name, gguf_name in names.items():
+        tensor = state[hf_name]
+        if gguf_name.endswith("attn_q.weight"):
+            tensor = permute(tensor, heads)
+        elif gguf_name.endswith("attn_k.weight"):
+            tensor = permute(tensor, kv_heads)
+        writer.add_tensor(gguf_name, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

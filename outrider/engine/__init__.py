@@ -6,6 +6,7 @@ one forward pass per step.
 ``engine.core``             the loop (:class:`Engine`) and the jobs it runs
 ``engine.scheduler``        which feeds run in a step, under a token budget
 ``engine.runner``           rows of a step → tensors → one forward pass
+``engine.gguf_runner``      rows of a step → one llama.cpp decode (a GGUF)
 ``engine.llama``            the Llama family's forward over the paged cache
 ``engine.ops``              the CPU linears, each on its fastest path
 ``engine.cuda_graphs``      captured CUDA graphs of uniform steps

@@ -296,6 +296,8 @@ async def running_stack(
             await client.close()
         for worker_engine in engines:
             worker_engine.shutdown()
+            if (close := getattr(worker_engine.runner, "close", None)) is not None:
+                close()  # a llama.cpp context, a tensor-parallel worker's ranks
         for endpoint in endpoints.values():
             endpoint.stop()
 

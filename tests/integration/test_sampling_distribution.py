@@ -18,7 +18,9 @@ p-value. The seeds are fixed, so the checks are deterministic. Tokens the
 reference gives no mass (outside top-k / top-p / min-p) must never appear.
 
 Drafts: ``good`` (a copy of the target with a perturbed head: most drafts
-accepted, some rejected), ``bad`` (an unrelated model: most rejected), and
+accepted, some rejected), ``bad`` (an unrelated model: most rejected),
+``gguf`` (``good`` written as a GGUF file and run by llama.cpp, the gguf
+drafter: its q comes from llama.cpp's float32 logits), and
 ``prompt-lookup`` (in the coordinator: a deterministic point-mass draft; the prompt holds every
 token, so it always finds a continuation to propose). With 3 tokens left
 after the first, a round drafts at most 2 (the loop never drafts past
@@ -69,7 +71,7 @@ from coordinator.suffix import SuffixDecoding
 from coordinator.workers.protocol import WorkerInfo
 from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.config import Recovery
-from outrider.drafters import ModelDrafter
+from outrider.drafters import GgufDrafter, ModelDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
@@ -79,7 +81,14 @@ from outrider.session import SessionStore
 from outrider.verify import Verdict
 from target_worker.sessions import TargetInfo, TargetSessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
-from tests.tiny import build_tiny_llama
+from tests.tiny import build_tiny_gguf, build_tiny_llama
+
+try:
+    import llama_cpp  # noqa: F401  (the gguf drafter's engine)
+
+    from outrider.engine import gguf_runner
+except ImportError:
+    gguf_runner = None  # type: ignore[assignment]
 
 VOCAB = 16
 TARGET_SEED, BAD_DRAFT_SEED, PERTURB_SEED = 11, 12, 13
@@ -109,14 +118,18 @@ SETTINGS: dict[str, dict] = {
 DRAFTED = [
     ("rejection", "good"),
     ("rejection", "bad"),
+    ("rejection", "gguf"),
     ("rejection", "prompt-lookup"),
     ("rejection", "suffix"),
     ("rejection", "suffix+bad"),
     ("gumbel", "good"),
     ("gumbel", "bad"),
+    ("gumbel", "gguf"),
 ]
 PIPELINED = [("rejection", "good"), ("gumbel", "good")]
 TARGET_ONLY = "none (K=0)"
+GGUF_VOCABULARY = ["Ċ", *"abcdefghijklmno"]
+"""The gguf draft's tokens (byte-level characters; the ids are what counts)."""
 
 
 # --- the models ----------------------------------------------------------------
@@ -411,6 +424,13 @@ def world(tmp_path_factory) -> World:
         "suffix": SuffixDecoding(),
     }
     drafts["suffix+bad"] = (drafts["bad"], SuffixDecoding())  # (each round: whichever pays)
+    if gguf_runner is not None:
+        good.save_pretrained(root / "good")
+        path = build_tiny_gguf(root / "good", root / "good.gguf", vocabulary=GGUF_VOCABULARY)
+        runner_ = gguf_runner.GgufRunner.load(
+            path, max_sessions=8, max_cached_tokens=512, threads=1
+        )
+        drafts["gguf"] = draft_client(GgufDrafter(runner_, model_name="good.gguf"))
     info = WorkerInfo(
         model="target", drafter="", vocab_size=VOCAB, vocab_fingerprint="", max_context=512
     )
@@ -503,6 +523,8 @@ async def test_target_only_matches_the_exact_distribution(world, mode, setting):
 async def test_speculative_sampling_matches_the_target_distribution(
     world, mode, draft, pipeline, setting
 ):
+    if draft == "gguf" and "gguf" not in world.drafts:
+        pytest.skip("the gguf drafter needs llama-cpp-python")
     n = N if mode == "rejection" else N_GUMBEL_DRAFTED
     result = await samples(world, mode, draft, setting, n, pipeline)
     acceptance = result.acceptance_rate
@@ -518,7 +540,7 @@ async def test_speculative_sampling_matches_the_target_distribution(
     # drafts, bonus tokens) and the reject paths (recovered tokens) all ran.
     assert result.draft_tokens > 0
     assert 0 < result.accepted_tokens < result.draft_tokens
-    if draft == "good":
+    if draft in ("good", "gguf"):
         assert acceptance > 0.5
     elif draft == "bad":
         assert acceptance < 0.5

@@ -9,6 +9,7 @@ until then."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -65,6 +66,8 @@ def files(tmp_path_factory, tiny_target_dir) -> dict[str, Path]:
     corrupt = root / "corrupt-model"
     shutil.copytree(tiny_target_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    not_gguf = root / "broken.gguf"  # the suffix of a GGUF, not its contents
+    not_gguf.write_bytes(b"GGUF" + bytes(64))
     other_vocab = root / "other-vocab"
     build_tiny_tokenizer(root / "other-tokenizer", vocab_size=300)
     build_tiny_model_dir(other_vocab, root / "other-tokenizer", seed=0)
@@ -74,6 +77,7 @@ def files(tmp_path_factory, tiny_target_dir) -> dict[str, Path]:
         "other_key": root / "other.key",
         "corrupt": corrupt,
         "other_vocab": other_vocab,
+        "not_gguf": not_gguf,
         "missing": root / "missing",
     }
 
@@ -87,6 +91,7 @@ def taken_port() -> Iterator[int]:
 
 
 NO_CUDA = not torch.cuda.is_available()
+NO_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is None
 MISTAKES = [
     # (command, the line it must print, from its start)
     (["serve", "target", "--device", "cuda"], "outrider serve target: --device cuda: this machine"),
@@ -142,6 +147,26 @@ MISTAKES = [
         "outrider up: --draft-model {other_vocab}: its vocabulary differs from the target's",
     ),
     (
+        ["serve", "draft", "--drafter", "gguf", "--model", "{garbage}"],
+        "outrider serve draft: --model {garbage}: not a GGUF file",
+    ),
+    (
+        ["serve", "draft", "--drafter", "gguf", "--model", "{missing}"],
+        "outrider serve draft: --model {missing}: no such file",
+    ),
+    (
+        ["serve", "draft", "--drafter", "gguf", "--model", "{not_gguf}"],
+        "outrider serve draft: --model {not_gguf}: llama.cpp does not load it",
+    ),
+    (
+        ["serve", "draft", "--drafter", "gguf", "--model", "{gguf}", "--max-sessions", "300"],
+        "outrider serve draft: --max-sessions 300: llama.cpp runs at most 256 sequences",
+    ),
+    (
+        ["up", "--target-model", "{tiny_target}", "--draft-model", "{other_vocab_gguf}"],
+        "outrider up: --draft-model {other_vocab_gguf}: its vocabulary differs from the target's",
+    ),
+    (
         ["up", "--port", "0", "--target-model", "{corrupt}", "--threads", "1"],
         "outrider up: the target did not start: outrider serve target: --model {corrupt}: does "
         "not load",
@@ -150,17 +175,20 @@ MISTAKES = [
 
 
 def test_each_start_up_mistake_ends_with_status_2_and_one_line_naming_its_flag(
-    files, taken_port, tiny_target_dir
+    files, taken_port, tiny_target_dir, tiny_gguf_other_vocab
 ):
     values = {
         **{name: str(path) for name, path in files.items()},
         "taken_port": str(taken_port),
         "tiny_target": str(tiny_target_dir),
+        "other_vocab_gguf": str(tiny_gguf_other_vocab),
+        "gguf": str(tiny_gguf_other_vocab),
     }
     cases = [
         ([arg.format(**values) for arg in command], line.format(**values))
         for command, line in MISTAKES
         if not (NO_CUDA is False and "cuda" in command)
+        and not (NO_LLAMA_CPP and any("gguf" in arg for arg in command))
     ]
     # Ports 0 by default, so that no case trips on another's port.
     runs = [

@@ -2,7 +2,8 @@
 coordinator's history is the truth): a draft worker SIGKILLed mid-stream in
 20 trials (and mid-speculation, pipelined, in 5), a draft frozen with
 SIGSTOP (the stream stalls once, by one round deadline, and drafts again
-once it thaws), one of two target workers SIGKILLed or frozen (the stream
+once it thaws) — each with a model draft and with a gguf draft on
+llama.cpp — one of two target workers SIGKILLed or frozen (the stream
 moves within the verify deadline), and the last target gone. Every stream
 that can finish does, with output identical to target-only greedy decoding;
 the one that cannot ends UNAVAILABLE within a bound, never hangs."""
@@ -15,6 +16,7 @@ import signal
 import time
 from functools import partial
 from itertools import pairwise
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,6 +30,16 @@ K = 4
 DRAFT_TRIALS = 20
 PIPELINED_DRAFT_TRIALS = 5
 TARGET_TRIALS = 5
+
+
+@pytest.fixture(params=["model", "gguf"])
+def same_draft(request, tiny_draft_same_dir, tiny_gguf) -> tuple[Path, list[str]]:
+    """A draft worker's model and flags, drafting what the target would: a
+    copy of the target, or the target as a GGUF on llama.cpp (the gguf drafter)."""
+    if request.param == "gguf":
+        pytest.importorskip("llama_cpp", reason="the gguf drafter needs llama-cpp-python")
+        return tiny_gguf, ["--drafter", "gguf"]
+    return tiny_draft_same_dir, []
 
 
 async def stream(
@@ -158,9 +170,9 @@ def summarize_draft_sigkill_trials(outcomes: list[dict], what: str) -> dict[str,
 
 
 async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finishes_identical(
-    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+    cluster, tiny_target_dir, same_draft, prompt_ids, reference
 ):
-    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    stack = await start_stack(cluster, tiny_target_dir, same_draft[0], draft_args=same_draft[1])
     outcomes = await draft_sigkill_trials(
         cluster, stack, prompt_ids, reference, DRAFT_TRIALS, pipeline=False
     )
@@ -175,9 +187,9 @@ async def test_draft_worker_sigkilled_mid_stream_in_20_trials_every_stream_finis
 
 
 async def test_draft_sigkilled_mid_speculation_5_trials_every_pipelined_stream_finishes_identical(
-    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+    cluster, tiny_target_dir, same_draft, prompt_ids, reference
 ):
-    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    stack = await start_stack(cluster, tiny_target_dir, same_draft[0], draft_args=same_draft[1])
     outcomes = await draft_sigkill_trials(
         cluster, stack, prompt_ids, reference, PIPELINED_DRAFT_TRIALS, pipeline=True
     )
@@ -194,9 +206,9 @@ async def test_draft_sigkilled_mid_speculation_5_trials_every_pipelined_stream_f
 
 
 async def test_restarted_draft_worker_is_used_again(
-    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+    cluster, tiny_target_dir, same_draft, prompt_ids, reference
 ):
-    stack = await start_stack(cluster, tiny_target_dir, tiny_draft_same_dir)
+    stack = await start_stack(cluster, tiny_target_dir, same_draft[0], draft_args=same_draft[1])
     (draft,) = stack.drafts
     async with AsyncClient(stack.coordinator.address, timeout=60) as client:
         draft.signal(signal.SIGKILL)
@@ -227,13 +239,14 @@ def stalls(started: float, times: list[float], longer_than_s: float = 0.5) -> li
 
 
 async def test_a_frozen_draft_stalls_a_stream_once_and_drafting_resumes_when_it_thaws(
-    cluster, tiny_target_dir, tiny_draft_same_dir, prompt_ids, reference
+    cluster, tiny_target_dir, same_draft, prompt_ids, reference
 ):
     deadline_s = 1.0
     stack = await start_stack(
         cluster,
         tiny_target_dir,
-        tiny_draft_same_dir,
+        same_draft[0],
+        draft_args=same_draft[1],
         # A short back-off: the draft is reopened while it is still frozen.
         coordinator_args=["--draft-deadline-s", str(deadline_s), "--draft-backoff-s", "0.05"],
     )

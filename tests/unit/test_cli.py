@@ -95,20 +95,23 @@ def test_serve_refuses_an_inconsistent_drafter_configuration(capsys):
 
 
 @pytest.mark.parametrize(
-    "flags, device_type, drafter",
+    "flags, device_type, gguf_runs, drafter",
     [
-        ([], "cpu", "int4"),
-        ([], "cuda", "prompt-lookup"),
-        (["--draft-model", "/d"], "cpu", "model"),
-        (["--drafter", "prompt-lookup"], "cpu", "prompt-lookup"),
+        ([], "cpu", True, "int4"),
+        ([], "cuda", True, "prompt-lookup"),
+        (["--draft-model", "/d"], "cpu", True, "model"),
+        (["--draft-model", "/d/draft.Q4_0.gguf"], "cpu", True, "gguf"),
+        (["--drafter", "prompt-lookup"], "cpu", True, "prompt-lookup"),
+        (["--drafter", "gguf"], "cuda", True, "gguf"),
     ],
 )
 def test_up_picks_the_measured_default_drafter_for_the_device(
-    monkeypatch, flags, device_type, drafter
+    monkeypatch, flags, device_type, gguf_runs, drafter
 ):
     import torch
 
     monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
+    monkeypatch.setattr("outrider.config._gguf_runs", lambda target_model: gguf_runs)
     stack = serve_flags_of(["up", *flags])
     if drafter == "prompt-lookup":  # in the coordinator, no draft worker
         assert stack["with_draft"] is False and "--prompt-lookup" in stack["coordinator_args"]
@@ -116,8 +119,10 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
     draft = stack["draft_args"]
     assert draft[draft.index("--drafter") + 1] == drafter
     assert "--prompt-lookup" not in stack["coordinator_args"]
-    if drafter == "int4":
-        assert "--model" not in draft  # the target's own checkpoint
+    if drafter in ("int4", "gguf") and "--draft-model" not in flags:
+        assert "--model" not in draft  # the target's own checkpoint, or its GGUF
+    if drafter == "gguf":  # llama.cpp on the CPU, beside a target on any device
+        assert draft[draft.index("--device") + 1] == "cpu"
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
