@@ -20,18 +20,38 @@ from outrider.bench.concurrency.render import render as concurrency_render
 from outrider.bench.concurrency.report import build_report as build_concurrency_report
 from outrider.bench.concurrency.run import run_concurrency
 from outrider.bench.concurrency.services import Replicas, outrider_load_configs
-from outrider.bench.configs import Drafter, parse_drafter
+from outrider.bench.configs import (
+    Drafter,
+    OutriderVariant,
+    coordinators_of,
+    outrider_variants,
+    parse_drafter,
+)
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.hf import HuggingFace
+from outrider.bench.llama_cpp_peer import LlamaCpp, llama_cpp_peer
 from outrider.bench.options import BenchOptions
 from outrider.bench.plot import plot, pyplot
-from outrider.bench.prompts import load_prompts
+from outrider.bench.prompts import chat_prompt_ids, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import build_report
 from outrider.bench.runner import run_interleaved, selected, warm_up, without_ignored_options
 
 
-def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str, Any]:
+def _variants(options: BenchOptions, drafters: Sequence[Drafter]) -> list[OutriderVariant]:
+    """The Outrider configurations of the run."""
+    return outrider_variants(
+        [d.label for d in drafters] or [None],
+        options.k,
+        adaptive=options.adaptive,
+        pipelined=options.pipelined,
+        sampled=options.sampled,
+    )
+
+
+def _stack_args(
+    options: BenchOptions, drafters: Sequence[Drafter], variants: Sequence[OutriderVariant]
+) -> dict[str, Any]:
     common = ("--log-level", options.log_level)
     # No prefix cache: every configuration runs each prompt, and the ones
     # after the first would find it cached (outrider bench prefix measures it).
@@ -51,8 +71,9 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
     if options.target_model:
         target += ["--model", options.target_model]
         coordinator += ["--tokenizer", options.target_model]
+    draft_threads = ["--threads", str(options.draft_threads)] if options.draft_threads else []
     drafts = {
-        d.label: [*workers, "--max-draft-tokens", max_k, *d.draft_args]
+        d.label: [*workers, *draft_threads, "--max-draft-tokens", max_k, *d.draft_args]
         for d in drafters
         if d.draft_args
     }
@@ -68,6 +89,7 @@ def _stack_args(options: BenchOptions, drafters: Sequence[Drafter]) -> dict[str,
         coordinator_drafts={d.label: d.coordinator_args for d in drafters if d.coordinator_args},
         coordinator_args=coordinator,
         coordinator_replicas=options.coordinators,
+        coordinators=coordinators_of(variants),
     )
 
 
@@ -94,20 +116,25 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     meta = _meta(options, model_dir, len(prompts), started)
 
     with ExitStack() as cleanup:
+        variants = _variants(options, drafters)
         workers = sum(1 for d in drafters if d.draft_args)
-        coordinators = max(1, len(drafters)) * options.coordinators
+        coordinators = len(coordinators_of(variants)) * options.coordinators
         services = f"{_count(workers, 'draft worker')} and {_count(coordinators, 'coordinator')}"
         print(f"Starting 1 target worker, {services} ...", file=sys.stderr, flush=True)
-        stack = cleanup.enter_context(start_shared_target_stack(**_stack_args(options, drafters)))
+        stack = cleanup.enter_context(
+            start_shared_target_stack(**_stack_args(options, drafters, variants))
+        )
         hf = (
             HuggingFace(model_dir, options.dtype, options.device, ignore_eos=options.ignore_eos)
             if options.hf
             else None
         )
         if options.concurrency:
-            report = _concurrency_report(options, stack, hf, prompts, meta)
+            report = _concurrency_report(options, stack, hf, variants, prompts, meta)
         else:
-            report = _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup)
+            report = _sequential_report(
+                options, stack, hf, drafters, variants, prompts, meta, cleanup
+            )
 
     report["elapsed_s"] = round(time.time() - started, 1)
     if options.concurrency:
@@ -125,7 +152,9 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     return report
 
 
-def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> dict[str, Any]:
+def _sequential_report(
+    options, stack, hf, drafters, variants, prompts, meta, cleanup
+) -> dict[str, Any]:
     """One request at a time: for each prompt, every configuration in turn."""
     endpoints: dict[str | None, OutriderEndpoint] = {}
     for label, services in stack.coordinators.items():
@@ -136,16 +165,12 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
         )
         cleanup.callback(endpoint.close)
         endpoints[label] = endpoint
-    configs = outrider_configs(
-        endpoints,
-        options.k,
-        adaptive=options.adaptive,
-        pipelined=options.pipelined,
-        sampled=options.sampled,
-    )
+    configs = outrider_configs(endpoints, variants)
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.k)
         configs = [generate, *configs, *assisted]
+    if (peer := _llama_cpp(options)) is not None:
+        configs += peer.configs()
     configs = selected(configs, options.configs or ())
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
     configs = without_ignored_options(configs, warm)
@@ -155,19 +180,30 @@ def _sequential_report(options, stack, hf, drafters, prompts, meta, cleanup) -> 
     return build_report(configs, prompts, results, meta)
 
 
-def _concurrency_report(options, stack, hf, prompts, meta) -> dict[str, Any]:
+def _llama_cpp(options: BenchOptions) -> LlamaCpp | None:
+    """llama.cpp as a peer (``outrider.bench.llama_cpp_peer``), where it runs."""
+    if not options.llama_cpp:
+        return None
+    from outrider import models
+
+    tokenizer = models.load_tokenizer(options.target_model)
+    eos = models.eos_token_ids(tokenizer, models.generation_config(options.target_model))
+    return llama_cpp_peer(
+        options.target_model,
+        threads=options.torch_threads,
+        prompt_ids=lambda prompt: chat_prompt_ids(tokenizer, prompt),
+        eos_token_ids=eos,
+        ignore_eos=options.ignore_eos,
+    )
+
+
+def _concurrency_report(options, stack, hf, variants, prompts, meta) -> dict[str, Any]:
     """N streams at once, for each N of ``--concurrency``."""
     replicas = {
         label: Replicas([s.address for s in services], ignore_eos=options.ignore_eos)
         for label, services in stack.coordinators.items()
     }
-    configs = outrider_load_configs(
-        replicas,
-        options.k,
-        adaptive=options.adaptive,
-        pipelined=options.pipelined,
-        sampled=options.sampled,
-    )
+    configs = outrider_load_configs(replicas, variants)
     if hf is not None:
         generate, continuous = hf_load_configs(hf)
         configs = [generate, *configs, continuous]
@@ -207,6 +243,7 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
         "prompt_files": [str(p) for p in options.prompt_files],
         "limit": options.limit,
         "threads": options.torch_threads,
+        "draft_threads": options.draft_threads or options.torch_threads,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

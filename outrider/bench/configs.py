@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
@@ -21,6 +22,14 @@ each prompt seeded by its index."""
 SAMPLED_TEMPERATURE = 1.0
 LOOKUP_BESIDE = "suffix+"
 """The prefix of a drafter label that runs suffix decoding beside a model drafter."""
+
+
+def keeps_outputs(label: str | None) -> bool:
+    """Whether a drafter's coordinator drafts from earlier requests' outputs
+    (suffix decoding, alone or beside a model): each configuration then gets
+    a coordinator of its own, so none drafts from the same prompt's answer
+    that the configuration before it wrote."""
+    return label is not None and (label == "suffix" or label.startswith(LOOKUP_BESIDE))
 
 
 def pipelines(label: str) -> bool:
@@ -67,11 +76,12 @@ class Drafter:
 
 @dataclass(frozen=True)
 class OutriderVariant:
-    """One Outrider configuration: its name, the coordinator it asks (by
-    drafter label) and its K."""
+    """One Outrider configuration: its name, the coordinator it asks and its K."""
 
     name: str
     coordinator: str | None
+    """The coordinator's name: its drafter's label, or for a drafter that
+    keeps outputs across requests (:func:`keeps_outputs`) the configuration's name."""
     drafter: str | None
     k: int | None
     """0: target only; ``None`` with ``adaptive``."""
@@ -80,6 +90,8 @@ class OutriderVariant:
     """Sent as ``pipeline=``: True for the ``-pipelined`` configurations,
     False (explicitly) for the others."""
     temperature: float = 0.0
+    coordinator_drafter: str | None = None
+    """The drafter label whose coordinator flags ``coordinator`` runs with."""
 
 
 def outrider_variants(
@@ -92,7 +104,9 @@ def outrider_variants(
 ) -> list[OutriderVariant]:
     """``outrider-k0`` on the first coordinator, then for each drafter its fixed K and adaptive K,
     each followed by its ``-pipelined`` twin when ``pipelined`` (and the drafter pipelines); with
-    ``sampled``, last, the ``-t1`` twins of ``outrider-k0`` and of each adaptive configuration."""
+    ``sampled``, last, the ``-t1`` twins of ``outrider-k0`` and of each adaptive configuration.
+    A drafter that keeps outputs across requests gets a coordinator per configuration (the one
+    ``outrider-k0`` runs on too, when it is the first)."""
     variants = [OutriderVariant(TARGET_ONLY, labels[0], None, 0)]
     for label in labels:
         if label is None:
@@ -111,15 +125,30 @@ def outrider_variants(
         variants += [
             replace(v, name=v.name + SAMPLED, temperature=SAMPLED_TEMPERATURE) for v in twins
         ]
-    return variants
+    return [
+        replace(
+            v,
+            coordinator=v.name if keeps_outputs(v.coordinator) else v.coordinator,
+            coordinator_drafter=v.coordinator,
+        )
+        for v in variants
+    ]
+
+
+def coordinators_of(variants: Sequence[OutriderVariant]) -> dict[str | None, str | None]:
+    """The coordinators the variants ask, each to the drafter label whose flags it takes."""
+    return {v.coordinator: v.coordinator_drafter for v in variants}
 
 
 def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
     """``prompt-lookup``, ``suffix`` (suffix decoding; Hugging Face has no
     peer), ``bf16`` (the target itself in bfloat16), ``int4`` (the target
-    with 4-bit weights), ``early-exit-L`` or ``eagle`` (the EAGLE-3 head
-    shipped for the target; no peer either), or ``suffix+D``: suffix
-    decoding beside model drafter D (no peer)."""
+    with 4-bit weights), ``gguf`` (the GGUF the target came from, on
+    llama.cpp on the CPU; no peer: transformers dequantizes a GGUF) or
+    ``gguf:FILE`` (another GGUF, labelled ``gguf-`` and the file's stem),
+    ``early-exit-L`` or ``eagle`` (the EAGLE-3 head shipped for the target;
+    no peer either), or ``suffix+D``: suffix decoding beside model drafter D
+    (no peer)."""
     model = ("--model", target_model) if target_model else ()
     if spec.startswith(LOOKUP_BESIDE):
         beside = parse_drafter(spec.removeprefix(LOOKUP_BESIDE), target_model=target_model)
@@ -134,6 +163,11 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         return Drafter(spec, ("--drafter", "model", "--dtype", "bfloat16", *model), "bf16")
     if spec == "int4":
         return Drafter(spec, ("--drafter", "int4", *model), "int4")
+    if spec == "gguf" or spec.startswith("gguf:"):
+        path = spec.partition(":")[2]
+        label = f"gguf-{Path(path).stem}" if path else spec
+        gguf = ("--model", path) if path else model
+        return Drafter(label, ("--drafter", "gguf", "--device", "cpu", *gguf), None)
     if spec == "eagle":
         return Drafter(spec, ("--drafter", "eagle", *model), None)
     if match := re.fullmatch(r"early-exit-(\d+)", spec):
@@ -141,7 +175,8 @@ def parse_drafter(spec: str, *, target_model: str | None) -> Drafter:
         return Drafter(spec, ("--drafter", "early-exit", "--draft-layers", layers, *model), None)
     raise ValueError(
         f"unknown drafter {spec!r}: "
-        "use prompt-lookup, suffix, bf16, int4, eagle, early-exit-L (e.g. early-exit-8) "
+        "use prompt-lookup, suffix, bf16, int4, gguf, gguf:FILE, eagle, early-exit-L "
+        "(e.g. early-exit-8) "
         "or suffix+D (e.g. suffix+int4)"
     )
 

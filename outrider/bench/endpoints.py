@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 
-from outrider.bench.configs import Config, outrider_variants
+from outrider.bench.configs import Config, OutriderVariant
 from outrider.bench.measurements import Measurement, measurement_from_stats
 from outrider.bench.prompts import Prompt
 
@@ -58,18 +58,10 @@ class OutriderEndpoint:
 
 
 def outrider_configs(
-    endpoints: Mapping[str | None, OutriderEndpoint],
-    ks: Sequence[int],
-    *,
-    adaptive: bool,
-    pipelined: bool,
-    sampled: bool = False,
+    endpoints: Mapping[str | None, OutriderEndpoint], variants: Sequence[OutriderVariant]
 ) -> list[Config]:
-    """``outrider-k0`` on the first coordinator, then each drafter's fixed K and adaptive K, each
-    synchronous and (with ``pipelined``) pipelined; with ``sampled``, the ``-t1`` twins."""
-    variants = outrider_variants(
-        list(endpoints), ks, adaptive=adaptive, pipelined=pipelined, sampled=sampled
-    )
+    """The variants (:func:`outrider.bench.configs.outrider_variants`), each
+    asking its coordinator's endpoint."""
     return [
         Config(
             v.name,

@@ -13,14 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from outrider.bench.configs import BASELINE, Config, Drafter
 from outrider.bench.measurements import Measurement
-from outrider.bench.prompts import Prompt
-
-if TYPE_CHECKING:
-    from transformers import BatchEncoding
+from outrider.bench.prompts import Prompt, chat_prompt_ids
 
 
 def rounds_from_forward_calls(
@@ -153,17 +150,7 @@ class HuggingFace:
         ) = values
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        # return_dict=True: a BatchEncoding (the declared return type covers every flag).
-        encoded = cast(
-            "BatchEncoding",
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            ),
-        )
-        return list(encoded["input_ids"])
+        return chat_prompt_ids(self.tokenizer, prompt)
 
     def generate(self, prompt: Prompt, max_new_tokens: int, **assisted: Any) -> Measurement:
         torch = self._torch

@@ -87,12 +87,19 @@ class BenchOptions:
         default=("prompt-lookup", "int4"), metadata={"metavar": "LIST"}
     )
     """drafters, comma-separated: prompt-lookup, suffix (suffix decoding; no HF peer), int4 (the
-    target with 4-bit weights), bf16 (the target itself in bfloat16), early-exit-L (the
-    target's first L layers; no HF peer), eagle (the EAGLE-3 head shipped for the target; no
-    HF peer), or suffix+D (suffix decoding beside model drafter D, e.g. suffix+int4: each
-    round drafts by whichever pays; no HF peer)"""
+    target with 4-bit weights), gguf (the GGUF the target came from, on llama.cpp on the CPU;
+    no HF peer) or gguf:FILE (another GGUF file), bf16 (the target itself in bfloat16),
+    early-exit-L (the target's first L layers; no HF peer), eagle (the EAGLE-3 head shipped
+    for the target; no HF peer), or suffix+D (suffix decoding beside model drafter D, e.g.
+    suffix+int4: each round drafts by whichever pays; no HF peer)"""
     no_hf: bool = False
     """skip the Hugging Face configurations (speedup is then vs outrider-k0)"""
+    no_llama_cpp: bool = False
+    """skip llama.cpp's own configurations (llama.cpp: the GGUF the target came from, run by
+    llama.cpp; llama.cpp-prompt-lookup: with its prompt-lookup speculation), which run where
+    llama-cpp-python is installed and the target has a GGUF, one request at a time; their
+    tokens/s stands beside Hugging Face's, their outputs are not compared (another engine's
+    numerics)"""
     no_adaptive: bool = False
     """skip the adaptive-K configurations"""
     no_pipelined: bool = False
@@ -149,6 +156,9 @@ class BenchOptions:
     is the limit)"""
     threads: int | None = None
     """torch threads of this process and of each worker (default: all cores)"""
+    draft_threads: int | None = None
+    """threads of each draft worker (default, and 0: --threads); with --threads it splits the
+    cores between the target and the draft, as on machines of their own"""
     target_tp: int = 1
     """tensor-parallel size of the target worker: its model split over N ranks (GPUs, or
     processes on the CPU)"""
@@ -201,6 +211,10 @@ class BenchOptions:
     @property
     def hf(self) -> bool:
         return not self.no_hf and self.json_schema is None
+
+    @property
+    def llama_cpp(self) -> bool:
+        return not self.no_llama_cpp and self.json_schema is None and not self.concurrency
 
     @property
     def adaptive(self) -> bool:
@@ -311,7 +325,9 @@ class StepsOptions:
     one session (the rows of a batch would be that many such calls); engine, the worker's runner
     (outrider.engine): all rows in one forward pass over the paged cache; graph, the same step
     replayed from a captured CUDA graph (CUDA only); EAGLE-3 head, the same step of a draft
-    worker's head for the model (the shipped one, else random weights); with --linears (CPU), the
+    worker's head for the model (the shipped one, else random weights); gguf, the same step of
+    the gguf drafter: the model's GGUF run by llama.cpp (where it is installed and the model has
+    a GGUF: the embedded model's, or one in its directory); with --linears (CPU), the
     engine's step with every linear on F.linear, with every small batch as (W @ x.T).T, and with
     every one on oneDNN's packed weights, each call of the four taking turns
     (outrider/engine/ops.py chose one per count of rows at start, as a worker does). Each is

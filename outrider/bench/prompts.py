@@ -97,3 +97,15 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
             )
         )
     return prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's token ids as one user chat message under the tokenizer's
+    chat template, as the coordinator renders it."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])

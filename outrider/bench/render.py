@@ -139,6 +139,8 @@ def headline_lines(report: Mapping[str, Any]) -> list[str]:
             "outputs: every configuration produced the same tokens as "
             f"{report['mismatch_reference']} on every prompt."
         )
+    if any(r["family"] == "llama.cpp" for r in report["configs"]):
+        lines.append("llama.cpp's outputs are not compared: another engine, other numerics.")
     return lines
 
 

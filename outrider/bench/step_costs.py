@@ -27,6 +27,7 @@ from outrider import models
 from outrider.bench.options import Shape, StepsOptions
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import ops
+from outrider.engine.gguf_runner import GgufRunner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
 from outrider.engine.loading import load_causal_lm
@@ -38,6 +39,7 @@ COLUMNS = {
     "engine_ms": "engine",
     "graph_ms": "engine graph",
     "head_ms": "EAGLE-3 head",
+    "gguf_ms": "gguf (llama.cpp)",
 }
 LINEAR_COLUMNS = {
     "f_linear_ms": "engine F.linear",
@@ -119,11 +121,13 @@ def hf_step(model, tokens: int, context: int, device: torch.device) -> Callable[
     return step
 
 
-def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int) -> Callable[[], None]:
+def engine_step(
+    runner: PagedRunner | GgufRunner, rows: int, tokens: int, context: int
+) -> Callable[[], None]:
     """One step of ``rows`` sessions feeding ``tokens`` each (a CUDA graph's
     replay when the runner has one that covers it: that is checked); for an
     EAGLE-3 head, each token with a feature."""
-    forward: Any = runner.forward
+    forward: Any = getattr(runner, "forward", None)
     width = getattr(forward, "hidden_size", 0)
 
     def hidden(n: int) -> torch.Tensor | None:
@@ -145,27 +149,30 @@ def engine_step(runner: PagedRunner, rows: int, tokens: int, context: int) -> Ca
         for kv in caches:
             kv.crop(context)
 
-    if (
-        runner.graphs is not None
-        and runner.graphs.bucket([Row(kv, [1] * tokens, tokens) for kv in caches]) is None
-    ):
+    graphs = getattr(runner, "graphs", None)
+    uniform = [Row(kv, [1] * tokens, tokens) for kv in caches]
+    if graphs is not None and graphs.bucket(uniform) is None:
         raise RuntimeError(f"no CUDA graph covers {rows}×{tokens} at context {context}")
     return step
 
 
-def runners(
-    model: torch.nn.Module, options: StepsOptions, device: torch.device
-) -> tuple[PagedRunner, PagedRunner | None, PagedRunner | None]:
+Runners = tuple[PagedRunner, PagedRunner | None, PagedRunner | None, GgufRunner | None]
+
+
+def runners(model: torch.nn.Module, options: StepsOptions, device: torch.device) -> Runners:
     """The engine's runner, eager, on CUDA one that replays CUDA graphs
-    (captured for every shape), each on its own copy of the model; and an
-    EAGLE-3 head's for the model (None for a model outside the Llama family)."""
+    (captured for every shape), each on its own copy of the model; an
+    EAGLE-3 head's for the model (None for a model outside the Llama family);
+    and llama.cpp's of the model's GGUF (None where it has none, or llama.cpp
+    is not installed)."""
     shapes = options.shapes
     blocks = sum(s.rows * -(-(options.context + s.tokens) // 16) for s in shapes) + 16
     eager = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(blocks, 16))
     eager.warm_up(max_rows=1, max_tokens_per_row=1)  # its linears' paths, as a worker's
     head = head_runner(model, options, blocks)
+    gguf = gguf_runner(options, blocks * 16)
     if device.type != "cuda":
-        return eager, None, head
+        return eager, None, head, gguf
     graphed = PagedRunner(
         LlamaForward(copy.deepcopy(model)), BlockPool(blocks, 16), cuda_graphs=True
     )
@@ -180,7 +187,26 @@ def runners(
         f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s",
         file=sys.stderr,
     )
-    return eager, graphed, head
+    return eager, graphed, head, gguf
+
+
+def gguf_runner(options: StepsOptions, tokens: int) -> GgufRunner | None:
+    """llama.cpp's runner of the model's GGUF (the gguf drafter's), with room
+    for ``tokens``; None for random weights, a model without a GGUF, or no llama.cpp."""
+    import importlib.util
+
+    from outrider import gguf_files
+    from outrider.engine.gguf_runner import GgufRunner
+
+    if options.shape or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        path = gguf_files.gguf_path(options.model)
+    except (gguf_files.NotAGguf, models.ModelNotFetchedError):
+        return None
+    sessions = min(256, sum(s.rows for s in options.shapes))  # every shape's, held to the end
+    threads = options.threads or torch.get_num_threads()
+    return GgufRunner.load(path, max_sessions=sessions, max_cached_tokens=tokens, threads=threads)
 
 
 def head_runner(model: torch.nn.Module, options: StepsOptions, blocks: int) -> PagedRunner:
@@ -209,13 +235,13 @@ def head_runner(model: torch.nn.Module, options: StepsOptions, blocks: int) -> P
 def measure_shape(
     model: torch.nn.Module,
     shape: Shape,
-    runners: tuple[PagedRunner, PagedRunner | None, PagedRunner | None],
+    runners: Runners,
     unit: float,
     options: StepsOptions,
 ) -> dict[str, Any]:
     """One row of the table: every column's milliseconds at ``shape`` (None: not measured)."""
     device = next(model.parameters()).device
-    eager, graphed, head = runners
+    eager, graphed, head, gguf = runners
     row: dict[str, Any] = {"shape": str(shape)} | dict.fromkeys([*COLUMNS, *LINEAR_COLUMNS])
     if not options.no_hf or (shape.rows, shape.tokens) == (1, 1):
         one = unit if shape.tokens == 1 else None
@@ -235,6 +261,10 @@ def measure_shape(
     if head is not None:
         head_step = engine_step(head, shape.rows, shape.tokens, options.context)
         row["head_ms"] = timed(head_step, options.repeats, device)
+    if gguf is not None:
+        row["gguf_ms"] = timed(
+            engine_step(gguf, shape.rows, shape.tokens, options.context), options.repeats, device
+        )
     return row
 
 
@@ -242,6 +272,8 @@ def print_table(rows: Sequence[dict[str, Any]], unit: float, title: str) -> None
     """Each row's times in milliseconds and as multiples of transformers' 1-token step."""
     print(f"\n{title}; transformers' 1-token step = {unit:.2f} ms\n")
     columns = dict(COLUMNS)
+    if all(row["gguf_ms"] is None for row in rows):
+        del columns["gguf_ms"]  # no GGUF, or no llama.cpp
     if any(row["f_linear_ms"] is not None for row in rows):
         columns |= LINEAR_COLUMNS
     print(f"{'rows×tokens':>12} " + " ".join(f"{heading:>16}" for heading in columns.values()))

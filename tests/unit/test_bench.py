@@ -13,7 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from outrider.bench.configs import Config, Drafter, outrider_variants, parse_drafter, parse_k_list
+from outrider.bench.configs import (
+    Config,
+    Drafter,
+    coordinators_of,
+    outrider_variants,
+    parse_drafter,
+    parse_k_list,
+)
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.measurements import Measurement
 from outrider.bench.options import options_from_args
@@ -138,6 +145,24 @@ def test_suffix_beside_a_model_drafter_runs_its_draft_worker_and_has_no_pipeline
         parse_drafter("suffix+prompt-lookup", target_model=None)
 
 
+def test_each_configuration_of_a_drafter_that_keeps_outputs_has_a_coordinator_of_its_own():
+    # Suffix decoding drafts from earlier requests' outputs: on a shared
+    # coordinator each configuration would find the same prompt's answer
+    # that the one before it wrote.
+    variants = outrider_variants(["suffix", "int4"], [4], adaptive=True, pipelined=False)
+    assert coordinators_of(variants) == {
+        "outrider-k0": "suffix",
+        "outrider-suffix-k4": "suffix",
+        "outrider-suffix-adaptive": "suffix",
+        "int4": "int4",
+    }
+    assert [v.coordinator for v in variants][:3] == [
+        "outrider-k0", "outrider-suffix-k4", "outrider-suffix-adaptive"
+    ]  # fmt: skip
+    plain = outrider_variants(["int4", "suffix+int4"], [4], adaptive=False, pipelined=False)
+    assert coordinators_of(plain) == {"int4": "int4", "outrider-suffix+int4-k4": "suffix+int4"}
+
+
 def test_no_pipelined_leaves_the_twins_out():
     names = [v.name for v in outrider_variants(["int4"], [4], adaptive=True, pipelined=False)]
     assert names == ["outrider-k0", "outrider-int4-k4", "outrider-int4-adaptive"]
@@ -159,7 +184,8 @@ def test_sampled_twins_of_target_only_and_adaptive_k_run_last_at_temperature_1()
 def test_a_sampled_request_sends_its_temperature_and_its_prompts_seed():
     endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
     endpoint.client, endpoint.ignore_eos, endpoint.structured_output = FakeClient(), False, None
-    configs = outrider_configs({None: endpoint}, [4], adaptive=False, pipelined=False, sampled=True)
+    variants = outrider_variants([None], [4], adaptive=False, pipelined=False, sampled=True)
+    configs = outrider_configs({None: endpoint}, variants)
     assert [c.name for c in configs] == ["outrider-k0", "outrider-k0-t1"]
     for config in configs:
         config.run(Prompt("q:1", "c", "x"), 8)
@@ -206,7 +232,9 @@ class FakeClient:
 def test_every_outrider_configuration_sends_pipeline_explicitly():
     endpoint = OutriderEndpoint.__new__(OutriderEndpoint)
     endpoint.client, endpoint.ignore_eos, endpoint.structured_output = FakeClient(), False, None
-    configs = outrider_configs({"int4": endpoint}, [4], adaptive=True, pipelined=True)
+    configs = outrider_configs(
+        {"int4": endpoint}, outrider_variants(["int4"], [4], adaptive=True, pipelined=True)
+    )
     prompt = Prompt("q:1", "c", "x")
     for config in configs:
         assert config.run(prompt, 8).pipeline is config.pipeline

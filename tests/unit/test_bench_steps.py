@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from transformers import LlamaConfig
@@ -60,3 +61,15 @@ def test_every_shape_is_timed_against_transformers_one_token_step(tmp_path, caps
         "rows×tokens", "hf", "(rows", "calls)", "engine", "engine", "graph", "EAGLE-3", "head"
     ]  # fmt: skip
     assert table[3].split()[:3] == ["1x1", f"{report['hf_unit_ms']:.2f}", "ms"]
+
+
+def test_a_model_beside_its_gguf_is_timed_on_llama_cpp_too(tmp_path, tiny_target_dir, tiny_gguf):
+    pytest.importorskip("llama_cpp", reason="the gguf column needs llama-cpp-python")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    shutil.copyfile(tiny_gguf, model / tiny_gguf.name)
+    flags = ["--model", str(model), "--shapes", "1x1,2x3", "--context", "8", "--repeats", "1"]
+    out = tmp_path / "steps.json"
+    assert main(["bench", "steps", *flags, "--threads", "1", "--json", str(out), "--no-hf"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(row["gguf_ms"] > 0 for row in rows)

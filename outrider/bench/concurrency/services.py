@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from outrider.bench.concurrency.streams import Batch, LoadConfig, Stream, stream_from_arrivals
-from outrider.bench.configs import outrider_variants
+from outrider.bench.configs import OutriderVariant
 from outrider.bench.prompts import Prompt
 from outrider.bench.runner import failure_detail
 
@@ -130,18 +130,11 @@ class Replicas:
 
 
 def outrider_load_configs(
-    replicas: Mapping[str | None, Replicas],
-    ks: Sequence[int],
-    *,
-    adaptive: bool,
-    pipelined: bool,
-    sampled: bool = False,
+    replicas: Mapping[str | None, Replicas], variants: Sequence[OutriderVariant]
 ) -> list[LoadConfig]:
     """The configurations of the sequential bench (``outrider-k0``, each drafter's K and adaptive K,
-    synchronous and pipelined, and the sampled twins), N streams at once."""
-    variants = outrider_variants(
-        list(replicas), ks, adaptive=adaptive, pipelined=pipelined, sampled=sampled
-    )
+    synchronous and pipelined, and the sampled twins), N streams at once, each
+    asking its coordinator's replicas."""
     return [
         LoadConfig(
             v.name,
