@@ -32,7 +32,7 @@ from outrider.bench.hf import HuggingFace
 from outrider.bench.llama_cpp_peer import LlamaCpp, llama_cpp_peer
 from outrider.bench.options import BenchOptions
 from outrider.bench.plot import plot, pyplot
-from outrider.bench.prompts import chat_prompt_ids, load_prompts
+from outrider.bench.prompts import Prompt, chat_prompt_ids, load_prompts
 from outrider.bench.render import render
 from outrider.bench.report import build_report
 from outrider.bench.runner import run_interleaved, selected, warm_up, without_ignored_options
@@ -169,7 +169,7 @@ def _sequential_report(
     if hf is not None:
         generate, *assisted = hf.configs(drafters, options.k)
         configs = [generate, *configs, *assisted]
-    if (peer := _llama_cpp(options)) is not None:
+    if (peer := _llama_cpp(options, prompts)) is not None:
         configs += peer.configs()
     configs = selected(configs, options.configs or ())
     warm = warm_up(configs, prompts[0], min(options.max_new_tokens, 16), progress=options.progress)
@@ -180,7 +180,7 @@ def _sequential_report(
     return build_report(configs, prompts, results, meta)
 
 
-def _llama_cpp(options: BenchOptions) -> LlamaCpp | None:
+def _llama_cpp(options: BenchOptions, prompts: Sequence[Prompt]) -> LlamaCpp | None:
     """llama.cpp as a peer (``outrider.bench.llama_cpp_peer``), where it runs."""
     if not options.llama_cpp:
         return None
@@ -190,6 +190,8 @@ def _llama_cpp(options: BenchOptions) -> LlamaCpp | None:
     eos = models.eos_token_ids(tokenizer, models.generation_config(options.target_model))
     return llama_cpp_peer(
         options.target_model,
+        prompts=prompts,
+        max_new_tokens=options.max_new_tokens,
         threads=options.torch_threads,
         prompt_ids=lambda prompt: chat_prompt_ids(tokenizer, prompt),
         eos_token_ids=eos,

@@ -13,7 +13,7 @@ the bench's Outrider workers run without a prefix cache. Greedy only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +26,19 @@ PLAIN = "llama.cpp"
 PROMPT_LOOKUP = "llama.cpp-prompt-lookup"
 LOOKUP_TOKENS = 10
 """Tokens llama.cpp's prompt lookup drafts a round (its ``LlamaPromptLookupDecoding``'s default)."""
-CONTEXT = 8192
 
 
 class LlamaCpp:
-    """Two llama.cpp contexts of the GGUF at ``path`` (one with a prompt-lookup
-    draft), each on ``threads`` threads; ``prompt_ids`` gives a prompt's tokens
-    as the target's chat template makes them."""
+    """Two llama.cpp contexts of ``context`` tokens of the GGUF at ``path``
+    (one with a prompt-lookup draft), each on ``threads`` threads;
+    ``prompt_ids`` gives a prompt's tokens as the target's chat template
+    makes them."""
 
     def __init__(
         self,
         path: Path,
         *,
+        context: int,
         threads: int,
         prompt_ids: Callable[[Prompt], list[int]],
         eos_token_ids: Collection[int],
@@ -51,14 +52,18 @@ class LlamaCpp:
         self.eos_token_ids = frozenset() if ignore_eos else frozenset(eos_token_ids)
         common: dict[str, Any] = dict(
             model_path=str(path),
-            n_ctx=CONTEXT,
+            n_ctx=context,
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
         )
         self.plain = Llama(**common)
+        # A draft verifies on every position's logits: logits_all, which
+        # Llama's score buffer is sized by only when it is given.
         self.lookup = Llama(
-            **common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+            **common,
+            logits_all=True,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS),
         )
 
     def configs(self) -> list[Config]:
@@ -91,13 +96,16 @@ class LlamaCpp:
 def llama_cpp_peer(
     target_model: str | None,
     *,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
     threads: int,
     prompt_ids: Callable[[Prompt], list[int]],
     eos_token_ids: Collection[int],
     ignore_eos: bool,
 ) -> LlamaCpp | None:
     """The peer where llama.cpp is installed and the target has a GGUF
-    (an embedded model's, or one in its directory); else None."""
+    (an embedded model's, or one in its directory), its contexts long
+    enough for the longest of ``prompts`` and ``max_new_tokens``; else None."""
     import importlib.util
 
     from outrider import gguf_files, models
@@ -108,8 +116,12 @@ def llama_cpp_peer(
         path = gguf_files.gguf_path(target_model)
     except (gguf_files.NotAGguf, models.ModelNotFetchedError):
         return None
+    longest = max(len(prompt_ids(prompt)) for prompt in prompts)
     return LlamaCpp(
         path,
+        # Room for a round's drafts past the last token: Llama's speculative
+        # path writes them into its buffers unchecked near the context's end.
+        context=longest + max_new_tokens + 2 * LOOKUP_TOKENS + 16,
         threads=threads,
         prompt_ids=prompt_ids,
         eos_token_ids=eos_token_ids,
