@@ -34,7 +34,7 @@ the history and earlier outputs, in the coordinator (``coordinator.suffix``):
 no draft worker."""
 COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-decoding"}
 """The drafters that run in the coordinator, and its flag for each."""
-DEFAULT_DRAFTERS = {"cpu": "int4", "cuda": "prompt-lookup"}
+DEFAULT_DRAFTERS = {"cpu": "gguf", "cuda": "prompt-lookup"}
 """The drafter ``outrider up`` runs when none is named (nor a draft model),
 by device type (docs/benchmark.md#the-drafters): on the CPU a step
 reads weights, so the target's own 4-bit GGUF on llama.cpp is cheap and

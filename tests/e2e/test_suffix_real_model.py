@@ -1,5 +1,5 @@
 """Suffix decoding on the real default model, through `outrider up`: alone
-(``--drafter suffix``) and beside the int4 drafter (``--suffix-decoding``,
+(``--drafter suffix``) and beside the default drafter (``--suffix-decoding``,
 each round drafting by whichever pays), the greedy tokens of agentic turns —
 which resend earlier code — are target-only decoding's, at one stream and
 at eight, the later turns drafting from the earlier turns' outputs."""

@@ -97,7 +97,8 @@ def test_serve_refuses_an_inconsistent_drafter_configuration(capsys):
 @pytest.mark.parametrize(
     "flags, device_type, gguf_runs, drafter",
     [
-        ([], "cpu", True, "int4"),
+        ([], "cpu", True, "gguf"),
+        ([], "cpu", False, "int4"),  # no llama.cpp here, or a target without a GGUF
         ([], "cuda", True, "prompt-lookup"),
         (["--draft-model", "/d"], "cpu", True, "model"),
         (["--draft-model", "/d/draft.Q4_0.gguf"], "cpu", True, "gguf"),
