@@ -128,6 +128,8 @@ def summarize_config(
 def summarize_category(totals: Totals, baseline: Totals) -> dict[str, Any]:
     return {
         "prompts": totals.prompts,
+        "generated_tokens": totals.generated_tokens,
+        "wall_s": round_or_none(totals.wall_s),
         "tokens_per_s": round_or_none(totals.tokens_per_s),
         "speedup": round_or_none(ratio(totals.tokens_per_s, baseline.tokens_per_s)),
         "acceptance_rate": round_or_none(totals.acceptance_rate),
