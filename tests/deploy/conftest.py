@@ -1,8 +1,8 @@
 """Fixtures of the deployment tests: helm (installed on first use by
 scripts/install_tools.py, the same code `make tools` runs) and the chart
-rendered with the default values (prompt lookup in the coordinator, no draft
-pool), the default values with an int4 draft pool, and the full-featured
-values."""
+rendered with the default values (a CPU draft pool of the gguf drafter), the
+default values with prompt lookup in the coordinator (no draft pool), and the
+full-featured values."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "outrider"
 FULL_VALUES = CHART / "ci" / "full-values.yaml"
 RELEASE, NAMESPACE = "demo", "inference"
-# The CPU defaults with a draft-worker pool: int4, a drafter that runs a model.
-INT4_DRAFT = ("draft.drafter=int4",)
+# The CPU defaults without a draft-worker pool: prompt lookup, in the coordinator.
+LOOKUP = ("draft.drafter=prompt-lookup",)
 
 
 def _load_install_tools():
@@ -81,8 +81,8 @@ def default_objects(render) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def int4_objects(render) -> list[dict]:
-    return render(sets=INT4_DRAFT)
+def lookup_objects(render) -> list[dict]:
+    return render(sets=LOOKUP)
 
 
 @pytest.fixture(scope="session")
@@ -90,15 +90,17 @@ def full_objects(render) -> list[dict]:
     return render(FULL_VALUES)
 
 
-@pytest.fixture(params=["default", "int4", "full"])
-def objects(request, default_objects, int4_objects, full_objects) -> list[dict]:
-    return {"default": default_objects, "int4": int4_objects, "full": full_objects}[request.param]
+@pytest.fixture(params=["default", "lookup", "full"])
+def objects(request, default_objects, lookup_objects, full_objects) -> list[dict]:
+    return {"default": default_objects, "lookup": lookup_objects, "full": full_objects}[
+        request.param
+    ]
 
 
-@pytest.fixture(params=["int4", "full"])
-def drafting_objects(request, int4_objects, full_objects) -> list[dict]:
+@pytest.fixture(params=["default", "full"])
+def drafting_objects(request, default_objects, full_objects) -> list[dict]:
     """The renderings with a draft-worker pool."""
-    return int4_objects if request.param == "int4" else full_objects
+    return default_objects if request.param == "default" else full_objects
 
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:

@@ -159,9 +159,9 @@ def test_every_value_is_documented():
 # --------------------------------------------------------------------------- probes
 
 
-def test_probes_are_native_grpc_on_the_grpc_port_with_a_startup_budget(int4_objects):
-    for name in components(int4_objects):
-        container = pod_spec(component(int4_objects, "Deployment", name))["containers"][0]
+def test_probes_are_native_grpc_on_the_grpc_port_with_a_startup_budget(default_objects):
+    for name in components(default_objects):
+        container = pod_spec(component(default_objects, "Deployment", name))["containers"][0]
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["grpc"] == {"port": port}, (name, probe)

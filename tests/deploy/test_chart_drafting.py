@@ -1,8 +1,11 @@
-"""The Helm chart's drafters: prompt lookup runs in the coordinator, with no
-draft-worker pool; the drafters that run a model (model, int4, early-exit)
-run on the draft pool, which the coordinator discovers."""
+"""The Helm chart's drafters: by default the gguf drafter on a CPU draft
+pool; prompt lookup runs in the coordinator, with no draft-worker pool; the
+drafters that run a model (gguf, model, int4, early-exit) run on the draft
+pool, which the coordinator discovers."""
 
 from __future__ import annotations
+
+import subprocess
 
 import kubernetes_validate
 import pytest
@@ -37,20 +40,37 @@ def coordinator_env(objects: list[dict]) -> dict[str, str | None]:
     return env_of(pod_spec(component(objects, "Deployment", "coordinator"))["containers"][0])
 
 
-def test_by_default_prompt_lookup_runs_in_the_coordinator_with_no_draft_pool(
-    default_objects, monkeypatch
-):
-    assert DRAFT not in {o["metadata"]["name"] for o in default_objects}
-    assert components(default_objects) == ["coordinator", "target"]
-    env = coordinator_env(default_objects)
+def test_by_default_the_targets_gguf_drafts_on_a_cpu_pool(default_objects, monkeypatch):
+    assert components(default_objects) == ["coordinator", "draft", "target"]
+    draft = service_config(monkeypatch, default_objects, "draft")
+    assert (draft.drafter_kind, draft.model, draft.engine.device) == ("gguf", None, "cpu")
+    assert draft.limits.max_cached_tokens == 16384  # resident from the start: 360 MiB
+    assert not service_config(monkeypatch, default_objects, "coordinator").prompt_lookup
+
+
+def test_prompt_lookup_runs_in_the_coordinator_with_no_draft_pool(lookup_objects, monkeypatch):
+    assert DRAFT not in {o["metadata"]["name"] for o in lookup_objects}
+    assert components(lookup_objects) == ["coordinator", "target"]
+    env = coordinator_env(lookup_objects)
     assert (env["OUTRIDER_PROMPT_LOOKUP"], env["OUTRIDER_MAX_NGRAM"]) == ("true", "3")
     assert "OUTRIDER_DRAFT" not in env
-    config = service_config(monkeypatch, default_objects, "coordinator")
+    config = service_config(monkeypatch, lookup_objects, "coordinator")
     assert (config.prompt_lookup, config.max_ngram, config.draft) == (True, 3, ())
 
 
+def test_a_gguf_pool_given_a_gpu_is_refused_with_the_way_out(helm):
+    result = subprocess.run(
+        [str(helm), "template", "demo", str(CHART), "--set", "draft.gpu.count=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "draft.drafter gguf runs on the CPU" in result.stderr
+
+
 def test_draft_max_ngram_is_the_coordinators_max_ngram(render, monkeypatch):
-    objects = render(sets=("draft.maxNgram=5",))
+    objects = render(sets=("draft.drafter=prompt-lookup", "draft.maxNgram=5"))
     assert coordinator_env(objects)["OUTRIDER_MAX_NGRAM"] == "5"
     assert service_config(monkeypatch, objects, "coordinator").max_ngram == 5
 
@@ -58,11 +78,12 @@ def test_draft_max_ngram_is_the_coordinators_max_ngram(render, monkeypatch):
 @pytest.mark.parametrize(
     "sets",
     [
+        ("draft.drafter=gguf",),
         ("draft.drafter=int4",),
         ("draft.drafter=model",),
         ("draft.drafter=early-exit", "draft.draftLayers=8"),
     ],
-    ids=["int4", "model", "early-exit"],
+    ids=["gguf", "int4", "model", "early-exit"],
 )
 def test_a_drafter_that_runs_a_model_runs_on_the_draft_pool(render, monkeypatch, sets):
     drafter = sets[0].split("=")[1]
@@ -149,5 +170,5 @@ def test_suffix_decoding_beside_a_draft_pool(render, monkeypatch):
     config = service_config(monkeypatch, objects, "coordinator")
     assert config.suffix_decoding and not config.prompt_lookup and config.draft
     # Without a draft pool it means nothing: prompt lookup stays prompt lookup.
-    env = coordinator_env(render(sets=("draft.suffixDecoding=true",)))
+    env = coordinator_env(render(sets=("draft.drafter=prompt-lookup", "draft.suffixDecoding=true")))
     assert env["OUTRIDER_PROMPT_LOOKUP"] == "true" and "OUTRIDER_SUFFIX_DECODING" not in env

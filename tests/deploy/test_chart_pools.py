@@ -13,7 +13,6 @@ from outrider.models import EMBEDDED_MODELS
 from tests.deploy.conftest import (
     CHART,
     FULL_VALUES,
-    INT4_DRAFT,
     component,
     components,
     env_of,
@@ -63,9 +62,9 @@ def test_gpu_pools_get_their_gpus_node_pools_and_settings(full_objects):
     )
 
 
-def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(int4_objects):
+def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(default_objects):
     for name in ("target", "draft"):
-        container = pod_spec(component(int4_objects, "Deployment", name))["containers"][0]
+        container = pod_spec(component(default_objects, "Deployment", name))["containers"][0]
         resources = container["resources"]
         assert not any(
             "gpu" in key for key in {**resources.get("limits", {}), **resources.get("requests", {})}
@@ -82,7 +81,7 @@ def test_cpu_defaults_request_no_gpu_and_run_on_the_cpu(int4_objects):
 def test_a_pool_given_a_gpu_runs_its_model_on_cuda(render, name):
     """gpu.count alone moves a pool onto its GPU: the device plugin's resource
     is requested, and the worker is told --device cuda (OUTRIDER_DEVICE)."""
-    objects = render(sets=(*INT4_DRAFT, f"{name}.gpu.count=1"))
+    objects = render(sets=("draft.drafter=int4", f"{name}.gpu.count=1"))
     container = pod_spec(component(objects, "Deployment", name))["containers"][0]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -151,12 +150,12 @@ def test_an_explicit_device_wins_over_the_one_gpu_count_implies(render, sets, de
 
 
 def test_an_embedded_model_is_fetched_by_an_init_container_and_others_are_not(
-    default_objects, int4_objects, full_objects
+    default_objects, lookup_objects, full_objects
 ):
     # Defaults: the target and the coordinator's tokenizer are the embedded
-    # model (prompt lookup, in the coordinator, needs none); the int4 drafter
-    # quantizes the default model, embedded too.
-    for objects in (default_objects, int4_objects):
+    # model; the gguf drafter runs the embedded model's GGUF, which its fetch
+    # keeps (prompt lookup, in the coordinator, needs no draft pool).
+    for objects in (default_objects, lookup_objects):
         for name in components(objects):
             (init,) = pod_spec(component(objects, "Deployment", name))["initContainers"]
             assert init["args"] == ["models", "fetch", "smollm2-135m-instruct"]
@@ -291,17 +290,16 @@ def test_large_integers_from_a_values_file_render_as_integers(full_objects):
     assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "1048576"  # ci/full-values.yaml
 
 
-def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, int4_objects):
+def test_max_cached_tokens_0_leaves_the_kv_budget_to_the_worker(full_objects, default_objects):
     """0 (the full values' GPU draft pool): no flag, so the worker sizes its
     KV cache from the memory free once its model is loaded."""
     draft = env_of(pod_spec(component(full_objects, "Deployment", "draft"))["containers"][0])
     assert "OUTRIDER_MAX_CACHED_TOKENS" not in draft
-    for name in (
-        "target",
-        "draft",
-    ):  # CPU defaults: a fixed budget (the node's memory is not the pod's)
-        env = env_of(pod_spec(component(int4_objects, "Deployment", name))["containers"][0])
-        assert env["OUTRIDER_MAX_CACHED_TOKENS"] == "262144"
+    # CPU defaults: a fixed budget (the node's memory is not the pod's); the
+    # gguf draft's is resident from the start, so it fits the pod's memory.
+    for name, tokens in (("target", "262144"), ("draft", "16384")):
+        env = env_of(pod_spec(component(default_objects, "Deployment", name))["containers"][0])
+        assert env["OUTRIDER_MAX_CACHED_TOKENS"] == tokens
 
 
 def test_an_eagle_pool_loads_the_targets_checkpoint_and_its_head(render):

@@ -1,6 +1,7 @@
 """The container image, built (scripts/build_image.py, as `make image` does)
 and run as the Helm chart runs it: the target worker, the draft worker (the
-default drafter, int4) and the coordinator as three containers on the host's
+default drafter, gguf: llama.cpp as the image built it) and the coordinator
+as three containers on the host's
 network, bound to 127.0.0.1, as UID 10001 on a read-only root filesystem.
 The host's `outrider generate` and the OpenAI client get from them the
 greedy tokens `outrider up` gives on the host; SIGTERM (`podman stop`) drains
@@ -112,7 +113,7 @@ def stack(engine, image, models_volume, host_answers, tmp_path_factory):
     try:
         for name, role_args in (
             ("target", ["--model", MODEL]),
-            ("draft", ["--model", MODEL, "--drafter", "int4"]),
+            ("draft", ["--model", MODEL, "--drafter", "gguf"]),
         ):
             containers[name].start("serve", name, *common, "--port", str(ports[name]), *role_args)
         for name in ("target", "draft"):
@@ -158,7 +159,7 @@ def test_the_containers_give_the_greedy_tokens_of_outrider_up_on_the_host(
     assert got["token_ids"] == expected["token_ids"]
     assert got["text"] == expected["text"]
     assert got["stats"]["num_speculative_tokens"] == k
-    if k:  # the int4 draft worker drafted, and the target accepted most of it
+    if k:  # the gguf draft worker drafted, and the target accepted most of it
         assert got["stats"]["draft_tokens"] > 0
         assert got["stats"]["accepted_tokens"] >= got["stats"]["draft_tokens"] // 2
 

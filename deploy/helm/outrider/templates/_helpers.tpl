@@ -64,7 +64,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/*
 Whether a draft-worker pool is deployed: "true", or "" (false in an if).
 It is, with drafting on (draft.enabled), for the drafters that run a model
-(model, int4, early-exit, eagle). The prompt-lookup and suffix drafters run in the
+(model, int4, gguf, early-exit, eagle). The prompt-lookup and suffix drafters run in the
 coordinator (--prompt-lookup, --suffix-decoding), with no draft pod.
 */}}
 {{- define "outrider.draftWorker" -}}
