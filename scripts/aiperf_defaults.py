@@ -26,6 +26,7 @@ from pathlib import Path
 CONFIGS = {
     "defaults": [],
     "--k 0": ["--k", "0"],
+    "int4": ["--drafter", "int4"],
     "prompt lookup": ["--drafter", "prompt-lookup"],
     "int4 K=4": ["--drafter", "int4", "--k", "4"],
 }
