@@ -67,6 +67,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             lookup=lookup if workers else None,
             draft_info=draft_info,
             recovery=config.recovery,
+            limits=config.structured_output,
             metrics=CoordinatorMetrics(
                 metrics.registry,
                 model_name=target_info.model,

@@ -7,13 +7,17 @@ API (``coordinator.openai``) each translate what they received into
 checks it against the served model and the server's speculation defaults: the
 prompt (text, chat messages through the target's chat template, or token
 ids), the room left in the context, stop strings and token ids, min_tokens, K, adaptive
-K, pipelining and the sampling parameters. A bad field raises InvalidArgument
-naming it as the receiving API does (:class:`FieldNames`).
+K, pipelining, the sampling parameters and the structured output (within
+this server's :class:`StructuredOutputLimits`, compiled by the grammar
+engine the workers run). A bad field raises InvalidArgument naming it as the
+receiving API does (:class:`FieldNames`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -22,6 +26,7 @@ from typing import Any
 
 from coordinator.chat_template import ChatMessage, render
 from coordinator.served_models import Models
+from outrider.config import StructuredOutputLimits
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.sampling_params import SamplingParams, StructuredOutput, Verification
@@ -136,10 +141,18 @@ class RequestBuilder:
     """Validates :class:`RequestParams` against the served model and the
     speculation defaults of this coordinator (``drafts``: it has a draft worker)."""
 
-    def __init__(self, models: Models, defaults: SpeculationDefaults, *, drafts: bool) -> None:
+    def __init__(
+        self,
+        models: Models,
+        defaults: SpeculationDefaults,
+        *,
+        drafts: bool,
+        limits: StructuredOutputLimits = StructuredOutputLimits(),
+    ) -> None:
         self.models = models
         self.defaults = defaults
         self.drafts = drafts
+        self.limits = limits
 
     def build(self, params: RequestParams, names: FieldNames = FieldNames()) -> GenerationRequest:
         request_id = self.request_id(params)
@@ -148,6 +161,7 @@ class RequestBuilder:
         self.check_stops(params)
         self.check_min_tokens(params.min_tokens, max_new_tokens, names)
         k, adaptive, pipeline = self.speculation(params)
+        self.check_tools(params.tools)
         if params.structured_output is not None:
             self.check_structured_output(params.structured_output, names)
         eos = frozenset() if params.ignore_eos else self.models.eos_token_ids
@@ -177,11 +191,52 @@ class RequestBuilder:
         )
 
     def check_structured_output(self, output: StructuredOutput, names: FieldNames) -> None:
-        """Refuses a constraint that does not compile for the target's tokenizer."""
+        """Refuses a constraint beyond this server's limits, or one that does
+        not compile for the target's tokenizer (or breaks the grammar
+        engine's limits at its first step): what a worker would refuse."""
         try:
+            self.check_size(output)
             self.models.grammars.check(output)
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc), param=names.structured_output) from None
+
+    async def compile(self, output: StructuredOutput | None) -> None:
+        """Compiles ``output`` on a thread, so that a large grammar (up to
+        about a second at the limits) holds up no other request on the event
+        loop; :meth:`build` then finds it compiled, or its refusal."""
+        if output is None:
+            return
+        try:
+            self.check_size(output)
+        except InvalidArgument:
+            return  # refused by build, without compiling
+        await asyncio.to_thread(self.models.grammars.compile, output)
+
+    def check_size(self, output: StructuredOutput) -> None:
+        limits = self.limits
+        if len(output.spec.encode()) > limits.max_grammar_bytes:
+            raise InvalidArgument(
+                f"the {output.kind} constraint is {len(output.spec.encode()):,} bytes; this "
+                f"server accepts at most {limits.max_grammar_bytes:,} (--max-grammar-bytes)"
+            )
+        if output.kind == "choice":
+            try:
+                count = len(json.loads(output.spec))
+            except (json.JSONDecodeError, TypeError):
+                return  # the compile says what is wrong with it
+            if count > limits.max_choices:
+                raise InvalidArgument(
+                    f"the choice constraint lists {count:,} choices; this server accepts at "
+                    f"most {limits.max_choices:,} (--max-choices)"
+                )
+
+    def check_tools(self, tools: Sequence[Any]) -> None:
+        if len(tools) > self.limits.max_tools:
+            raise InvalidArgument(
+                f"the request lists {len(tools):,} tools; this server accepts at most "
+                f"{self.limits.max_tools:,} (--max-tools)",
+                param="tools",
+            )
 
     @staticmethod
     def request_id(params: RequestParams) -> str:

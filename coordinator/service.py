@@ -20,7 +20,7 @@ from coordinator.round_loop import Delta, generate
 from coordinator.served_models import Models
 from coordinator.stats import Stats
 from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
-from outrider.config import Recovery
+from outrider.config import Recovery, StructuredOutputLimits
 from outrider.errors import InvalidArgument
 from outrider.sampling_params import StructuredOutput, Verification
 from outrider.speculation import TokenLogprobs
@@ -42,6 +42,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         recovery: Recovery = Recovery(),
         metrics: CoordinatorMetrics | None = None,
         lookup: Lookup | None = None,
+        limits: StructuredOutputLimits = StructuredOutputLimits(),
     ) -> None:
         self.models = models
         self.target = target
@@ -55,7 +56,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = metrics
         # Round costs are each target replica's, taught by every session on it.
         self.costs = CostModels()
-        self.requests = RequestBuilder(models, defaults, drafts=draft is not None)
+        self.requests = RequestBuilder(
+            models, defaults, drafts=draft is not None, limits=limits
+        )
 
     def deltas(self, request: GenerationRequest, received: float) -> AsyncIterator[Delta]:
         """Runs the round loop on a request (recorded in the metrics, if any).
@@ -74,17 +77,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def request_from_pb(self, request: pb.GenerateRequest) -> GenerationRequest:
         return self.requests.build(params_from_pb(request))
 
-    def deltas_from_pb(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
+    async def deltas_from_pb(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
         received = time.perf_counter()
+        if request.sampling.HasField("structured_output"):
+            await self.requests.compile(
+                structured_output_from_pb(request.sampling.structured_output)
+            )
         return self.deltas(self.request_from_pb(request), received)
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        async for delta in self.deltas_from_pb(request):
+        async for delta in await self.deltas_from_pb(request):
             yield delta_to_pb(delta)
 
     async def Complete(self, request: pb.GenerateRequest, context) -> pb.CompleteResponse:
         text, token_ids, logprobs = [], [], []
-        async for delta in self.deltas_from_pb(request):
+        async for delta in await self.deltas_from_pb(request):
             text.append(delta.text)
             token_ids.extend(delta.token_ids)
             logprobs.extend(delta.logprobs)

@@ -350,6 +350,27 @@ class DraftWorkerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputLimits:
+    """The largest structured output the coordinator accepts
+    (docs/openai-api.md#limits); llguidance's own limits on each step bound
+    the rest, in the coordinator's check as in the workers."""
+
+    max_grammar_bytes: int = 512 * 1024
+    """largest constraint a request may send, in bytes of what the grammar engine compiles: a
+    JSON schema, regular expression, grammar or choice list, or the grammar of calls to the
+    tools it requires; at this bound a compile takes about a second on two CPU cores"""
+    max_choices: int = 10_000
+    """most strings a choice constraint (guided_choice) may list"""
+    max_tools: int = 1_024
+    """most tools a chat request may list"""
+
+    def __post_init__(self) -> None:
+        _at_least(self.max_grammar_bytes, 1, "--max-grammar-bytes")
+        _at_least(self.max_choices, 1, "--max-choices")
+        _at_least(self.max_tools, 0, "--max-tools")
+
+
+@dataclass(frozen=True)
 class Recovery:
     """How the round loop rides out worker loss (``coordinator.workers.draft_link``,
     ``target_link``)."""
@@ -452,6 +473,7 @@ class CoordinatorConfig:
     /v1/models) on --host at this port, with the same TLS and bearer tokens as gRPC (0: any
     free port, written to the --ready-file's name with .http-port; unset: no HTTP API)"""
     recovery: Recovery = Recovery()
+    structured_output: StructuredOutputLimits = StructuredOutputLimits()
 
     def __post_init__(self) -> None:
         if not self.target:

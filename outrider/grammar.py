@@ -17,6 +17,7 @@ allows token ``32 i + j``.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,21 @@ if TYPE_CHECKING:
 
 MAX_TEMPLATES = 64
 """Compiled constraints kept per process, least recently used dropped."""
+
+PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+"""What llguidance lets one grammar cost, in every process that runs one
+(so the coordinator's check refuses what a worker would): its defaults —
+at most 2,000 items in a parser row, 200,000 units of lexer fuel a token
+(about 14 ms), 500,000 grammar symbols, 250,000 lexer states — with errors
+that name the limit but not the grammar or the parser's state (verbose
+errors quote the whole grammar, tens of kilobytes of client text)."""
+
+
+class GrammarError(InvalidArgument):
+    """The request's structured output cannot be run to the end: a step of
+    the parser broke one of :data:`PARSER_LIMITS`. The request's fault, as a
+    grammar that does not compile is: it fails wherever it runs."""
+
 
 JSON_LAYOUT: JsonCompileOptions = {
     "whitespace_flexible": False,
@@ -66,11 +82,26 @@ def grammar_text(output: StructuredOutput) -> str:
             choices = None
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
             raise ValueError("a choice constraint is a non-empty list of strings")
-        return llguidance.grammar_from("choice", spec)
+        return choice_grammar(choices)
     if kind == "regex":
         return llguidance.grammar_from("regex", spec)
     # A grammar: GBNF ("root ::= ...") or Lark ("start: ...").
     return llguidance.grammar_from("ebnf" if "::=" in spec else "lark", spec)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """One of ``choices``, as a single lexeme: the lexer's automaton follows
+    any number of them, where llguidance's own choice grammar (a rule of one
+    alternative each) puts every choice in one parser row, and a row holds
+    at most 2,000 items."""
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
+
+
+def first_line(error: str) -> str:
+    """llguidance's error, less its prefix and what follows its first line."""
+    line = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return line.removeprefix("Parser Error: ").removeprefix("Error: ")
 
 
 class Grammars:
@@ -80,7 +111,12 @@ class Grammars:
     def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer]) -> None:
         self._load = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher | InvalidArgument] = (
+            OrderedDict()
+        )
+        """Compiled constraints, and refused ones (with why), by (kind, spec)."""
+        self._lock = threading.Lock()
+        """Guards ``_templates``: compiles run on threads (:meth:`compile`)."""
 
     @classmethod
     def of_tokenizer(cls, hf_tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Grammars:
@@ -118,7 +154,9 @@ class Grammars:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = self._load()
+            with self._lock:
+                if self._tokenizer is None:
+                    self._tokenizer = self._load()
         return self._tokenizer
 
     @property
@@ -129,27 +167,47 @@ class Grammars:
         """Refuses a constraint that does not compile, saying why."""
         self._template(output)
 
+    def compile(self, output: StructuredOutput) -> None:
+        """Compiles ``output`` into the cache, or its refusal: for a thread
+        of its own (a large grammar takes up to about a second), ahead of
+        :meth:`check` or :meth:`matcher` on another."""
+        self._template(output, reraise=False)
+
     def matcher(self, output: StructuredOutput) -> Matcher:
         """A matcher at the start of the constraint, for one session."""
         template = self._template(output)
         return Matcher(template.deep_copy(), self.vocab_size, frozenset(self.tokenizer.eos_tokens))
 
-    def _template(self, output: StructuredOutput) -> llguidance.LLMatcher:
+    def _template(self, output: StructuredOutput, *, reraise: bool = True) -> llguidance.LLMatcher:
         key = (output.kind, output.spec)
-        template = self._templates.get(key)
-        if template is None:
-            try:
-                grammar = grammar_text(output)
-            except ValueError as exc:
-                raise InvalidArgument(f"{output.kind}: {exc}") from None
-            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if template.is_error():
-                error = template.get_error().strip().splitlines()[0]
-                raise InvalidArgument(f"{output.kind} does not compile: {error}")
-            if len(self._templates) >= MAX_TEMPLATES:
-                self._templates.popitem(last=False)
-            self._templates[key] = template
-        self._templates.move_to_end(key)
+        with self._lock:
+            compiled = self._templates.get(key)
+            if compiled is not None:
+                self._templates.move_to_end(key)
+        if compiled is None:
+            compiled = self._compiled(output)
+            with self._lock:
+                self._templates[key] = compiled
+                if len(self._templates) > MAX_TEMPLATES:
+                    self._templates.popitem(last=False)
+        if isinstance(compiled, InvalidArgument) and reraise:
+            raise InvalidArgument(str(compiled))
+        return compiled  # type: ignore[return-value]
+
+    def _compiled(self, output: StructuredOutput) -> llguidance.LLMatcher | InvalidArgument:
+        """The constraint's matcher at its start, its first step taken (the
+        lexer and parser row it opens with); or why it is refused."""
+        try:
+            grammar = grammar_text(output)
+        except ValueError as exc:
+            return InvalidArgument(f"{output.kind}: {exc}")
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+        if not template.is_error():
+            template.compute_bitmask()
+        if template.is_error():
+            return InvalidArgument(
+                f"{output.kind} does not compile: {first_line(template.get_error())}"
+            )
         return template
 
 
@@ -189,7 +247,8 @@ class Matcher:
         self.extend(generated[shared:])
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Consumes ``tokens``; InvalidArgument if the constraint forbids one."""
+        """Consumes ``tokens``; InvalidArgument if the constraint forbids one
+        (GrammarError if it can no longer say)."""
         for token in tokens:
             if not self.consume(token):
                 raise InvalidArgument(
@@ -199,16 +258,19 @@ class Matcher:
 
     def consume(self, token: int) -> bool:
         """Consumes ``token`` if the constraint allows it (else False, and
-        nothing changes)."""
+        nothing changes); GrammarError once the parser has broken a limit."""
         # (Once the constraint has ended it allows end-of-sequence tokens
         # only, which llguidance's validation then refuses.)
+        self._check()
         stopped = self._matcher.is_stopped()
         if stopped and token not in self.eos:
             return False
         if not stopped and self._matcher.validate_tokens([token]) != 1:
+            self._check()
             return False
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"llguidance: {self._matcher.get_error()}")
+            self._check()
+            raise RuntimeError(f"llguidance refused token {token} it had validated")
         self.tokens.append(token)
         self._pushed.append(not stopped)
         return True
@@ -219,12 +281,23 @@ class Matcher:
             return
         count = sum(self._pushed[length:])
         if count and not self._matcher.rollback(count):
-            raise RuntimeError(f"llguidance: {self._matcher.get_error()}")
+            self._check()
+            raise RuntimeError(f"llguidance could not roll back {count} tokens")
         del self.tokens[length:], self._pushed[length:]
 
     def fill(self, row: np.ndarray) -> None:
         """Fills ``row`` (``words`` int32) with the tokens allowed next."""
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._check()
+
+    def _check(self) -> None:
+        """GrammarError once llguidance's matcher is in its error state
+        (which it never leaves)."""
+        if self._matcher.is_error():
+            raise GrammarError(
+                f"the structured output broke a limit of the grammar engine after "
+                f"{len(self.tokens)} generated tokens: {first_line(self._matcher.get_error())}"
+            )
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next, as a bitmask row."""

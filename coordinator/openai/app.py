@@ -73,7 +73,7 @@ class OpenAIApi:
         bind_contextvars(request_id=request_id)
         return request_id
 
-    def completion(
+    async def completion(
         self,
         request: Request,
         body: GenerationBody,
@@ -91,6 +91,7 @@ class OpenAIApi:
             )
         request_id = self.request_id(request)
         choices = choice_params(body, prompts)
+        await self.service.requests.compile(choices[0][0].structured_output)
         generations, prompt_tokens = [], []
         for i, (params, names) in enumerate(choices):
             one = request_id if len(choices) == 1 else f"{request_id}-{i}"
@@ -288,11 +289,11 @@ def create_app(
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> GenerationResponse:
-        return api.completion(request, body, CHAT, chat_prompt(body))
+        return await api.completion(request, body, CHAT, chat_prompt(body))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> GenerationResponse:
-        return api.completion(request, body, TEXT, completion_prompts(body))
+        return await api.completion(request, body, TEXT, completion_prompts(body))
 
     app.include_router(v1)
     return app

@@ -4,6 +4,7 @@ test's event loop, on tiny float64 models."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
@@ -28,6 +29,7 @@ from outrider.config import (
     EngineConfig,
     Recovery,
     ServiceConfig,
+    StructuredOutputLimits,
     TargetWorkerConfig,
     WorkerLimits,
 )
@@ -113,6 +115,7 @@ async def running_stack(
     engine: EngineConfig = EngineConfig(dtype="float64", threads=1),
     step_s: dict[str, float] | None = None,
     http: bool = False,
+    structured_output: StructuredOutputLimits = StructuredOutputLimits(),
 ) -> AsyncIterator[Stack]:
     """The workers are built and run as ``outrider serve`` builds and runs
     them (``drafter``: a draft worker's, a lookup's — "prompt-lookup",
@@ -249,6 +252,7 @@ async def running_stack(
             recovery=recovery,
             draft_info=draft_info,
             lookup=lookup,
+            limits=structured_output,
             metrics=CoordinatorMetrics(
                 coordinator_registry, model_name=target_info.model, max_num_speculative_tokens=16
             )
@@ -316,3 +320,23 @@ def reference_greedy(
         pad_token_id=0,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+class BackgroundLoop:
+    """An event loop on a thread of its own, for a stack that synchronous
+    clients (hypothesis's tests) call."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="stack-loop", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

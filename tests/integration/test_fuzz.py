@@ -20,7 +20,6 @@ Derandomized (a fixed seed per test), so CI runs the same cases every time.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import queue
@@ -37,7 +36,7 @@ from outrider.config import WorkerLimits
 from outrider.v1 import coordinator_pb2 as cpb
 from outrider.v1 import coordinator_pb2_grpc, worker_pb2_grpc
 from outrider.v1 import worker_pb2 as wpb
-from tests.integration.harness import reference_greedy, running_stack
+from tests.integration.harness import BackgroundLoop, reference_greedy, running_stack
 
 COORDINATOR_CASES = 4000
 DRAFT_CASES = 3000
@@ -79,23 +78,6 @@ pipelined: dict[str, int] = {"requests": 0, "speculated": 0}
 
 
 # --- the services, on a loop in a background thread -------------------------------
-
-
-class BackgroundLoop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="fuzz-servers", daemon=True
-        )
-        self.thread.start()
-
-    def run(self, coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class Canary:
