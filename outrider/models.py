@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,7 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
             _save_converted(causal_lm, tokenizer, staged)
             os.replace(gguf_path, staged / model.gguf_name)
             _write_marker(staged, model, gguf_sha256)
+            _usual_modes(staged)
             steps.update()
         _install(staged, dest, model, graveyard=work / "previous", replace=force)
     return dest
@@ -361,6 +363,21 @@ def _check_saved_tokenizer(directory: Path, eos: list[int]) -> None:
             f"the converted tokenizer in {directory} lost its chat template or its end-of-sequence "
             f"token (eos {reloaded.eos_token_id}, expected one of {eos})"
         )
+
+
+def _usual_modes(directory: Path) -> None:
+    """Gives ``directory`` and its files the modes a new directory and file
+    get under this process's umask (as Hugging Face's cache does): the
+    weights are written through temporary files, 0600, and a model that
+    only its owner can read fails in a container running as another user."""
+    probe = directory / ".mode-probe"
+    probe.touch()
+    file_mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    directory_mode = file_mode | ((file_mode & 0o444) >> 2)  # x wherever r
+    directory.chmod(directory_mode)
+    for path in directory.iterdir():
+        path.chmod(directory_mode if path.is_dir() else file_mode)
 
 
 def _write_marker(directory: Path, model: EmbeddedModel, gguf_sha256: str) -> None:

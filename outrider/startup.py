@@ -13,6 +13,7 @@ serve`` prints it as argparse prints a usage error — ``outrider serve ROLE:
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import ssl
 from pathlib import Path
@@ -189,16 +190,55 @@ def check_model(flag: str, spec: str | None, *, checkpoint: bool = True) -> None
 def _check_checkpoint(flag: str, name: str, directory: Path) -> None:
     from transformers import AutoConfig
 
+    _check_readable(flag, name, directory)
     if not (directory / "config.json").is_file():
         raise StartupError(flag, name, "not a model directory: it holds no config.json")
     try:
         AutoConfig.from_pretrained(directory)
     except (OSError, ValueError) as exc:
         raise StartupError(flag, name, f"its config does not load: {first_line(exc)}") from None
-    if not any(directory.glob("*.safetensors")):
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
         raise StartupError(
             flag, name, "it holds no .safetensors weights (models load from safetensors only)"
         )
+    for path in weights:
+        _check_safetensors(flag, name, path)
+
+
+def _check_readable(flag: str, name: str, directory: Path) -> None:
+    """Every file of the model's directory opens for reading: a file this
+    process may not read is named as such, not as a missing one."""
+    fix = f"make the model readable (chmod -R a+rX {directory}) or run as its owner"
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise StartupError(
+            flag, name, f"permission denied: this process (uid {os.getuid()}) may not list "
+            f"the directory; {fix}"
+        )  # fmt: skip
+    for path in sorted(directory.iterdir()):
+        if not path.is_file():
+            continue
+        try:
+            with path.open("rb") as file:
+                file.read(1)
+        except PermissionError:
+            raise StartupError(
+                flag, name, f"permission denied: this process (uid {os.getuid()}) may not read "
+                f"{path.name}; {fix}"
+            ) from None  # fmt: skip
+
+
+def _check_safetensors(flag: str, name: str, path: Path) -> None:
+    """A weights file whose header safetensors reads (a few kilobytes)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise StartupError(
+            flag, name, f"{path.name} is not a safetensors file: {first_line(exc)}"
+        ) from None
 
 
 def _check_hub_model(flag: str, repo_id: str, filename: str) -> None:

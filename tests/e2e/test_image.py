@@ -6,10 +6,11 @@ network, bound to 127.0.0.1, as UID 10001 on a read-only root filesystem.
 The host's `outrider generate` and the OpenAI client get from them the
 greedy tokens `outrider up` gives on the host; SIGTERM (`podman stop`) drains
 a stream in flight and each service exits 0; `outrider up` runs in one
-container too. The default model comes from the host's cache, mounted
-read-only at /models as the chart's models volume is: the image tested is
-the one `make image` builds, and the host and the containers read the same
-weights. Skipped without podman or a docker daemon."""
+container too. The default model is the host's own fetch, its directory
+mounted read-only at /models as the chart's models volume is: the image
+tested is the one `make image` builds, and the host and the containers read
+the same files; weights the image may not read are named as such. Skipped
+without podman or a docker daemon."""
 
 from __future__ import annotations
 
@@ -55,16 +56,13 @@ def image(engine) -> str:
 
 
 @pytest.fixture(scope="module")
-def models_volume(tmp_path_factory) -> Path:
-    """A models volume holding the host's default model, readable by UID
-    10001 (`models fetch` writes the weights 0600, for its own user)."""
+def models_volume() -> Path:
+    """The host's own models directory, as `outrider models fetch` wrote
+    it, mounted read-only as it is: UID 10001 reads it because the fetch
+    gave its files the usual modes."""
     if not models.is_fetched(models.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
-    volume = tmp_path_factory.mktemp("models")
-    shutil.copytree(models.model_path(models.DEFAULT_MODEL), volume / Path(MODEL).name)
-    for path in [volume, *volume.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return volume
+    return models.model_path(models.DEFAULT_MODEL).parent
 
 
 def answers(address: str, api_url: str) -> dict:
@@ -245,3 +243,26 @@ def test_a_service_stopped_while_it_starts_exits_at_once(engine, image, models_v
         assert time.monotonic() - started < 30
     finally:
         container.remove()
+
+
+def test_weights_the_image_may_not_read_are_named_as_such(engine, image, tmp_path):
+    """A model whose weights only their owner may read (a copy made 0600):
+    the worker exits 2 with one line naming the file and the permission."""
+    volume = tmp_path / "models"
+    shutil.copytree(models.model_path(models.DEFAULT_MODEL), volume / Path(MODEL).name)
+    weights = volume / Path(MODEL).name / "model.safetensors"
+    weights.chmod(0o600)
+    port = free_port()
+    container = Container(engine, image, f"outrider-test-unreadable-{port}", volume,
+                          tmp_path / "target.log")  # fmt: skip
+    try:
+        container.start("serve", "target", "--host", "127.0.0.1", "--port", str(port),
+                        "--model", MODEL)  # fmt: skip
+        assert container.process is not None
+        assert container.process.wait(timeout=120) == 2, container.tail()
+    finally:
+        container.remove()
+    assert (
+        f"outrider serve target: --model {MODEL}: permission denied: this process (uid 10001) "
+        f"may not read model.safetensors; make the model readable (chmod -R a+rX {MODEL})"
+    ) in container.log.read_text(), container.tail()

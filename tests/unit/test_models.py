@@ -6,6 +6,8 @@ config, tiny tokenizers built with the `tokenizers` library.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,3 +180,22 @@ def test_context_length_reads_model_or_config():
     assert models.context_length(model.config) == 128
     with pytest.raises(ValueError, match="context length"):
         models.context_length(SimpleNamespace(hidden_size=32))
+
+
+def test_fetched_files_get_the_umasks_modes_not_a_temporary_files(tmp_path):
+    """The weights are written through a temporary file (0600); a container
+    running as another user must still read them."""
+    staged = tmp_path / "staged"
+    staged.mkdir(mode=0o700)
+    (staged / "model.safetensors").write_bytes(b"")
+    (staged / "model.safetensors").chmod(0o600)
+    (staged / "config.json").write_text("{}")
+    previous = os.umask(0o022)
+    try:
+        models._usual_modes(staged)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(staged.stat().st_mode) == 0o755
+    assert stat.S_IMODE((staged / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((staged / "config.json").stat().st_mode) == 0o644
+    assert not (staged / ".mode-probe").exists()

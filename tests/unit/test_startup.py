@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -121,3 +122,38 @@ def test_a_draft_of_another_vocabulary_than_the_target_is_refused_at_start():
         check_pairing(target, worker("d", 512, "xyz"), ("d:1",))
     with pytest.raises(StartupError, match=r"^--draft d:1,d:2: .* 300 tokens, the target 512"):
         check_pairing(target, worker("d", 300, ""), ("d:1", "d:2"))
+
+
+def test_a_model_file_this_process_may_not_read_is_named_as_such(
+    tmp_path, tiny_target_dir, monkeypatch
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    weights = next(model.glob("*.safetensors"))
+    opened = Path.open
+
+    def refusing(path, *args, **kwargs):  # (the tests run as root, who may read anything)
+        if path == weights:
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing)
+    with pytest.raises(StartupError) as error:
+        startup.check_model("--model", str(model))
+    message = str(error.value)
+    assert message.startswith(f"--model {model}: permission denied: this process (uid ")
+    assert (
+        f"may not read {weights.name}; make the model readable (chmod -R a+rX {model})" in message
+    )
+
+
+def test_a_weights_file_that_is_not_safetensors_says_so(tmp_path, tiny_target_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(StartupError) as error:
+        startup.check_model("--model", str(model))
+    assert str(error.value).startswith(
+        f"--model {model}: {weights.name} is not a safetensors file: "
+    )
