@@ -356,9 +356,10 @@ class StructuredOutputLimits:
     the rest, in the coordinator's check as in the workers."""
 
     max_grammar_bytes: int = 512 * 1024
-    """largest constraint a request may send, in bytes of what the grammar engine compiles: a
-    JSON schema, regular expression, grammar or choice list, or the grammar of calls to the
-    tools it requires; at this bound a compile takes about a second on two CPU cores"""
+    """largest constraint a request may carry, in bytes of its text as the workers receive it:
+    a JSON schema, regular expression, grammar or choice list, or the grammar of calls to the
+    tools it requires; at this bound a compile takes up to about half a second on two CPU
+    cores"""
     max_choices: int = 10_000
     """most strings a choice constraint (guided_choice) may list"""
     max_tools: int = 1_024
