@@ -156,12 +156,12 @@ class RequestBuilder:
 
     def build(self, params: RequestParams, names: FieldNames = FieldNames()) -> GenerationRequest:
         request_id = self.request_id(params)
+        self.check_tools(params.tools)  # before the chat template writes them all out
         prompt_ids = self.prompt_ids(params, names)
         max_new_tokens = self.max_new_tokens(params, len(prompt_ids), names)
         self.check_stops(params)
         self.check_min_tokens(params.min_tokens, max_new_tokens, names)
         k, adaptive, pipeline = self.speculation(params)
-        self.check_tools(params.tools)
         if params.structured_output is not None:
             self.check_structured_output(params.structured_output, names)
         eos = frozenset() if params.ignore_eos else self.models.eos_token_ids

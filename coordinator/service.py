@@ -56,9 +56,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = metrics
         # Round costs are each target replica's, taught by every session on it.
         self.costs = CostModels()
-        self.requests = RequestBuilder(
-            models, defaults, drafts=draft is not None, limits=limits
-        )
+        self.requests = RequestBuilder(models, defaults, drafts=draft is not None, limits=limits)
 
     def deltas(self, request: GenerationRequest, received: float) -> AsyncIterator[Delta]:
         """Runs the round loop on a request (recorded in the metrics, if any).

@@ -295,8 +295,8 @@ class Matcher:
         (which it never leaves)."""
         if self._matcher.is_error():
             raise GrammarError(
-                f"the structured output broke a limit of the grammar engine after "
-                f"{len(self.tokens)} generated tokens: {first_line(self._matcher.get_error())}"
+                f"the structured output broke a limit of the grammar engine at generated token "
+                f"{len(self.tokens) + 1}: {first_line(self._matcher.get_error())}"
             )
 
     def mask(self) -> np.ndarray:

@@ -19,6 +19,7 @@ from coordinator.workers.replicas import Replica, Replicas
 from outrider.errors import SessionExpired, Unavailable
 from outrider.hidden_states import NONE, HiddenStates
 from outrider.load import EngineLoad
+from outrider.logging import get_logger
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
@@ -36,6 +37,7 @@ from outrider.wire import (
 )
 
 T = TypeVar("T")
+log = get_logger(__name__)
 
 
 PROBE_S = 0.5
@@ -165,6 +167,9 @@ class _GrpcSession:
         error = error_from_status(code, f"{self.role} worker {self.address}: {details}")
         if isinstance(error, Unavailable) and not isinstance(error, SessionExpired):
             self._replica.failed()
+        elif code is grpc.StatusCode.INVALID_ARGUMENT:  # the client's: it reads why, not where
+            log.info("the worker refused the request", worker=self.address, reason=details)
+            error = error_from_status(code, details)
         raise error
 
     def close(self) -> None:

@@ -328,9 +328,7 @@ class BackgroundLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="stack-loop", daemon=True
-        )
+        self.thread = threading.Thread(target=self.loop.run_forever, name="stack-loop", daemon=True)
         self.thread.start()
 
     def run(self, coro, timeout_s: float = 120.0):

@@ -93,12 +93,12 @@ async def test_a_grammar_that_breaks_the_parser_mid_stream_is_the_requests_error
         async with AsyncClient(stack.address) as client:
             started = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.generate(
-                    PROMPT, structured_output=grammar, num_speculative_tokens=4
-                )
+                await client.generate(PROMPT, structured_output=grammar, num_speculative_tokens=4)
             assert time.perf_counter() - started < 5.0  # no retries with back-off
             assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert "Current row has 2501 items; max is 2000" in refused.value.details()
+            details = refused.value.details()
+            assert details.startswith("the structured output broke a limit of the grammar engine")
+            assert "Current row has 2501 items; max is 2000" in details  # not where it broke
             assert len(refused.value.details()) < 500  # the grammar is not quoted
             assert all(r.failures == 0 for r in replicas(stack))
             assert sessions_asked(stack) == 1  # not retried
