@@ -275,28 +275,3 @@ def _late(field: dataclasses.Field, value: Any) -> Any:
 def flag_defaults(cls: type) -> dict[str, Any]:
     """Each flag's default, as :func:`add_flags` sets it without variables."""
     return {flag.name: flag.default for flag in _flags(cls)}
-
-
-def argparse_type(check: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type from a config check: its ValueError is the usage error."""
-
-    def convert(text: str):
-        try:
-            return check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
-
-
-def add_tensor_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """``--target-tp`` and ``--draft-tp`` of the commands that start workers."""
-    for role in ("target", "draft"):
-        parser.add_argument(
-            f"--{role}-tp",
-            type=int,
-            default=1,
-            metavar="N",
-            help=f"tensor-parallel size of the {role} worker: its model split over N ranks "
-            "(GPUs, or processes on the CPU) (default: 1)",
-        )

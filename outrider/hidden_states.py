@@ -31,13 +31,3 @@ def concat(parts: Sequence[HiddenStates]) -> HiddenStates:
     if len(parts) == 1:
         return parts[0]
     return HiddenStates(b"".join(p.data for p in parts), sum(p.rows for p in parts))
-
-
-def drop_first(states: HiddenStates, rows: int) -> HiddenStates:
-    """All but the first ``rows`` rows."""
-    if rows <= 0 or not states.rows:
-        return states
-    if rows >= states.rows:
-        return NONE
-    per_row = len(states.data) // states.rows
-    return HiddenStates(states.data[rows * per_row :], states.rows - rows)

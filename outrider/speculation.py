@@ -86,7 +86,3 @@ class Verdict:
     logprobs: tuple[TokenLogprobs, ...] = ()
     """When the session asked for them: those of the committed tokens, the
     accepted drafts' then the next token's."""
-
-    @property
-    def num_committed(self) -> int:
-        return self.num_accepted + 1

@@ -62,13 +62,6 @@ TIE = 0.01
 """Goodputs this close count as equal; then latency decides."""
 
 
-def expected_tokens(alpha: float, k: float) -> float:
-    """E(K): tokens one round commits, the recovered or bonus token included."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 @dataclass(frozen=True)
 class Bid:
     """What the plan knows of one session: what each draft it may make adds

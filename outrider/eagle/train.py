@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -515,7 +514,7 @@ def _jsonable(options: TrainOptions) -> dict[str, Any]:
 
 def plot(progress: dict[str, Any], path: Path) -> None:
     """The loss curve (smoothed) and held-out acceptance by position."""
-    from outrider.bench.plot import pyplot
+    from outrider.plotting import pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -548,7 +547,3 @@ def plot(progress: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def command_line() -> str:
-    return shlex.join(["outrider", *sys.argv[1:]]) if sys.argv else ""

@@ -21,9 +21,9 @@ import math
 import pytest
 
 from coordinator.adaptive.cost_model import CostModel
-from coordinator.adaptive.planner import expected_tokens
 from coordinator.adaptive.session import AdaptiveK
 from outrider.load import EngineLoad
+from tests.unit.test_policy import expected_tokens
 
 OVERHEAD_S = 0.001
 SESSIONS = (1, 8, 32, 64)

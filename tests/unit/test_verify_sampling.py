@@ -252,7 +252,7 @@ def test_gumbel_commits_a_prefix_of_the_target_only_draws_whatever_the_draft(
     draft_tokens = target_only[:num_right] + draft_tokens[num_right:]
     verdict = verify_gumbel(draft_tokens, GUMBEL_LOGITS[: k + 1], params, START)
     committed = [*draft_tokens[: verdict.num_accepted], verdict.next_token]
-    assert committed == target_only[: verdict.num_committed]
+    assert committed == target_only[: verdict.num_accepted + 1]
     # Accepted exactly while the draft matched the target's draws.
     expected_accepted = next((t for t in range(k) if draft_tokens[t] != target_only[t]), k)
     assert verdict.num_accepted == expected_accepted
