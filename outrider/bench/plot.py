@@ -6,20 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
-def pyplot():
-    """matplotlib's pyplot, drawing to files; without matplotlib, a
-    RuntimeError that says what to install."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install 'outrider[bench]' (or pip install matplotlib)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from outrider.plotting import pyplot
 
 
 def plot(report: Mapping[str, Any], path: Path) -> None:

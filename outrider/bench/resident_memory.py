@@ -7,6 +7,7 @@ The services start as ``outrider up`` starts them, from its own flags
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,14 +28,15 @@ def stack_args(up_flags: Sequence[str]) -> dict[str, Any]:
     """What ``outrider up`` with ``up_flags`` (after an optional ``--``)
     passes to ``start_stack``."""
     from outrider import flags
-    from outrider.cli import build_parser
     from outrider.config import UpConfig
     from outrider.stack import serve_flags
 
     given = list(up_flags)
     if given[:1] == ["--"]:
         given = given[1:]
-    up = flags.build(UpConfig, build_parser().parse_args(["up", *given]))
+    parser = argparse.ArgumentParser(prog="outrider up")
+    flags.add_flags(parser, UpConfig, env=False)  # as the command line's `up` reads them
+    up = flags.build(UpConfig, parser.parse_args(given))
     return serve_flags(up.stack)
 
 

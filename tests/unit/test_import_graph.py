@@ -90,3 +90,35 @@ def test_a_circle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path)
     graph = import_graph(module_files(tmp_path, ("pkg",)))
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.c"}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+TOP = {"outrider.__main__": (), "outrider.cli": ("outrider.__main__",), "outrider.bench": ()}
+"""The layers on top, and who may import each: the command line is the
+entry point's, the benchmark the command line's (and its own)."""
+
+
+def back_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports that run back up the layers: a module below importing one of :data:`TOP`."""
+
+    def layer(module: str) -> str | None:
+        return next((top for top in TOP if module == top or module.startswith(top + ".")), None)
+
+    found = []
+    for module, imported in graph.items():
+        for other in imported:
+            top = layer(other)
+            if top is None or layer(module) == top:
+                continue
+            allowed = (*TOP[top], "outrider.cli") if top == "outrider.bench" else TOP[top]
+            if module not in allowed:
+                found.append((module, other))
+    return sorted(found)
+
+
+def test_no_import_runs_back_up_the_layers():
+    assert back_edges(import_graph(module_files())) == []
+
+
+def test_a_back_edge_is_found():
+    graph = {"outrider.eagle.train": {"outrider.bench.plot"}, "outrider.cli": {"outrider.bench"}}
+    assert back_edges(graph) == [("outrider.eagle.train", "outrider.bench.plot")]

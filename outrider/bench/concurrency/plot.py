@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from outrider.bench.plot import pyplot
+from outrider.plotting import pyplot
 
 
 def plot(report: Mapping[str, Any], path: Path) -> None:
