@@ -55,15 +55,7 @@ def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     if kind == "gguf":
         return gguf_sessions(config)
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
-    info = DraftInfo(
-        vocab_fingerprint=models.vocab_fingerprint_of(
-            config.model, trust_remote_code=config.trust_remote_code
-        ),
-        max_context=models.context_length(model),
-        max_draft_tokens=config.max_draft_tokens,
-        device=device,
-        dtype=dtype,
-    )
+    info = draft_info(config, max_context=models.context_length(model), device=device, dtype=dtype)
     int4 = kind == "int4"
     runner = build_runner(
         model,
@@ -121,18 +113,35 @@ def eagle_sessions(config: DraftWorkerConfig) -> DraftSessions:
     # No prefix cache: a head's KV at a position depends on the target's
     # features of it, and an EAGLE session is opened on those of every position.
     runner = PagedRunner(forward, BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE))
-    info = DraftInfo(
-        vocab_fingerprint=models.vocab_fingerprint_of(
-            config.model, trust_remote_code=config.trust_remote_code
-        ),
-        max_context=max_context,
-        max_draft_tokens=config.max_draft_tokens,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+    info = draft_info(
+        config, max_context=max_context, device=str(device), dtype=str(dtype).removeprefix("torch.")
     )
     drafter = EagleDrafter(runner, model_name=f"{config.model or models.DEFAULT_MODEL}[eagle3]")
     store = SessionStore(max_sessions=config.limits.max_sessions, pool=runner.pool)
     return DraftSessions(drafter, store, info, grammars_of(config, drafter.vocab_size))
+
+
+def draft_info(
+    config: DraftWorkerConfig,
+    *,
+    max_context: int,
+    device: str,
+    dtype: str,
+    fingerprint: str | None = None,
+) -> DraftInfo:
+    """What the worker tells the coordinator of itself; its vocabulary's
+    fingerprint is its checkpoint's unless given (a GGUF's own)."""
+    if fingerprint is None:
+        fingerprint = models.vocab_fingerprint_of(
+            config.model, trust_remote_code=config.trust_remote_code
+        )
+    return DraftInfo(
+        vocab_fingerprint=fingerprint,
+        max_context=max_context,
+        max_draft_tokens=config.max_draft_tokens,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def gguf_sessions(config: DraftWorkerConfig) -> DraftSessions:
@@ -162,12 +171,12 @@ def gguf_sessions(config: DraftWorkerConfig) -> DraftSessions:
         raise StartupError("--drafter", "gguf", str(exc)) from None
     except ValueError as exc:
         raise StartupError("--model", str(path), str(exc)) from None
-    info = DraftInfo(
-        vocab_fingerprint=gguf_files.vocab_fingerprint(path),
+    info = draft_info(
+        config,
         max_context=runner.info.context_length,
-        max_draft_tokens=config.max_draft_tokens,
         device="cpu",
         dtype=runner.info.description.rsplit(" ", 1)[-1],
+        fingerprint=gguf_files.vocab_fingerprint(path),
     )
     drafter = GgufDrafter(runner, model_name=path.name)
     store = SessionStore(max_sessions=limits.max_sessions, pool=runner.pool)

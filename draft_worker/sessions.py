@@ -18,7 +18,7 @@ from outrider.hidden_states import HiddenStates
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import Proposal
-from outrider.validation import check_context, check_token_ids
+from outrider.validation import check_token_ids
 
 
 @dataclass(frozen=True)
@@ -83,18 +83,16 @@ class DraftSessions:
         reads them. Returns the committed length and how many tokens of the
         history came from the prefix cache."""
         self.check_pairing(target_vocab_size, target_fingerprint)
-        if not tokens:
-            raise InvalidArgument("the session's history is empty: send at least one token")
-        check_token_ids(tokens, self.drafter.vocab_size, what="token_ids")
-        check_context(len(tokens), self.info.max_context, what="the history")
-        kv = self.drafter.runner.new_kv()
-        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling)
-        try:
-            session.follow(self.grammars)
-        except Exception:
-            self.store.close(session_id)
-            raise
-        cached = len(kv)
+        session = self.store.open(
+            session_id,
+            tokens,
+            self.drafter.runner.new_kv,
+            vocab_size=self.drafter.vocab_size,
+            max_context=self.info.max_context,
+            grammars=self.grammars,
+            sampling=sampling,
+        )
+        cached = len(session.kv)
         yield from self.drafter.open(session, features)
         return session.committed_len, cached
 
@@ -151,12 +149,7 @@ class DraftSessions:
         """The round builds on what the session holds, asks for a K it may,
         assumes no more than one round's drafts, and names tokens of the
         drafter's vocabulary."""
-        if session.committed_len + len(new_tokens) != committed_len:
-            raise FailedPrecondition(
-                f"round builds on committed length {committed_len} but this session has "
-                f"{session.committed_len} plus {len(new_tokens)} new tokens; reopen the session "
-                "with the full history"
-            )
+        session.check_builds_on(committed_len, len(new_tokens))
         if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
             raise InvalidArgument(
                 f"num_draft_tokens = {num_draft_tokens};"

@@ -27,7 +27,7 @@ prefilling the history the coordinator sends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from outrider.errors import (
     SessionNotFound,
 )
 from outrider.sampling_params import SamplingParams
+from outrider.validation import check_context, check_token_ids
 
 if TYPE_CHECKING:
     from outrider.grammar import Grammars, Matcher
@@ -84,6 +85,16 @@ class Session:
     def committed_len(self) -> int:
         return len(self.tokens)
 
+    def check_builds_on(self, committed_len: int, new_tokens: int = 0) -> None:
+        """A round builds on the committed history this session holds, plus
+        the ``new_tokens`` it brings: FailedPrecondition otherwise."""
+        if self.committed_len + new_tokens != committed_len:
+            plus = f" plus {new_tokens} new tokens" if new_tokens else ""
+            raise FailedPrecondition(
+                f"round builds on committed length {committed_len} but this session has "
+                f"{self.committed_len}{plus}; reopen the session with the full history"
+            )
+
     @property
     def cached_tokens(self) -> int:
         return len(self.kv)
@@ -116,6 +127,35 @@ class SessionStore:
     def usage(self) -> float:
         """The fraction of the pool's blocks in use, 0 to 1."""
         return self.pool.used_blocks / self.pool.num_blocks
+
+    def open(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        new_kv: Callable[[], KVCache],
+        *,
+        vocab_size: int,
+        max_context: int,
+        grammars: Grammars | None,
+        sampling: SamplingParams = SamplingParams(),
+        room: int = 0,
+        reuse: bool = True,
+    ) -> Session:
+        """A worker's new session on the history ``tokens``, once they are
+        checked (not empty, ids within ``vocab_size``, ``room`` tokens more
+        within ``max_context``), following its structured output; nothing
+        stays open when any of it is refused."""
+        if not tokens:
+            raise InvalidArgument("the session's history is empty: send at least one token")
+        check_token_ids(tokens, vocab_size, what="token_ids")
+        check_context(len(tokens) + room, max_context, what="the history")
+        session = self.create(session_id, tokens, new_kv(), sampling, reuse=reuse)
+        try:
+            session.follow(grammars)
+        except Exception:
+            self.close(session_id)
+            raise
+        return session
 
     def create(
         self,

@@ -65,19 +65,20 @@ class TargetSessions:
         but the last (none when no layers are named), and how many tokens of
         the history came from the prefix cache (none where hidden states are
         sent: a cached block has none)."""
-        if not tokens:
-            raise InvalidArgument("the session's history is empty: send at least one token")
-        check_token_ids(tokens, self.info.vocab_size, what="token_ids")
-        check_context(len(tokens) + first_token, self.info.max_context, what="the history")
         layers = self._check_layers(feature_layers)
-        kv = self.runner.new_kv()
-        session = self.store.create(session_id, tokens, kv=kv, sampling=sampling, reuse=not layers)
+        session = self.store.open(
+            session_id,
+            tokens,
+            self.runner.new_kv,
+            vocab_size=self.info.vocab_size,
+            max_context=self.info.max_context,
+            grammars=self.grammars,
+            sampling=sampling,
+            room=first_token,
+            reuse=not layers,
+        )
         session.feature_layers = layers
-        try:
-            session.follow(self.grammars)
-        except Exception:
-            self.store.close(session_id)
-            raise
+        kv = session.kv
         features: list[torch.Tensor] | None = [] if layers else None
         cached = len(kv)
         if len(tokens) - 1 > cached:
@@ -114,11 +115,7 @@ class TargetSessions:
         draft_probs: Sequence[CompactProbs] = (),
     ) -> Job[tuple[Verdict, int, HiddenStates]]:
         session = self.store.get(session_id)
-        if committed_len != session.committed_len:
-            raise FailedPrecondition(
-                f"round builds on committed length {committed_len} but this session has "
-                f"{session.committed_len}; reopen the session with the full history"
-            )
+        session.check_builds_on(committed_len)
         check_token_ids(draft_tokens, self.info.vocab_size, what="draft_token_ids")
         k = len(draft_tokens)
         q = self.draft_distribution(draft_probs, k)
