@@ -50,7 +50,7 @@ def test_the_final_stage_runs_outrider_as_a_numeric_non_root_user():
 
 
 def test_the_final_stage_installs_nothing_and_copies_only_the_venv():
-    builder, final = stages()
+    _, builder, final = stages()
     assert not any(
         re.search(r"\b(apt-get|pip|gcc|make)\b", i) for i in final if i.startswith("RUN ")
     )
@@ -69,7 +69,7 @@ def test_the_image_holds_every_python_package_of_the_project():
     packages = {
         p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
-    copied = {m.group(1) for i in stages()[0] if (m := re.match(r"COPY (\w+) \./\1$", i))}
+    copied = {m.group(1) for i in stages()[1] if (m := re.match(r"COPY (\w+) \./\1$", i))}
     assert copied == packages
     allowed = set((ROOT / ".dockerignore").read_text().split())
     assert {f"!{p}/" for p in packages} | {"!pyproject.toml", "!README.md"} <= allowed
@@ -88,3 +88,15 @@ def test_the_image_hides_no_gpu_and_asks_the_nvidia_runtime_for_cuda():
     env = " ".join(i for i in stages()[-1] if i.startswith("ENV "))
     capabilities = re.search(r"NVIDIA_DRIVER_CAPABILITIES=(\S+)", env)
     assert capabilities and {"compute", "utility"} <= set(capabilities.group(1).split(","))
+
+
+def test_the_dependency_layer_depends_on_the_dependencies_alone():
+    """The builder installs what a stage of its own read from
+    pyproject.toml: an edit elsewhere in that file keeps the layer (and its
+    llama.cpp compile) cached."""
+    requirements, builder, _ = stages()
+    assert requirements[0].endswith(" AS requirements")
+    assert "COPY pyproject.toml /src/" in requirements
+    assert "COPY --from=requirements /requirements.txt /tmp/requirements.txt" in builder
+    install = builder.index("COPY --from=requirements /requirements.txt /tmp/requirements.txt")
+    assert not any("pyproject.toml" in i for i in builder[:install])
