@@ -168,8 +168,7 @@ MISTAKES = [
     ),
     (
         ["up", "--port", "0", "--target-model", "{corrupt}", "--threads", "1"],
-        "outrider up: the target did not start: outrider serve target: --model {corrupt}: does "
-        "not load",
+        "outrider up: --target-model {corrupt}: model.safetensors is not a safetensors file",
     ),
 ]
 
