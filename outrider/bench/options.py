@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +233,11 @@ class BenchOptions:
     @property
     def progress(self) -> bool:
         return not self.no_progress
+
+    @property
+    def torch_threads(self) -> int:
+        """``--threads``, or all cores."""
+        return self.threads or os.cpu_count() or 1
 
     @property
     def levels(self) -> tuple[int, ...]:

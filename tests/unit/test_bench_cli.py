@@ -3,6 +3,8 @@ dataclasses (`outrider.bench.options`), parsed as they were written by hand."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from outrider.bench.options import BenchOptions, options_from_args
@@ -26,6 +28,7 @@ def test_bench_flags_keep_their_defaults():
     assert (options.hf, options.adaptive, options.pipelined, options.progress) == (True,) * 4
     assert (options.concurrency, options.configs, options.levels) == (None, None, ())
     assert (options.repeat, options.coordinators, options.target_tp, options.draft_tp) == (1,) * 4
+    assert options.torch_threads == (os.cpu_count() or 1)
 
 
 def test_a_json_schema_constrains_outrider_and_leaves_hugging_face_out():
@@ -44,6 +47,7 @@ def test_bench_flags_parse_to_their_values(tmp_path):
     assert options.prompt_files == (PROMPT_SETS["humaneval"], prompts)
     assert (options.k, options.drafters, options.hf, options.progress) == ((2, 8), (), False, False)
     assert (options.concurrency, options.levels, options.reference_once) == ((1, 8), (1, 8), False)
+    assert options.torch_threads == (os.cpu_count() or 1)  # (0: all cores, as before)
     assert str(options.json) == "out.json"
 
 
