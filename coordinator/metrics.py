@@ -56,8 +56,8 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.request_stats import Stats
 from coordinator.round_loop import Delta
-from coordinator.stats import Stats
 from outrider.metrics import PREFIX
 
 # vLLM's buckets for the same histograms.

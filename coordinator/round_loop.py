@@ -27,15 +27,15 @@ import numpy as np
 from coordinator.adaptive.cost_model import CostModels
 from coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
 from coordinator.lookup import NO_MATCH, Lookup
+from coordinator.request_stats import RoundRecord, Stats
 from coordinator.requests import GenerationRequest
 from coordinator.served_models import Models
-from coordinator.stats import RoundRecord, Stats
 from coordinator.workers.draft_link import DraftLink
 from coordinator.workers.protocol import DraftClient, Judged, TargetClient
 from coordinator.workers.target_link import TargetLink
 from outrider.config import Recovery
 from outrider.detokenize import TextStream
-from outrider.load import EngineLoad
+from outrider.engine_load import EngineLoad
 from outrider.logging import get_logger
 from outrider.speculation import Proposal, TokenLogprobs, Verdict
 

@@ -10,6 +10,7 @@ from coordinator.adaptive.cost_model import CostModels
 from coordinator.chat_template import ChatMessage
 from coordinator.lookup import Lookup
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.request_stats import Stats
 from coordinator.requests import (
     GenerationRequest,
     RequestBuilder,
@@ -18,7 +19,6 @@ from coordinator.requests import (
 )
 from coordinator.round_loop import Delta, generate
 from coordinator.served_models import Models
-from coordinator.stats import Stats
 from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.config import Recovery, StructuredOutputLimits
 from outrider.errors import InvalidArgument

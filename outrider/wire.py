@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from outrider.engine_load import EngineLoad
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import NONE, HiddenStates
-from outrider.load import EngineLoad
 from outrider.sampling_params import SamplingParams, StructuredOutput, Verification
 from outrider.speculation import CompactProbs, Proposal, TokenLogprobs, Verdict
 from outrider.v1 import coordinator_pb2, worker_pb2

@@ -1,6 +1,6 @@
 """What rounds cost, as adaptive K (:mod:`coordinator.adaptive`) prices
 them: the target's and the draft's step costs by rows and tokens, which the
-engines measure and report with every answer (``outrider.load``), each
+engines measure and report with every answer (``outrider.engine_load``), each
 with the engine's own work between its forward passes; and what the
 coordinator measures itself — its overhead per round, and the target's
 prefill per token.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.load import DECODE_TOKENS_PER_ROW, EngineLoad
+from outrider.engine_load import DECODE_TOKENS_PER_ROW, EngineLoad
 
 
 class _Ema:

@@ -16,9 +16,9 @@ from coordinator.workers.protocol import (
     WorkerInfo,
 )
 from coordinator.workers.replicas import Replica, Replicas
+from outrider.engine_load import EngineLoad
 from outrider.errors import SessionExpired, Unavailable
 from outrider.hidden_states import NONE, HiddenStates
-from outrider.load import EngineLoad
 from outrider.logging import get_logger
 from outrider.rpc import REQUEST_ID_KEY, error_from_status
 from outrider.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from outrider.engine_load import EngineLoad
 from outrider.hidden_states import NONE, HiddenStates
-from outrider.load import EngineLoad
 from outrider.sampling_params import SamplingParams
 from outrider.speculation import Proposal, Verdict
 

@@ -41,8 +41,8 @@ import grpc
 from coordinator.workers import discovery
 from coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
 from coordinator.workers.prefixes import PrefixIndex, prompt_names
+from outrider.engine_load import EngineLoad
 from outrider.errors import Unavailable
-from outrider.load import EngineLoad
 from outrider.logging import get_logger
 from outrider.rpc import CHANNEL_OPTIONS
 from outrider.v1 import worker_pb2 as pb
@@ -82,7 +82,7 @@ class Replica:
     failures: int = 0
     """Failures since its last session opened."""
     steps: int = 0
-    """Its engine's forward passes, as it last said (``outrider.load``)."""
+    """Its engine's forward passes, as it last said (``outrider.engine_load``)."""
 
     def failed(self, *, for_s: float = 5.0, max_s: float = 60.0) -> None:
         """Sends new sessions to the others for ``for_s``, doubling with each

@@ -51,7 +51,7 @@ which keeps generating past one without masking it, as Outrider does (so the
 outputs stay comparable).
 
 Beside the bench, ``outrider bench TOOL`` runs the measurements around it:
-``steps`` (what one forward step costs, :mod:`outrider.bench.step_costs`),
+``steps`` (what one forward step costs, :mod:`outrider.bench.steps`),
 ``pool`` (several runs' reports pooled, :mod:`outrider.bench.pooled_runs`),
 ``http`` (the OpenAI HTTP API against gRPC, :mod:`outrider.bench.http_overhead`)
 and ``memory`` (each service's resident memory,

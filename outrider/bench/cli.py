@@ -35,7 +35,7 @@ class Tool(NamedTuple):
 
 
 TOOLS = {
-    "steps": Tool(StepsOptions, "outrider.bench.step_costs"),
+    "steps": Tool(StepsOptions, "outrider.bench.steps"),
     "pool": Tool(PoolOptions, "outrider.bench.pooled_runs"),
     "http": Tool(HttpOptions, "outrider.bench.http_overhead"),
     "memory": Tool(MemoryOptions, "outrider.bench.resident_memory"),

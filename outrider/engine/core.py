@@ -49,8 +49,8 @@ import torch
 from outrider.engine.kv_cache import KVCache
 from outrider.engine.runner import Logits, RunnerLost
 from outrider.engine.scheduler import Feed, Row, Scheduler
+from outrider.engine_load import EngineLoad, LoadMeter
 from outrider.errors import ResourceExhausted, SessionNotFound, Unavailable
-from outrider.load import EngineLoad, LoadMeter
 from outrider.logging import get_logger
 
 log = get_logger(__name__)

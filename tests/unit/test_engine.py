@@ -17,8 +17,8 @@ from outrider.engine.kv_cache import BlockPool, KVCache
 from outrider.engine.llama import LlamaForward, unsupported
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
+from outrider.engine_load import WINDOW
 from outrider.errors import InvalidArgument, ResourceExhausted, SessionNotFound, Unavailable
-from outrider.load import WINDOW
 from tests.tiny import FAMILY_SHAPE, LLAMA_FAMILY
 
 

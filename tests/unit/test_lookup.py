@@ -17,7 +17,7 @@ from coordinator.requests import GenerationRequest
 from coordinator.round_loop import generate
 from coordinator.served_models import Models
 from outrider.config import EngineConfig, ServiceConfig, TargetWorkerConfig
-from outrider.load import EngineLoad
+from outrider.engine_load import EngineLoad
 from outrider.worker import start_engine
 from target_worker.main import build_sessions as build_target_sessions
 from tests.inprocess import InProcessTargetClient

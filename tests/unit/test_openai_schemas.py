@@ -10,9 +10,9 @@ from coordinator.openai.app import body_params
 from coordinator.openai.errors import body_error, status_and_error
 from coordinator.openai.generation import speculative_decoding, usage
 from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
+from coordinator.request_stats import Stats
 from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationDefaults
 from coordinator.served_models import Models
-from coordinator.stats import Stats
 from coordinator.workers.protocol import WorkerInfo
 from outrider import errors
 

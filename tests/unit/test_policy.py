@@ -9,7 +9,7 @@ import pytest
 from coordinator.adaptive.cost_model import PLAN_ERROR, CostModel, CostModels
 from coordinator.adaptive.planner import TIE
 from coordinator.adaptive.session import LEARNING_K, AdaptiveK, adaptive_k_max
-from outrider.load import EngineLoad
+from outrider.engine_load import EngineLoad
 
 
 def expected_tokens(alpha: float, k: float) -> float:

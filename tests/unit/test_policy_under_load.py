@@ -22,7 +22,7 @@ import pytest
 
 from coordinator.adaptive.cost_model import CostModel
 from coordinator.adaptive.session import AdaptiveK
-from outrider.load import EngineLoad
+from outrider.engine_load import EngineLoad
 from tests.unit.test_policy import expected_tokens
 
 OVERHEAD_S = 0.001

@@ -4,10 +4,10 @@ become GenerationStats, the policy becomes ModelInfo."""
 
 import pytest
 
+from coordinator.request_stats import Stats
 from coordinator.requests import SpeculationDefaults
 from coordinator.served_models import Models
 from coordinator.service import CoordinatorService, stats_to_pb
-from coordinator.stats import Stats
 from coordinator.workers.protocol import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 

@@ -1,9 +1,9 @@
-"""What an engine reports of itself (outrider.load)."""
+"""What an engine reports of itself (outrider.engine_load)."""
 
 import numpy as np
 import pytest
 
-from outrider.load import WINDOW, EngineLoad, LoadMeter
+from outrider.engine_load import WINDOW, EngineLoad, LoadMeter
 from outrider.wire import load_from_pb, load_to_pb
 
 
