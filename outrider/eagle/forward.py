@@ -14,20 +14,24 @@ the final norm at the same positions: the feature the next draft step reads.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from outrider.eagle.head import EagleHead, HeadConfig
-from outrider.engine.llama import ForwardBatch, LlamaForward, _Layer, _rms_norm, linear
+from outrider.engine.llama import ForwardBatch, LlamaForward, linear, rms_norm
 
 
 class EagleForward(LlamaForward):
     """The forward of ``head`` reading token embeddings from ``embed`` (the
-    target's, unless the head brings its own), in ``dtype`` on ``device``."""
+    target's, unless the head brings its own), in ``dtype`` on ``device``:
+    the Llama forward of the head's one decoder layer (:func:`as_llama`),
+    with the weights of EAGLE-3's changes beside it."""
 
     def __init__(
         self,
@@ -37,44 +41,14 @@ class EagleForward(LlamaForward):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        config = head.config
-        head = head.to(dtype=dtype, device=device)
+        head = copy.deepcopy(head).to(dtype=dtype, device=device)  # (taking its weights empties it)
         own = head.embed_tokens.weight if head.embed_tokens is not None else embed
-        self.shard = None
-        self.config = config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = config.head_dim**-0.5
-        self.eps = config.rms_norm_eps
-        self.vocab_size = config.vocab_size
-        self.max_positions = config.max_position_embeddings
-        self.sliding_window = None
-        self.vocab_start = 0
-        self.embed = own.detach().to(dtype=dtype, device=device).clone()
-        self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.norm = head.norm.weight.detach()
-        self.lm_head = head.lm_head.weight.detach()
+        super().__init__(as_llama(head, own.detach().to(dtype=dtype, device=device)))
+        self.config = head.config
         self.fc = head.fc.weight.detach()
         self.hidden_norm = head.midlayer.hidden_norm.weight.detach()
-        self.norm_before_residual = config.norm_before_residual
+        self.norm_before_residual = head.config.norm_before_residual
         self.draft_to_target = head.draft_to_target.to(device)
-        layer, attention, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
-        self.layers = [
-            _Layer(
-                qkv=torch.cat(
-                    [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
-                ).detach(),
-                qkv_bias=None,
-                o=attention.o_proj.weight.detach(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                down=mlp.down_proj.weight.detach(),
-                input_norm=layer.input_layernorm.weight.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                qk_norm=None,
-            )
-        ]
-        self._rotary_table(head.rotary.to(device))
 
     @property
     def hidden_size(self) -> int:
@@ -103,18 +77,33 @@ class EagleForward(LlamaForward):
         step = self._step(batch, cache)
         (layer,) = self.layers
         features = batch.hidden.to(self.dtype)
-        normed = _rms_norm(features, self.hidden_norm, self.eps)
+        normed = rms_norm(features, self.hidden_norm, self.eps)
         residual = normed if self.norm_before_residual else features
-        embeds = _rms_norm(self._embed(batch.input_ids), layer.input_norm, self.eps)
+        embeds = rms_norm(self._embed(batch.input_ids), layer.input_norm, self.eps)
         attended = self._attention(torch.cat([embeds, normed], dim=-1), layer, cache[0], step)
         x = residual + linear(attended, layer.o)
         x = x + self._mlp(x, layer)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        draft_logits = linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+        draft_logits = linear(rms_norm(x, self.norm, self.eps), self.lm_head)
         logits = draft_logits.new_full((x.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.draft_to_target] = draft_logits
         return logits, x
+
+
+def as_llama(head: EagleHead, embed: torch.Tensor) -> Any:
+    """``head`` as the one-layer Llama model :class:`LlamaForward` reads:
+    its decoder layer (whose attention reads twice the hidden size), final
+    norm, LM head over the draft vocabulary and rotary embedding, with
+    ``embed`` as its token embedding, under a Llama config of the target's
+    vocabulary."""
+    decoder = SimpleNamespace(
+        layers=[head.midlayer],
+        embed_tokens=SimpleNamespace(weight=embed),
+        norm=head.norm,
+        rotary_emb=head.rotary,
+    )
+    return SimpleNamespace(config=head.config.llama_config(), model=decoder, lm_head=head.lm_head)
 
 
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")

@@ -221,6 +221,7 @@ class _Attention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
+        self.head_dim, self.scaling = head_dim, head_dim**-0.5
         self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)

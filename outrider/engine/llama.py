@@ -371,12 +371,12 @@ class LlamaForward:
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             if wanted is not None and i in batch.feature_layers:
                 features[i] = x[wanted]
-            h = _rms_norm(x, layer.input_norm, self.eps)
+            h = rms_norm(x, layer.input_norm, self.eps)
             x = x + self._reduce(linear(self._attention(h, layer, layer_cache, step), layer.o))
             x = x + self._mlp(x, layer)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        logits = self._gather(linear(_rms_norm(x, self.norm, self.eps), self.lm_head))
+        logits = self._gather(linear(rms_norm(x, self.norm, self.eps), self.lm_head))
         if wanted is None:
             return logits, None
         return logits, torch.cat([features[i] for i in batch.feature_layers], dim=-1)
@@ -416,7 +416,7 @@ class LlamaForward:
         )
         if layer.qk_norm is not None:
             q_norm, k_norm = layer.qk_norm
-            q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
+            q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
         q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
         keys, values = layer_cache[0], layer_cache[1]  # [blocks, block size, kv heads, head dim]
         keys.view(-1, kv_heads, head_dim).index_copy_(0, step.batch.slots, k)
@@ -430,7 +430,7 @@ class LlamaForward:
         return attended[0] if len(attended) == 1 else torch.cat(attended)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        h = _rms_norm(x, layer.post_norm, self.eps)
+        h = rms_norm(x, layer.post_norm, self.eps)
         gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
         return self._reduce(linear(F.silu(gate) * up, layer.down))
 
@@ -573,7 +573,7 @@ def _own(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().clone()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm``, step for step (in float32, whatever the dtype)."""
     dtype = x.dtype
     x = x.to(torch.float32)
