@@ -202,7 +202,7 @@ class RequestBuilder:
 
     async def compile(self, output: StructuredOutput | None) -> None:
         """Compiles ``output`` on a thread, so that a large grammar (up to
-        about a second at the limits) holds up no other request on the event
+        about half a second at the limits) holds up no other request on the event
         loop; :meth:`build` then finds it compiled, or its refusal."""
         if output is None:
             return

@@ -169,7 +169,7 @@ class Grammars:
 
     def compile(self, output: StructuredOutput) -> None:
         """Compiles ``output`` into the cache, or its refusal: for a thread
-        of its own (a large grammar takes up to about a second), ahead of
+        of its own (a large grammar takes up to about half a second), ahead of
         :meth:`check` or :meth:`matcher` on another."""
         self._template(output, reraise=False)
 
