@@ -22,14 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from outrider import flags
 from outrider.bench.cli import add_bench_parser
-from outrider.config import (
-    CoordinatorConfig,
-    DemoConfig,
-    DraftWorkerConfig,
-    GenerateConfig,
-    TargetWorkerConfig,
-    UpConfig,
-)
+from outrider.command_config import DemoConfig, GenerateConfig, UpConfig
+from outrider.config import CoordinatorConfig, DraftWorkerConfig, TargetWorkerConfig
 from outrider.eagle.cli import add_draft_parser
 
 if TYPE_CHECKING:

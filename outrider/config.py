@@ -1,7 +1,8 @@
-"""Configuration: one frozen dataclass per service and per command, built
-once from flags (and, for the services, ``OUTRIDER_*`` environment
-variables), validated once, and passed down. Nothing here reads the
-environment at import time.
+"""The services' configuration: one frozen dataclass per service (``outrider
+serve ROLE``), built once from flags and ``OUTRIDER_*`` environment
+variables, validated once, and passed down. Nothing here reads the
+environment at import time. The local commands' (``up``, ``demo``,
+``generate``) are :mod:`outrider.command_config`.
 
 Each field is a flag (``outrider.flags``): its name, type, default and help
 (the docstring under it) are written here and nowhere else. A service's
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider.device import DTYPES, check_device, check_dtype
-from outrider.sampling_params import UINT64_MAX, Verification
 from outrider.security import ClientTls, ServerTls, server_tls
 
 MODEL_DRAFTERS = ("model", "int4", "gguf", "early-exit", "eagle")
@@ -34,16 +34,6 @@ the history and earlier outputs, in the coordinator (``coordinator.suffix``):
 no draft worker."""
 COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-decoding"}
 """The drafters that run in the coordinator, and its flag for each."""
-DEFAULT_DRAFTERS = {"cpu": "gguf", "cuda": "prompt-lookup"}
-"""The drafter ``outrider up`` runs when none is named (nor a draft model),
-by device type (docs/benchmark.md#the-drafters): on the CPU a step
-reads weights, so the target's own 4-bit GGUF on llama.cpp is cheap and
-agrees (where llama.cpp is not installed, or the target has no GGUF:
-``FALLBACK_CPU_DRAFTER``); on CUDA the default model's step is
-launch-bound, so a 4-bit copy costs about a target step."""
-FALLBACK_CPU_DRAFTER = "int4"
-"""The CPU default where the gguf drafter cannot run: the target's
-checkpoint in 4 bits, on torch."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -55,41 +45,6 @@ CPU_PREFILL_TOKENS = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTINGS = ("prefix", "least-loaded")
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
-DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
-
-
-def default_drafter(
-    device: str, *, draft_model: str | None = None, target_model: str | None = None
-) -> str:
-    """``gguf`` for a ``.gguf`` draft model, ``model`` for another, else the
-    default for ``device``'s type (``auto``: as resolved) — on the CPU the
-    gguf drafter where llama.cpp is installed and ``target_model`` has a GGUF."""
-    if draft_model:
-        return "gguf" if draft_model.endswith(".gguf") else "model"
-    from outrider.device import resolve_device
-
-    drafter = DEFAULT_DRAFTERS.get(resolve_device(device).type, "prompt-lookup")
-    if drafter == "gguf" and not _gguf_runs(target_model):
-        return FALLBACK_CPU_DRAFTER
-    return drafter
-
-
-def _gguf_runs(target_model: str | None) -> bool:
-    """Whether llama.cpp is installed and the target names a GGUF (or is an
-    embedded model not yet fetched, whose fetch keeps one)."""
-    import importlib.util
-
-    from outrider import gguf_files, models
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        return False
-    try:
-        gguf_files.gguf_path(target_model)
-    except models.ModelNotFetchedError:
-        return True
-    except gguf_files.NotAGguf:
-        return False
-    return True
 
 
 def all_cores() -> int:
@@ -117,22 +72,22 @@ def num_speculative_tokens(text: str | int) -> int | str:
     return k
 
 
-def _positive(value: float, flag: str) -> None:
+def positive(value: float, flag: str) -> None:
     if not value > 0:
         raise ValueError(f"{flag} {value}: must be positive")
 
 
-def _at_least(value: int, least: int, flag: str) -> None:
+def at_least(value: int, least: int, flag: str) -> None:
     if value < least:
         raise ValueError(f"{flag} {value}: must be at least {least}")
 
 
-def _port_number(port: int | None, flag: str) -> None:
+def port_number(port: int | None, flag: str) -> None:
     if port is not None and not 0 <= port <= 65535:
         raise ValueError(f"{flag} {port}: not a port number (0 to 65535)")
 
 
-def _existing_file(path: Path | None, flag: str) -> None:
+def existing_file(path: Path | None, flag: str) -> None:
     if path is not None and not path.is_file():
         raise ValueError(f"{flag} {path}: {'not a file' if path.exists() else 'no such file'}")
 
@@ -165,8 +120,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s {self.shutdown_grace_s}: must be 0 or more")
-        _port_number(self.port, "--port")
-        _port_number(self.metrics_port, "--metrics-port")
+        port_number(self.port, "--port")
+        port_number(self.metrics_port, "--metrics-port")
         if self.metrics_port not in (None, 0) and self.metrics_port == self.port:
             raise ValueError(
                 f"--metrics-port {self.metrics_port}: the metrics port must differ from the gRPC "
@@ -194,10 +149,10 @@ class WorkerLimits:
     seconds"""
 
     def __post_init__(self) -> None:
-        _at_least(self.max_sessions, 1, "--max-sessions")
+        at_least(self.max_sessions, 1, "--max-sessions")
         if self.max_cached_tokens is not None:
-            _at_least(self.max_cached_tokens, 1, "--max-cached-tokens")
-        _positive(self.session_idle_timeout_s, "--session-idle-timeout-s")
+            at_least(self.max_cached_tokens, 1, "--max-cached-tokens")
+        positive(self.session_idle_timeout_s, "--session-idle-timeout-s")
 
 
 @dataclass(frozen=True)
@@ -237,18 +192,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_device(self.device)
-        _at_least(self.tensor_parallel_size, 1, "--tensor-parallel-size")
-        _positive(self.tensor_parallel_timeout_s, "--tensor-parallel-timeout-s")
+        at_least(self.tensor_parallel_size, 1, "--tensor-parallel-size")
+        positive(self.tensor_parallel_timeout_s, "--tensor-parallel-timeout-s")
         check_dtype(self.dtype)
-        _at_least(self.threads, 1, "--threads")
+        at_least(self.threads, 1, "--threads")
         if not 0 <= self.max_batch_wait <= 1:
             raise ValueError(
                 f"--max-batch-wait {self.max_batch_wait}: a share of a forward pass, 0 to 1"
             )
         if self.max_tokens_per_step is not None:
-            _at_least(self.max_tokens_per_step, 1, "--max-tokens-per-step")
+            at_least(self.max_tokens_per_step, 1, "--max-tokens-per-step")
         if self.max_prefill_tokens is not None:
-            _at_least(self.max_prefill_tokens, 1, "--max-prefill-tokens")
+            at_least(self.max_prefill_tokens, 1, "--max-prefill-tokens")
 
     def tokens_per_step(self, device_type: str) -> int:
         if self.max_tokens_per_step is not None:
@@ -331,7 +286,7 @@ class DraftWorkerConfig:
                     "--tensor-parallel-size: the gguf drafter runs on one llama.cpp context; "
                     "give it --threads instead"
                 )
-        _at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
+        at_least(self.max_draft_tokens, 1, "--max-draft-tokens")
         if self.int4_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 f"--int4-group-size {self.int4_group_size}: use one of "
@@ -366,9 +321,9 @@ class StructuredOutputLimits:
     """most tools a chat request may list"""
 
     def __post_init__(self) -> None:
-        _at_least(self.max_grammar_bytes, 1, "--max-grammar-bytes")
-        _at_least(self.max_choices, 1, "--max-choices")
-        _at_least(self.max_tools, 0, "--max-tools")
+        at_least(self.max_grammar_bytes, 1, "--max-grammar-bytes")
+        at_least(self.max_choices, 1, "--max-choices")
+        at_least(self.max_tools, 0, "--max-tools")
 
 
 @dataclass(frozen=True)
@@ -394,12 +349,12 @@ class Recovery:
     """how long opening a target session may take while no prefill has been measured"""
 
     def __post_init__(self) -> None:
-        _positive(self.draft_deadline_s, "--draft-deadline-s")
-        _positive(self.draft_backoff_s, "--draft-backoff-s")
-        _at_least(self.target_attempts, 1, "--target-attempts")
-        _positive(self.verify_deadline_factor, "--verify-deadline-factor")
-        _positive(self.verify_deadline_floor_s, "--verify-deadline-floor-s")
-        _positive(self.open_deadline_unmeasured_s, "--open-deadline-unmeasured-s")
+        positive(self.draft_deadline_s, "--draft-deadline-s")
+        positive(self.draft_backoff_s, "--draft-backoff-s")
+        at_least(self.target_attempts, 1, "--target-attempts")
+        positive(self.verify_deadline_factor, "--verify-deadline-factor")
+        positive(self.verify_deadline_floor_s, "--verify-deadline-floor-s")
+        positive(self.open_deadline_unmeasured_s, "--open-deadline-unmeasured-s")
 
     def verify_deadline_s(self, expected_s: float) -> float:
         return max(self.verify_deadline_floor_s, self.verify_deadline_factor * expected_s)
@@ -486,7 +441,7 @@ class CoordinatorConfig:
                 f"--num-speculative-tokens {self.num_speculative_tokens}: must lie in "
                 f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
             )
-        _at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
+        at_least(self.default_max_new_tokens, 1, "--default-max-new-tokens")
         if self.prompt_lookup and self.draft:
             raise ValueError(
                 "--prompt-lookup drafts in the coordinator: drop --draft, or drop "
@@ -494,18 +449,18 @@ class CoordinatorConfig:
             )
         if self.prompt_lookup and self.suffix_decoding:
             raise ValueError("--prompt-lookup and --suffix-decoding: choose one drafter")
-        _at_least(self.suffix_cache_tokens, 1, "--suffix-cache-tokens")
+        at_least(self.suffix_cache_tokens, 1, "--suffix-cache-tokens")
         if not 0 <= self.suffix_min_token_prob <= 1:
             raise ValueError(
                 f"--suffix-min-token-prob {self.suffix_min_token_prob}: a probability, 0 to 1"
             )
-        _positive(self.suffix_max_spec_factor, "--suffix-max-spec-factor")
-        _at_least(self.max_ngram, 1, "--max-ngram")
+        positive(self.suffix_max_spec_factor, "--suffix-max-spec-factor")
+        at_least(self.max_ngram, 1, "--max-ngram")
         if self.worker_tls_key is not None and self.worker_tls_cert is None:
             raise ValueError("--worker-tls-key needs --worker-tls-cert")
         if self.worker_tls_cert is not None and self.worker_tls_key is None:
             raise ValueError("--worker-tls-cert needs --worker-tls-key")
-        _port_number(self.http_port, "--http-port")
+        port_number(self.http_port, "--http-port")
         if self.http_port not in (None, 0) and self.http_port in (
             self.service.port,
             self.service.metrics_port,
@@ -534,161 +489,6 @@ class CoordinatorConfig:
         return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
 
 
-@dataclass(frozen=True)
-class StackConfig:
-    """The three services ``outrider up`` and ``outrider demo`` start on this
-    machine (``outrider.stack``), each option passed on to the flags of the
-    services' ``outrider serve``."""
-
-    target_model: str | None = None
-    """target model: embedded name, directory or hub id (default: smollm2-135m-instruct)"""
-    draft_model: str | None = None
-    """draft model sharing the target's tokenizer (implies --drafter model, or --drafter gguf for
-    a .gguf file)"""
-    drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
-    """drafter kind: model, int4 (the target in 4 bits), gguf (the target's GGUF on llama.cpp,
-    on the CPU), prompt-lookup, suffix, early-exit or eagle (an EAGLE-3 head) (default: gguf
-    on the CPU, or int4 where llama.cpp is not installed; prompt-lookup on CUDA)"""
-    draft_layers: int | None = None
-    """layers kept by the early-exit drafter"""
-    head: str | None = None
-    """the EAGLE-3 head's directory for --drafter eagle (default: the one shipped for the
-    target)"""
-    device: str = field(
-        default=EngineConfig.device,
-        metadata={"parse": check_device, "metavar": "DEVICE", "env": True},
-    )
-    """where both workers run their models: auto, cpu, cuda or cuda:N"""
-    dtype: str = field(default=EngineConfig.dtype, metadata={"parse": check_dtype})
-    """dtype of the target (auto: bfloat16 on CUDA, float32 on the CPU)"""
-    draft_dtype: str = field(default=EngineConfig.dtype, metadata={"parse": check_dtype})
-    """dtype of the draft model (auto: as the target's default)"""
-    k: int | str = field(
-        default=CoordinatorConfig.num_speculative_tokens,
-        metadata={"parse": num_speculative_tokens, "metavar": "K"},
-    )
-    """default draft tokens per round, or 'auto' (adaptive K: 0 wherever drafting does not pay)"""
-    pipeline: bool = False
-    """draft the next round while the target verifies this one (requests may override)"""
-    suffix_decoding: bool = False
-    """also draft by suffix decoding in the coordinator, beside a drafter that runs a model:
-    each round drafts by whichever pays (--drafter suffix drafts by it alone)"""
-    threads: int | None = None
-    """torch threads per worker (default: all cores)"""
-    enable_prefix_caching: bool | None = None
-    """both workers keep the KV of prefixes their sessions computed, shared by later
-    sessions (default: on)"""
-    target_tp: int = field(default=1, metadata={"metavar": "N"})
-    """tensor-parallel size of the target worker: its model split over N ranks (GPUs, or
-    processes on the CPU)"""
-    draft_tp: int = field(default=1, metadata={"metavar": "N"})
-    """tensor-parallel size of the draft worker: its model split over N ranks (GPUs, or
-    processes on the CPU)"""
-    log_level: str = field(default="warning", metadata={"choices": LOG_LEVELS})
-    """log level of the three services"""
-
-    def __post_init__(self) -> None:
-        if self.drafter == "early-exit" and not self.draft_layers:
-            raise ValueError("--drafter early-exit needs --draft-layers L")
-        if self.suffix_decoding and self.drafter in COORDINATOR_DRAFTERS:
-            raise ValueError(
-                f"--suffix-decoding goes beside a drafter that runs a model, not "
-                f"--drafter {self.drafter} (--drafter suffix drafts by suffix decoding alone)"
-            )
-        _at_least(self.target_tp, 1, "--target-tp")
-        _at_least(self.draft_tp, 1, "--draft-tp")
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    """``outrider up``: the stack, serving until Ctrl-C."""
-
-    stack: StackConfig = StackConfig()
-    port: int = DEFAULT_PORTS["coordinator"]
-    """coordinator port (0: any free port)"""
-    http_port: int | None = None
-    """serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on this
-    port too (0: any free port), printed at start (default: gRPC only)"""
-    metrics_port: int | None = None
-    """serve the coordinator's Prometheus metrics at /metrics on this port (0: any free port)
-    and each worker's on a free port, all printed at start (default: no metrics)"""
-
-    def __post_init__(self) -> None:
-        _port_number(self.port, "--port")
-        _port_number(self.http_port, "--http-port")
-        _port_number(self.metrics_port, "--metrics-port")
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """``outrider demo``: the stack, one chat answer streamed and its statistics, then stop."""
-
-    stack: StackConfig = StackConfig()
-    prompt: str = DEMO_PROMPT
-    """the chat message to send"""
-    max_new_tokens: int = 96
-    """most tokens to generate"""
-
-    def __post_init__(self) -> None:
-        _at_least(self.max_new_tokens, 0, "--max-new-tokens")
-
-
-@dataclass(frozen=True)
-class GenerateConfig:
-    """``outrider generate``: one request to a coordinator (``outrider.client``)."""
-
-    prompt: str = field(metadata={"positional": True})
-    """the prompt text (a user message with --chat)"""
-    address: str = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
-    """coordinator HOST:PORT"""
-    chat: bool = False
-    """send the prompt as a user chat message (the target's chat template)"""
-    max_new_tokens: int | None = None
-    """most tokens to generate (default: the server's)"""
-    k: int | str | None = field(
-        default=None, metadata={"parse": num_speculative_tokens, "metavar": "K"}
-    )
-    """draft tokens per round (0: target only; 'auto': adaptive; default: the server's)"""
-    pipeline: bool | None = None
-    """draft the next round while the target verifies this one, or not (default: the
-    server's)"""
-    stop: tuple[str, ...] = field(default=(), metadata={"repeatable": True})
-    """stop string (repeatable)"""
-    temperature: float = 0.0
-    """sampling temperature (0: greedy)"""
-    top_k: int = 0
-    """keep the k most likely tokens (0: off)"""
-    top_p: float | None = None
-    """nucleus sampling mass in (0, 1] (default: off)"""
-    min_p: float = 0.0
-    """drop tokens below min-p times the top probability"""
-    seed: int | None = None
-    """seed of the random draws (default: a fresh one, reported in the stats)"""
-    verification: str | None = field(
-        default=None, metadata={"choices": tuple(v.value for v in Verification)}
-    )
-    """how drafts are verified when sampling (default: rejection)"""
-    json: bool = False
-    """print one JSON object with text, token ids, finish reason and stats"""
-    timeout: float | None = field(default=None, metadata={"metavar": "SECONDS"})
-    """deadline in seconds"""
-    tls_ca: Path | None = None
-    """connect over TLS, trusting this CA (PEM)"""
-    token_file: Path | None = None
-    """send the bearer token in this file"""
-
-    def __post_init__(self) -> None:
-        # What the request's unsigned fields cannot hold, and files that are
-        # not there; the server validates the rest.
-        if self.max_new_tokens is not None:
-            _at_least(self.max_new_tokens, 0, "--max-new-tokens")
-        _at_least(self.top_k, 0, "--top-k")
-        if self.seed is not None and not 0 <= self.seed <= UINT64_MAX:
-            raise ValueError(f"--seed {self.seed}: must lie in [0, 2^64)")
-        _existing_file(self.tls_ca, "--tls-ca")
-        _existing_file(self.token_file, "--token-file")
-
-
 def http_port_file(ready_file: Path) -> Path:
     """Where a coordinator with ``--ready-file F`` writes its bound HTTP port."""
     return ready_file.with_suffix(".http-port")
@@ -697,14 +497,11 @@ def http_port_file(ready_file: Path) -> Path:
 __all__ = [
     "DRAFTERS",
     "CoordinatorConfig",
-    "DemoConfig",
     "DraftWorkerConfig",
     "EngineConfig",
-    "GenerateConfig",
     "Recovery",
     "ServiceConfig",
-    "StackConfig",
+    "StructuredOutputLimits",
     "TargetWorkerConfig",
-    "UpConfig",
     "WorkerLimits",
 ]

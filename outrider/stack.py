@@ -27,7 +27,8 @@ from typing import IO, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from outrider.config import COORDINATOR_DRAFTERS, StackConfig, default_drafter, http_port_file
+from outrider.command_config import StackConfig, default_drafter
+from outrider.config import COORDINATOR_DRAFTERS, http_port_file
 from outrider.metrics import metrics_port_file
 
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 from outrider import security
 
 if TYPE_CHECKING:
+    from outrider.command_config import StackConfig
     from outrider.config import (
         CoordinatorConfig,
         DraftWorkerConfig,
         ServiceConfig,
-        StackConfig,
         TargetWorkerConfig,
     )
 

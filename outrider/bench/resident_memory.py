@@ -28,7 +28,7 @@ def stack_args(up_flags: Sequence[str]) -> dict[str, Any]:
     """What ``outrider up`` with ``up_flags`` (after an optional ``--``)
     passes to ``start_stack``."""
     from outrider import flags
-    from outrider.config import UpConfig
+    from outrider.command_config import UpConfig
     from outrider.stack import serve_flags
 
     given = list(up_flags)

@@ -13,7 +13,7 @@ from outrider.cli import build_parser
 def serve_flags_of(argv):
     """What ``outrider up``/``demo`` with ``argv`` passes to each service."""
     from outrider import flags
-    from outrider.config import StackConfig
+    from outrider.command_config import StackConfig
     from outrider.stack import serve_flags
 
     return serve_flags(flags.build(StackConfig, build_parser().parse_args(argv)))
@@ -112,7 +112,7 @@ def test_up_picks_the_measured_default_drafter_for_the_device(
     import torch
 
     monkeypatch.setattr("outrider.device.resolve_device", lambda spec: torch.device(device_type))
-    monkeypatch.setattr("outrider.config._gguf_runs", lambda target_model: gguf_runs)
+    monkeypatch.setattr("outrider.command_config._gguf_runs", lambda target_model: gguf_runs)
     stack = serve_flags_of(["up", *flags])
     if drafter == "prompt-lookup":  # in the coordinator, no draft worker
         assert stack["with_draft"] is False and "--prompt-lookup" in stack["coordinator_args"]
