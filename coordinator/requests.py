@@ -213,10 +213,10 @@ class RequestBuilder:
         await asyncio.to_thread(self.models.grammars.compile, output)
 
     def check_size(self, output: StructuredOutput) -> None:
-        limits = self.limits
-        if len(output.spec.encode()) > limits.max_grammar_bytes:
+        limits, size = self.limits, len(output.spec.encode())
+        if size > limits.max_grammar_bytes:
             raise InvalidArgument(
-                f"the {output.kind} constraint is {len(output.spec.encode()):,} bytes; this "
+                f"the {output.kind} constraint is {size:,} bytes; this "
                 f"server accepts at most {limits.max_grammar_bytes:,} (--max-grammar-bytes)"
             )
         if output.kind == "choice":

@@ -98,8 +98,8 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
 
 
-def first_line(error: str) -> str:
-    """llguidance's error, less its prefix and what follows its first line."""
+def _reason(error: str) -> str:
+    """An llguidance error, less its prefix and what follows its first line."""
     line = error.strip().splitlines()[0] if error.strip() else "unknown error"
     return line.removeprefix("Parser Error: ").removeprefix("Error: ")
 
@@ -206,7 +206,7 @@ class Grammars:
             template.compute_bitmask()
         if template.is_error():
             return InvalidArgument(
-                f"{output.kind} does not compile: {first_line(template.get_error())}"
+                f"{output.kind} does not compile: {_reason(template.get_error())}"
             )
         return template
 
@@ -296,7 +296,7 @@ class Matcher:
         if self._matcher.is_error():
             raise GrammarError(
                 f"the structured output broke a limit of the grammar engine at generated token "
-                f"{len(self.tokens) + 1}: {first_line(self._matcher.get_error())}"
+                f"{len(self.tokens) + 1}: {_reason(self._matcher.get_error())}"
             )
 
     def mask(self) -> np.ndarray:
