@@ -15,7 +15,7 @@ Two paths, chosen by the template:
   blocks.
 
 Either way the model is asked to call tools in Hermes' ``<tool_call>``
-blocks, the format ``coordinator.openai.tool_calls`` parses.
+blocks, the format ``outrider.coordinator.openai.tool_calls`` parses.
 """
 
 from __future__ import annotations

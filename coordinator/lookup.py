@@ -12,7 +12,7 @@ says far more about a draft's acceptance than a session's past rounds do,
 and many positions have no match at all
 (docs/benchmark.md#prompt-lookup-by-match). So the acceptance is learnt
 per n, depth by depth
-(:meth:`coordinator.adaptive.acceptance.Acceptance.survival_of`), and a
+(:meth:`outrider.coordinator.adaptive.acceptance.Acceptance.survival_of`), and a
 round without a match, or whose match the plan of K finds too weak at the
 load, costs what a round at K = 0 does.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.workers.protocol import WorkerInfo
+from outrider.coordinator.workers.protocol import WorkerInfo
 
 DRAFTER = "prompt-lookup"
 

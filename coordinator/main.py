@@ -6,17 +6,21 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from coordinator.lookup import Lookup, PromptLookup
-from coordinator.metrics import CoordinatorMetrics, SuffixCacheMetrics
-from coordinator.openai import HttpServer, create_app, start_http_server
-from coordinator.requests import SpeculationDefaults
-from coordinator.served_models import Models
-from coordinator.service import CoordinatorService
-from coordinator.suffix import Limits, SuffixDecoding
-from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient, GrpcWorkerClient
-from coordinator.workers.protocol import WorkerInfo
 from outrider import models
 from outrider.config import CoordinatorConfig, http_port_file
+from outrider.coordinator.lookup import Lookup, PromptLookup
+from outrider.coordinator.metrics import CoordinatorMetrics, SuffixCacheMetrics
+from outrider.coordinator.openai import HttpServer, create_app, start_http_server
+from outrider.coordinator.requests import SpeculationDefaults
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.service import CoordinatorService
+from outrider.coordinator.suffix import Limits, SuffixDecoding
+from outrider.coordinator.workers.grpc_client import (
+    GrpcDraftClient,
+    GrpcTargetClient,
+    GrpcWorkerClient,
+)
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics

@@ -56,8 +56,8 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from coordinator.request_stats import Stats
-from coordinator.round_loop import Delta
+from outrider.coordinator.request_stats import Stats
+from outrider.coordinator.round_loop import Delta
 from outrider.metrics import PREFIX
 
 # vLLM's buckets for the same histograms.
@@ -201,7 +201,7 @@ class CoordinatorMetrics:
 
 
 class SuffixCacheMetrics:
-    """The shared outputs of suffix decoding (``coordinator.suffix.SuffixCache``),
+    """The shared outputs of suffix decoding (``outrider.coordinator.suffix.SuffixCache``),
     read at scrape time."""
 
     def __init__(self, registry: CollectorRegistry, cache) -> None:

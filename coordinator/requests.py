@@ -1,8 +1,8 @@
 """Requests as the coordinator's APIs receive them, validated once into the
 round loop's :class:`GenerationRequest`.
 
-The gRPC servicer (``coordinator.service``) and the OpenAI-compatible HTTP
-API (``coordinator.openai``) each translate what they received into
+The gRPC servicer (``outrider.coordinator.service``) and the OpenAI-compatible HTTP
+API (``outrider.coordinator.openai``) each translate what they received into
 :class:`RequestParams` — no protobuf, no JSON — and :class:`RequestBuilder`
 checks it against the served model and the server's speculation defaults: the
 prompt (text, chat messages through the target's chat template, or token
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.chat_template import ChatMessage, render
-from coordinator.served_models import Models
 from outrider.config import StructuredOutputLimits
+from outrider.coordinator.chat_template import ChatMessage, render
+from outrider.coordinator.served_models import Models
 from outrider.errors import InvalidArgument
 from outrider.logging import bind_contextvars, get_contextvars
 from outrider.sampling_params import SamplingParams, StructuredOutput, Verification

@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.adaptive.cost_model import CostModels
-from coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
-from coordinator.lookup import NO_MATCH, Lookup
-from coordinator.request_stats import RoundRecord, Stats
-from coordinator.requests import GenerationRequest
-from coordinator.served_models import Models
-from coordinator.workers.draft_link import DraftLink
-from coordinator.workers.protocol import DraftClient, Judged, TargetClient
-from coordinator.workers.target_link import TargetLink
 from outrider.config import Recovery
+from outrider.coordinator.adaptive.cost_model import CostModels
+from outrider.coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
+from outrider.coordinator.lookup import NO_MATCH, Lookup
+from outrider.coordinator.request_stats import RoundRecord, Stats
+from outrider.coordinator.requests import GenerationRequest
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.draft_link import DraftLink
+from outrider.coordinator.workers.protocol import DraftClient, Judged, TargetClient
+from outrider.coordinator.workers.target_link import TargetLink
 from outrider.detokenize import TextStream
 from outrider.engine_load import EngineLoad
 from outrider.logging import get_logger
@@ -350,7 +350,7 @@ class Generation:
         """The lookup's draft after the history (prompt lookup's, suffix
         decoding's), looked up as soon as a round has committed: each
         session's offer (its evidence and length) is known to the plan of K
-        before any of them asks (:mod:`coordinator.lookup`). At the end, the
+        before any of them asks (:mod:`outrider.coordinator.lookup`). At the end, the
         lookup is told the history the session ended with."""
         if self.lookup is None:
             return
@@ -369,7 +369,7 @@ class Generation:
     def lookup_pays(self) -> bool:
         """Whether the lookup's offer makes more tokens a second than the
         draft model's drafts, each at its best K for a session alone
-        (:meth:`coordinator.adaptive.step_costs.StepCosts.best_rate_alone`):
+        (:meth:`outrider.coordinator.adaptive.step_costs.StepCosts.best_rate_alone`):
         the offer's drafts are priced by what drafts on its evidence had
         accepted, depth by depth, and cost no draft step; the model's, a
         step each, by its per-token α — as Arctic Inference sets suffix

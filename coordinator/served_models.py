@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.workers.protocol import WorkerInfo
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.detokenize import Decoder
 from outrider.grammar import Grammars
 

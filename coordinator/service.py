@@ -6,21 +6,21 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from coordinator.adaptive.cost_model import CostModels
-from coordinator.chat_template import ChatMessage
-from coordinator.lookup import Lookup
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.request_stats import Stats
-from coordinator.requests import (
+from outrider.config import Recovery, StructuredOutputLimits
+from outrider.coordinator.adaptive.cost_model import CostModels
+from outrider.coordinator.chat_template import ChatMessage
+from outrider.coordinator.lookup import Lookup
+from outrider.coordinator.metrics import CoordinatorMetrics
+from outrider.coordinator.request_stats import Stats
+from outrider.coordinator.requests import (
     GenerationRequest,
     RequestBuilder,
     RequestParams,
     SpeculationDefaults,
 )
-from coordinator.round_loop import Delta, generate
-from coordinator.served_models import Models
-from coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
-from outrider.config import Recovery, StructuredOutputLimits
+from outrider.coordinator.round_loop import Delta, generate
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
 from outrider.errors import InvalidArgument
 from outrider.sampling_params import StructuredOutput, Verification
 from outrider.speculation import TokenLogprobs
@@ -49,7 +49,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.draft = draft
         self.lookup = lookup
         """A lookup beside the draft workers (suffix decoding): each round
-        drafts by whichever pays (:mod:`coordinator.round_loop`)."""
+        drafts by whichever pays (:mod:`outrider.coordinator.round_loop`)."""
         self.defaults = defaults
         self.draft_info = draft_info
         self.recovery = recovery

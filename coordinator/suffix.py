@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.lookup import Lookup, Match
+from outrider.coordinator.lookup import Lookup, Match
 
 DRAFTER = "suffix"
 NGRAM = 3

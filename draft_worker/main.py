@@ -7,11 +7,11 @@ import functools
 import torch
 from transformers import AutoConfig
 
-from draft_worker.service import DraftWorkerService
-from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider import models
 from outrider.config import DraftWorkerConfig
 from outrider.device import resolve_device, resolve_dtype
+from outrider.draft_worker.service import DraftWorkerService
+from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import (
     Drafter,
     EarlyExitDrafter,

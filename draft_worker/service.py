@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from draft_worker.sessions import DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.session_stream import SessionServicer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc

@@ -138,15 +138,15 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(config.service.log_level)
     try:
         if isinstance(config, CoordinatorConfig):
-            from coordinator.main import main as run_coordinator
+            from outrider.coordinator.main import main as run_coordinator
 
             run_coordinator(config)
         elif isinstance(config, TargetWorkerConfig):
-            from target_worker.main import main as run_target
+            from outrider.target_worker.main import main as run_target
 
             run_target(config)
         else:
-            from draft_worker.main import main as run_draft
+            from outrider.draft_worker.main import main as run_draft
 
             run_draft(config)
     except StartupError as exc:

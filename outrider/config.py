@@ -29,8 +29,8 @@ target's checkpoint in 4 bits (``outrider.quantize``); gguf: a GGUF file
 eagle: an EAGLE-3 head reading the target's hidden states (``outrider.eagle``)."""
 DRAFTERS = ("model", "int4", "gguf", "prompt-lookup", "suffix", "early-exit", "eagle")
 """A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
-the history, in the coordinator (``coordinator.lookup``) — or suffix —
-the history and earlier outputs, in the coordinator (``coordinator.suffix``):
+the history, in the coordinator (``outrider.coordinator.lookup``) — or suffix —
+the history and earlier outputs, in the coordinator (``outrider.coordinator.suffix``):
 no draft worker."""
 COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-decoding"}
 """The drafters that run in the coordinator, and its flag for each."""
@@ -328,7 +328,7 @@ class StructuredOutputLimits:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How the round loop rides out worker loss (``coordinator.workers.draft_link``,
+    """How the round loop rides out worker loss (``outrider.coordinator.workers.draft_link``,
     ``target_link``)."""
 
     draft_deadline_s: float = 5.0

@@ -1,6 +1,6 @@
 """Draft models: what proposes the K tokens the target verifies on a draft
 worker. (Prompt lookup, which needs no model, drafts in the coordinator:
-``coordinator.lookup``.)
+``outrider.coordinator.lookup``.)
 
 A drafter is one class with ``kind``, ``model_name``, ``runner`` and
 ``propose(session, k)``, an engine job (:mod:`outrider.engine.core`): a model

@@ -18,7 +18,8 @@ dozens of steps — for ever, in a range no step comes back to.
 
 ``steps`` counts the forward passes begun since start, and ``running_s``
 says how long the one under way has run: a worker whose count moves, or
-whose step began lately, is busy, not frozen (``coordinator.workers.grpc_client.answer_of``).
+whose step began lately, is busy, not frozen
+(``outrider.coordinator.workers.grpc_client.answer_of``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ prefix. Prometheus reserves colons for recording rules (its naming guide:
 "exporters should not use colons"), so the separator is an underscore.
 
 The coordinator's request and speculation metrics live beside its round
-loop, in :mod:`coordinator.metrics`, with the same registry and names.
+loop, in :mod:`outrider.coordinator.metrics`, with the same registry and names.
 
 Workers: ``outrider_worker_sessions_active`` and
 ``outrider_worker_cached_tokens`` (read from the session store at scrape

@@ -5,7 +5,7 @@ its own ``block_size`` token ids), so one name stands for the whole prefix
 up to the end of its block, as vLLM v1 names its cache blocks. A worker's
 prefix cache (:mod:`outrider.engine.kv_cache`) finds a prompt's cached
 blocks by these names, and the coordinator routes a session to the replica
-that was last sent its prefix (:mod:`coordinator.workers.prefixes`) by the
+that was last sent its prefix (:mod:`outrider.coordinator.workers.prefixes`) by the
 same names. No torch: the coordinator imports this.
 
 SHA-256, not Python's ``hash``: a collision would hand one request another

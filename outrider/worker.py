@@ -95,7 +95,7 @@ def rank_threads(config: EngineConfig) -> int:
 @dataclass(frozen=True)
 class WorkerRole:
     """What makes a worker a draft or a target worker; each worker package
-    defines one (``draft_worker.main.ROLE``, ``target_worker.main.ROLE``)."""
+    defines one (``outrider.draft_worker.main.ROLE``, ``outrider.target_worker.main.ROLE``)."""
 
     name: str
     """draft or target"""

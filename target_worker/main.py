@@ -13,10 +13,10 @@ from outrider.logging import get_logger
 from outrider.rpc import run_service
 from outrider.session import SessionStore
 from outrider.startup import check_worker
+from outrider.target_worker.service import TargetWorkerService
+from outrider.target_worker.sessions import TargetInfo, TargetSessions
 from outrider.v1 import worker_pb2, worker_pb2_grpc
 from outrider.worker import WorkerRole, checkpoint_of, load_model, serve_worker
-from target_worker.service import TargetWorkerService
-from target_worker.sessions import TargetInfo, TargetSessions
 
 log = get_logger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from outrider.session_stream import SessionServicer
+from outrider.target_worker.sessions import TargetSessions
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
@@ -13,7 +14,6 @@ from outrider.wire import (
     sampling_from_pb,
     verdict_to_pb,
 )
-from target_worker.sessions import TargetSessions
 
 
 class TargetWorkerService(SessionServicer, worker_pb2_grpc.TargetWorkerServicer):

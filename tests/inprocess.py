@@ -1,5 +1,5 @@
 """In-process worker clients: the coordinator's ``TargetClient`` and
-``DraftClient`` protocols (``coordinator.workers``) over the workers' sessions
+``DraftClient`` protocols (``outrider.coordinator.workers``) over the workers' sessions
 and engines in this process, no gRPC — so the whole speculative loop runs in
 one process, with the same loop code as across three."""
 
@@ -9,13 +9,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
-from coordinator.workers.protocol import Judged, Reply, WorkerInfo
-from draft_worker.sessions import DraftSessions
+from outrider.coordinator.workers.protocol import Judged, Reply, WorkerInfo
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.engine import Engine, InlineEngine
 from outrider.hidden_states import NONE, HiddenStates
 from outrider.sampling import SamplingParams
 from outrider.speculation import Proposal
-from target_worker.sessions import TargetSessions
+from outrider.target_worker.sessions import TargetSessions
 
 
 class InProcessTargetClient:

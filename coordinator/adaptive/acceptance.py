@@ -1,7 +1,7 @@
 """What the drafts had accepted: every session's drafting rounds, decayed,
 for the whole deployment and, where the drafter knows what its drafts rest
 on (prompt lookup: the n of its match), depth by depth for each such
-evidence — what the plan of K (:mod:`coordinator.adaptive.planner`) weighs each
+evidence — what the plan of K (:mod:`outrider.coordinator.adaptive.planner`) weighs each
 session's drafts by. A property of the draft and target models, the same
 on every replica.
 """
@@ -42,7 +42,7 @@ class Acceptance:
         ``evidence``: counted by depth under its evidence, or where it has
         none (a model's drafts) in :attr:`alpha` — which then prices a
         model's drafts, whatever a lookup beside it drafts
-        (:mod:`coordinator.round_loop`)."""
+        (:mod:`outrider.coordinator.round_loop`)."""
         judged = num_accepted + (num_accepted < num_drafts)
         if evidence is not None:
             self.by_evidence.setdefault(evidence, Depths()).observe(num_drafts, num_accepted)

@@ -1,10 +1,10 @@
 """The cost model of each target replica: its step costs
-(:mod:`coordinator.adaptive.step_costs`), the adaptive sessions that run
-on it, and their plan (:func:`coordinator.adaptive.planner.plan`), made
+(:mod:`outrider.coordinator.adaptive.step_costs`), the adaptive sessions that run
+on it, and their plan (:func:`outrider.coordinator.adaptive.planner.plan`), made
 again after a target step or when the sessions change. Sessions share
 steps only with those on the same engine, so each target replica has its
 own model; what the drafts had accepted is one record for all
-(:mod:`coordinator.adaptive.acceptance`).
+(:mod:`outrider.coordinator.adaptive.acceptance`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.adaptive.acceptance import Acceptance
-from coordinator.adaptive.planner import Bid, Plan, plan
-from coordinator.adaptive.step_costs import StepCosts
+from outrider.coordinator.adaptive.acceptance import Acceptance
+from outrider.coordinator.adaptive.planner import Bid, Plan, plan
+from outrider.coordinator.adaptive.step_costs import StepCosts
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -42,7 +42,7 @@ proportion to the others' share of the steps (none for a session alone)."""
 
 
 class Bidder(Protocol):
-    """A session the plan chooses K for (:class:`coordinator.adaptive.session.AdaptiveK`)."""
+    """A session the plan chooses K for (:class:`~.session.AdaptiveK`)."""
 
     def bid(self) -> Bid: ...
 
@@ -112,12 +112,12 @@ class CostModel(StepCosts):
             self._version += 1
 
     def changed(self) -> None:
-        """A session's offer changed (:meth:`coordinator.adaptive.session.AdaptiveK.offer`)."""
+        """A session's offer changed (:meth:`~.session.AdaptiveK.offer`)."""
         self._version += 1
 
     def plan(self) -> Plan:
         """The K of every adaptive session that maximises the goodput
-        (:func:`coordinator.adaptive.planner.plan`), made again after a
+        (:func:`outrider.coordinator.adaptive.planner.plan`), made again after a
         target step or when the sessions change — but taking at most
         ``planning_share`` of the time (a session the plan does not know
         yet drafts nothing)."""
@@ -199,7 +199,7 @@ class CostModels:
     """A coordinator's cost models, one for each target replica its sessions
     run on: sessions share steps only with those on the same engine, and
     each engine reports its own costs and load. What the drafts had
-    accepted is shared (:class:`coordinator.adaptive.acceptance.Acceptance`). The
+    accepted is shared (:class:`outrider.coordinator.adaptive.acceptance.Acceptance`). The
     draft's costs are those of whichever draft replica answered a model's
     sessions last.
 

@@ -10,14 +10,14 @@ With per-token acceptance α and K drafts, a round commits
 tokens (Leviathan et al. 2023); its j-th draft adds α^j of them — in
 general S(j), the chance that it and every draft before it are accepted,
 which for drafts copied from the history (prompt lookup) is measured depth
-by depth (:mod:`coordinator.adaptive.acceptance`). Sessions share steps:
+by depth (:mod:`outrider.coordinator.adaptive.acceptance`). Sessions share steps:
 the target verifies every session's round in one forward pass of
 T = Σ (K_i + 1) tokens in R rows (one a session), which costs c(T; R); the
 draft drafts in steps of every session drafting, n_j rows of a token at the
 j-th draft of a round, each costing d(n_j) (drafts looked up in the
 coordinator take no row); w and w_d are the engines' work
 between steps per row, and o the coordinator's overhead
-(:mod:`coordinator.adaptive.step_costs`). So a round costs
+(:mod:`outrider.coordinator.adaptive.step_costs`). So a round costs
 
     C = o + Σ_j (d(n_j) + w_d·n_j) + c(T; R) + w·R
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.adaptive.step_costs import StepCosts
+from outrider.coordinator.adaptive.step_costs import StepCosts
 from outrider.logging import get_logger
 
 log = get_logger(__name__)
@@ -77,7 +77,7 @@ class Bid:
     """The K of its last verified round: its share of the target's steps."""
     pipelined: bool = False
     looked_up: bool = False
-    """Its drafts are looked up in the coordinator (:mod:`coordinator.lookup`):
+    """Its drafts are looked up in the coordinator (:mod:`outrider.coordinator.lookup`):
     they cost the draft no step."""
 
 

@@ -1,7 +1,7 @@
 """One session's adaptive K: how many tokens it drafts next round.
 
 Its K is its share of the plan of the target replica it runs on
-(:mod:`coordinator.adaptive.cost_model`), and never more than the
+(:mod:`outrider.coordinator.adaptive.cost_model`), and never more than the
 target's CUDA graphs hold. The plan weighs its drafts by its acceptance α:
 its own drafting rounds, drawn toward what every session has seen. At
 K = 0 a session learns nothing of its α, so every ``probe_every`` rounds
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.adaptive.cost_model import CostModel
-from coordinator.adaptive.planner import Bid
+from outrider.coordinator.adaptive.cost_model import CostModel
+from outrider.coordinator.adaptive.planner import Bid
 
 LEARNING_K = 4
 """K of a round drafted to learn what drafting costs, before any was measured."""
@@ -121,7 +121,7 @@ class AdaptiveK:
         commits: the chance that it and every draft before it are accepted,
         α^j — or, for drafts on evidence, what every session's drafts on
         the same evidence had at each depth
-        (:meth:`coordinator.adaptive.acceptance.Acceptance.survival_of`)."""
+        (:meth:`outrider.coordinator.adaptive.acceptance.Acceptance.survival_of`)."""
         if self.evidence is not None:
             return self.costs.acceptance.survival_of(self.evidence, k, PRIOR_TOKENS)
         return self.alpha ** np.arange(1, k + 1)
@@ -172,7 +172,7 @@ class AdaptiveK:
         self.rejected = self.decay * self.rejected + (1 if num_accepted < num_drafts else 0)
 
     def bid(self) -> Bid:
-        """What the plan knows of it (:class:`coordinator.adaptive.planner.Bid`)."""
+        """What the plan knows of it (:class:`outrider.coordinator.adaptive.planner.Bid`)."""
         return Bid(
             key=self.key,
             gains=tuple(float(g) for g in self.gains(self.k_most)),

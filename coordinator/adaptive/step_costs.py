@@ -1,4 +1,4 @@
-"""What rounds cost, as adaptive K (:mod:`coordinator.adaptive`) prices
+"""What rounds cost, as adaptive K (:mod:`outrider.coordinator.adaptive`) prices
 them: the target's and the draft's step costs by rows and tokens, which the
 engines measure and report with every answer (``outrider.engine_load``), each
 with the engine's own work between its forward passes; and what the
@@ -152,7 +152,7 @@ class StepCosts:
         prefix too: K = 0), ``drafted`` by the draft model a step each, or
         looked up for nothing — or, before the target's steps are measured,
         the most tokens a round. A round of K costs
-        o + K·(d(1) + w_d) + c(K + 1; 1) + w (:mod:`coordinator.adaptive.planner`)."""
+        o + K·(d(1) + w_d) + c(K + 1; 1) + w (:mod:`outrider.coordinator.adaptive.planner`)."""
         k = np.arange(len(gains) + 1.0)
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
         if not self.measured:

@@ -2,7 +2,7 @@
 ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed as
 server-sent events or not, ``GET /v1/models``, ``GET /health`` and
 ``GET /version``, on uvicorn in the coordinator's event loop. Requests are
-validated by the same :class:`coordinator.requests.RequestBuilder` as gRPC
+validated by the same :class:`outrider.coordinator.requests.RequestBuilder` as gRPC
 requests and run by the same round loop; errors are OpenAI's error object.
 
 * ``schemas``: the request bodies; ``app``: the routes and the translation

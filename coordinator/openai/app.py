@@ -17,9 +17,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.requests import FieldNames, RequestParams
-from coordinator.service import CoordinatorService
 from outrider import errors
+from outrider.coordinator.requests import FieldNames, RequestParams
+from outrider.coordinator.service import CoordinatorService
 from outrider.logging import bind_contextvars
 from outrider.rpc import REQUEST_ID_KEY, Drain
 from outrider.sampling_params import Verification

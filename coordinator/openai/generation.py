@@ -27,8 +27,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from coordinator.request_stats import Stats
-from coordinator.round_loop import Delta
+from outrider.coordinator.request_stats import Stats
+from outrider.coordinator.round_loop import Delta
 from outrider.rpc import Drain
 
 from .errors import status_and_error

@@ -18,7 +18,7 @@ structured output (one of them at most).
 Tools are checked here too (``tools``, ``tool_choice``, the messages'
 ``tool_calls`` and ``tool_call_id``): ``tool_choice`` ``"required"`` or a
 named function is a structured output like ``response_format``, a grammar
-of the calls (``coordinator.openai.tool_calls``).
+of the calls (``outrider.coordinator.openai.tool_calls``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from coordinator.chat_template import ChatMessage, ToolCall
+from outrider.coordinator.chat_template import ChatMessage, ToolCall
 from outrider.errors import InvalidArgument
 from outrider.sampling_params import MAX_LOGPROBS, StructuredOutput
 

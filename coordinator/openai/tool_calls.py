@@ -1,6 +1,6 @@
 """Tool calls in Hermes' format (``<tool_call>\\n{"name": ..., "arguments":
 {...}}\\n</tool_call>``, which Qwen, Hermes and many others emit and which
-``coordinator.chat_template`` asks for): the parser that turns a choice's
+``outrider.coordinator.chat_template`` asks for): the parser that turns a choice's
 output into content and calls, as the output grows, and the grammar that
 makes the model call a tool (``tool_choice`` ``"required"`` or a named
 function).
@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator.chat_template import TOOL_CALL_END, TOOL_CALL_START, ToolCall
+from outrider.coordinator.chat_template import TOOL_CALL_END, TOOL_CALL_START, ToolCall
 from outrider.grammar import JSON_LAYOUT
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -7,7 +7,7 @@ of the EndpointSlices labelled ``kubernetes.io/service-name=SERVICE``;
 :class:`EndpointSliceWatch` follows them the way client-go's reflector does
 (list, then watch from the list's resourceVersion; list again when the watch
 expires with 410 Gone or fails; back off on API errors) and reports every
-change of the endpoint set to the routing table (``coordinator.workers.replicas``).
+change of the endpoint set to the routing table (``outrider.coordinator.workers.replicas``).
 
 What an endpoint's conditions (discovery.k8s.io/v1) mean for routing:
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.workers.protocol import (
+from outrider.coordinator.workers.protocol import (
     DraftClient,
     DraftSession,
     Reply,

@@ -1,4 +1,4 @@
-"""The worker protocols (``coordinator.workers.protocol``) over gRPC: one
+"""The worker protocols (``outrider.coordinator.workers.protocol``) over gRPC: one
 bidirectional stream per session, and a busy worker told from a frozen one.
 """
 
@@ -10,12 +10,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from coordinator.workers.protocol import (
+from outrider.coordinator.workers.protocol import (
     Judged,
     Reply,
     WorkerInfo,
 )
-from coordinator.workers.replicas import Replica, Replicas
+from outrider.coordinator.workers.replicas import Replica, Replicas
 from outrider.engine_load import EngineLoad
 from outrider.errors import SessionExpired, Unavailable
 from outrider.hidden_states import NONE, HiddenStates

@@ -1,6 +1,6 @@
 """How the round loop talks to its workers: the small protocols it sees.
 
-``coordinator.workers.grpc_client`` implements them over gRPC (one
+``outrider.coordinator.workers.grpc_client`` implements them over gRPC (one
 bidirectional stream per session). The test suite has an in-process
 implementation (``tests/inprocess.py``) that calls the workers' engines
 directly, so the whole speculative loop also runs in one process — the same

@@ -5,18 +5,18 @@ A session is one bidirectional stream on one replica's channel, so it stays
 pinned to the replica it opened on; only new sessions are routed — to a
 replica that takes sessions, one that has not just failed first, the one
 most likely to hold the session's prefix in its cache within a bound on its
-load (``coordinator.workers.prefixes``), else the least loaded.
+load (``outrider.coordinator.workers.prefixes``), else the least loaded.
 
 Members are the static ``HOST:PORT`` addresses (fixed) and the endpoints of
 each ``k8s://`` address, which a watch of the Service's EndpointSlices keeps
-in step (``coordinator.workers.discovery``):
+in step (``outrider.coordinator.workers.discovery``):
 
 * a new endpoint joins (its channel connects lazily);
 * one that turns not ready drains: it gets no new sessions, its open streams
   go on (the pod may be finishing them while it terminates);
 * one that disappears (its pod is deleted) is dropped and its channel closed,
   so its streams fail at once and recovery takes over
-  (``coordinator.workers.draft_link``, ``target_link``): the target session
+  (``outrider.coordinator.workers.draft_link``, ``target_link``): the target session
   is reopened on another replica from the history, the draft goes on at
   K = 0 until it can be reopened.
 
@@ -38,9 +38,9 @@ from typing import Any
 
 import grpc
 
-from coordinator.workers import discovery
-from coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
-from coordinator.workers.prefixes import PrefixIndex, prompt_names
+from outrider.coordinator.workers import discovery
+from outrider.coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
+from outrider.coordinator.workers.prefixes import PrefixIndex, prompt_names
 from outrider.engine_load import EngineLoad
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
@@ -270,7 +270,7 @@ class Replicas:
 
     def pick(self, names: Sequence[bytes] = ()) -> Replica:
         """The replica for a new session on the prompt blocks ``names``
-        (:func:`coordinator.workers.prefixes.prompt_names`): one that takes
+        (:func:`outrider.coordinator.workers.prefixes.prompt_names`): one that takes
         sessions, not recently failed, then the one most likely to hold the
         longest prefix of them among those its load allows
         (:meth:`PrefixIndex.choose`), then the least loaded, ties taken in turn."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from coordinator.workers.protocol import Judged, Reply, TargetClient, TargetSession
+from outrider.coordinator.workers.protocol import Judged, Reply, TargetClient, TargetSession
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.sampling_params import SamplingParams

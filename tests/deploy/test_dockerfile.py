@@ -62,13 +62,16 @@ def test_the_final_stage_installs_nothing_and_copies_only_the_venv():
 
 
 def test_the_image_holds_every_python_package_of_the_project():
-    """The builder copies each package pyproject.toml installs, and
-    .dockerignore lets each through."""
+    """The builder copies the package pyproject.toml installs and each folder
+    its links lead to (the services'), and .dockerignore lets each through."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {
+    (package,) = (
         p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
+    )
+    links = [path for path in (ROOT / package).iterdir() if path.is_symlink()]
+    packages = {package, *(link.resolve().relative_to(ROOT).as_posix() for link in links)}
+    assert packages == {"outrider", "coordinator", "draft_worker", "target_worker"}
     copied = {m.group(1) for i in stages()[1] if (m := re.match(r"COPY (\w+) \./\1$", i))}
     assert copied == packages
     allowed = set((ROOT / ".dockerignore").read_text().split())

@@ -14,16 +14,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from coordinator.lookup import PromptLookup
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.openai import HttpServer, create_app, start_http_server
-from coordinator.requests import SpeculationDefaults
-from coordinator.served_models import Models
-from coordinator.service import CoordinatorService
-from coordinator.suffix import SuffixDecoding
-from coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
-from draft_worker import main as draft_main
-from draft_worker.sessions import DraftSessions
 from outrider.config import (
     DraftWorkerConfig,
     EngineConfig,
@@ -33,13 +23,23 @@ from outrider.config import (
     TargetWorkerConfig,
     WorkerLimits,
 )
+from outrider.coordinator.lookup import PromptLookup
+from outrider.coordinator.metrics import CoordinatorMetrics
+from outrider.coordinator.openai import HttpServer, create_app, start_http_server
+from outrider.coordinator.requests import SpeculationDefaults
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.service import CoordinatorService
+from outrider.coordinator.suffix import SuffixDecoding
+from outrider.coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
+from outrider.draft_worker import main as draft_main
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
+from outrider.target_worker import main as target_main
+from outrider.target_worker.sessions import TargetSessions
 from outrider.v1 import coordinator_pb2_grpc
 from outrider.worker import AnyEngine, open_worker
-from target_worker import main as target_main
-from target_worker.sessions import TargetSessions
 
 SERVICE = ServiceConfig()
 

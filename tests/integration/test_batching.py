@@ -244,8 +244,8 @@ async def test_a_model_outside_the_llama_family_still_serves_through_the_fallbac
 async def test_int4_draft_steps_batched_across_sessions_propose_what_each_session_proposes_alone(
     tiny_target_dir,
 ):
-    from draft_worker import main as draft_main
     from outrider.config import DraftWorkerConfig, ServiceConfig
+    from outrider.draft_worker import main as draft_main
     from outrider.worker import open_worker
 
     config = DraftWorkerConfig(
@@ -287,8 +287,8 @@ async def test_a_speculation_proposes_what_a_round_after_its_assumption_would(
     exactly what a fresh round after that history proposes; when the
     assumption holds, the next round syncs it from the cache the
     speculation left, and when it fails, rolls back to the committed part."""
-    from draft_worker import main as draft_main
     from outrider.config import DraftWorkerConfig, ServiceConfig
+    from outrider.draft_worker import main as draft_main
     from outrider.worker import open_worker
 
     config = DraftWorkerConfig(

@@ -23,10 +23,10 @@ import kmock
 import pytest
 from kubernetes import client as k8s
 
-from coordinator.workers.grpc_client import GrpcTargetClient
-from coordinator.workers.replicas import Replicas
 from outrider.client import AsyncClient
 from outrider.config import Recovery
+from outrider.coordinator.workers.grpc_client import GrpcTargetClient
+from outrider.coordinator.workers.replicas import Replicas
 from outrider.errors import Unavailable
 from outrider.rpc import start_server
 from outrider.sampling import SamplingParams

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.served_models import Models
-from coordinator.workers.protocol import WorkerInfo
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.eagle.drafter import EagleDrafter
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import EagleHead, HeadConfig

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.client import AsyncClient
 from outrider.config import Recovery
+from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.eagle.drafter import EagleDrafter
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import load_head
@@ -24,7 +24,7 @@ from outrider.engine.llama import LlamaForward
 from outrider.engine.runner import PagedRunner
 from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
-from target_worker.sessions import TargetInfo, TargetSessions
+from outrider.target_worker.sessions import TargetInfo, TargetSessions
 from tests.integration.harness import reference_greedy, running_stack
 from tests.integration.test_worker_loss import stream_and_then
 

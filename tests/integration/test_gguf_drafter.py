@@ -128,7 +128,7 @@ async def test_the_drafts_of_concurrent_sessions_share_decodes(
 async def test_a_gguf_over_another_vocabulary_is_refused_at_start(
     tiny_target_dir, tiny_gguf_other_vocab
 ):
-    from coordinator.main import serve as serve_coordinator
+    from outrider.coordinator.main import serve as serve_coordinator
 
     async with running_stack(
         tiny_target_dir, drafter="gguf", draft_dir=tiny_gguf_other_vocab

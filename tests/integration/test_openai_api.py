@@ -15,9 +15,9 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from coordinator.openai import create_app
 from outrider.client import AsyncClient
 from outrider.config import Recovery, WorkerLimits
+from outrider.coordinator.openai import create_app
 from outrider.rpc import Drain
 from outrider.security import ServerTls
 from tests.integration.harness import running_stack

@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from coordinator.openai.tool_calls import call_grammar
+from outrider.coordinator.openai.tool_calls import call_grammar
 from tests.integration.harness import running_stack
 from tests.tiny import EOS_TOKEN_ID, build_tiny_model_dir
 

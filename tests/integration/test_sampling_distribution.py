@@ -5,7 +5,7 @@ A tiny Llama with a 16-token vocabulary is the target. For each sampling
 setting and each verification mode, many seeded generations (seeds
 0 .. N-1, every seed an independent draw: all randomness is keyed by
 (seed, stream, position)) of 4 new tokens with K = 2 draft tokens run
-through ``coordinator.round_loop.generate`` with the in-process worker clients and
+through ``outrider.coordinator.round_loop.generate`` with the in-process worker clients and
 the real target and draft engines. The first token comes from the target's
 prefill (a round without drafts); the rounds after it draft. The empirical
 distribution of each of the four generated tokens (the marginals at
@@ -61,16 +61,16 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-import coordinator.round_loop as loop_module
-import target_worker.sessions as target_sessions_module
-from coordinator.lookup import PromptLookup
-from coordinator.requests import GenerationRequest
-from coordinator.round_loop import generate
-from coordinator.served_models import Models
-from coordinator.suffix import SuffixDecoding
-from coordinator.workers.protocol import WorkerInfo
-from draft_worker.sessions import DraftInfo, DraftSessions
+import outrider.coordinator.round_loop as loop_module
+import outrider.target_worker.sessions as target_sessions_module
 from outrider.config import Recovery
+from outrider.coordinator.lookup import PromptLookup
+from outrider.coordinator.requests import GenerationRequest
+from outrider.coordinator.round_loop import generate
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.suffix import SuffixDecoding
+from outrider.coordinator.workers.protocol import WorkerInfo
+from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import GgufDrafter, ModelDrafter
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
@@ -78,8 +78,8 @@ from outrider.engine.llama import LlamaForward
 from outrider.engine.runner import FallbackRunner, PagedRunner
 from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
 from outrider.session import SessionStore
+from outrider.target_worker.sessions import TargetInfo, TargetSessions
 from outrider.verify import Verdict
-from target_worker.sessions import TargetInfo, TargetSessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.tiny import build_tiny_gguf, build_tiny_llama
 

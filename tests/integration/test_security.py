@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.workers.replicas import Replicas
 from outrider.client import AsyncClient
+from outrider.coordinator.workers.replicas import Replicas
 from outrider.rpc import start_server
 from outrider.security import ClientTls, ServerTls, load_tokens
 from outrider.v1 import worker_pb2_grpc

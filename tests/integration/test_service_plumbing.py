@@ -35,7 +35,7 @@ async def test_model_info_describes_target_and_drafter(tiny_target_dir):
 async def test_the_coordinator_learns_how_many_tokens_a_row_the_targets_graphs_hold(
     tiny_target_dir, monkeypatch
 ):
-    """(Adaptive K stays within them: coordinator.adaptive.session.adaptive_k_max.) On
+    """(Adaptive K stays within them: outrider.coordinator.adaptive.session.adaptive_k_max.) On
     the CPU no step is graphed; a CUDA target's runner reports its largest
     bucket (tests/cuda), stood in for here."""
     from outrider.engine.runner import PagedRunner

@@ -37,10 +37,10 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import PreTrainedTokenizerFast
 
-from coordinator.lookup import PromptLookup
-from coordinator.served_models import Models
-from coordinator.workers.protocol import WorkerInfo
-from draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.coordinator.lookup import PromptLookup
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import WorkerInfo
+from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import ModelDrafter
 from outrider.engine import InlineEngine
 from outrider.errors import InvalidArgument
@@ -48,7 +48,7 @@ from outrider.grammar import Grammars
 from outrider.sampling import SamplingParams, constrain, probabilities
 from outrider.sampling_params import StructuredOutput
 from outrider.session import SessionStore
-from target_worker.sessions import TargetInfo, TargetSessions
+from outrider.target_worker.sessions import TargetInfo, TargetSessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.integration.test_sampling_distribution import (
     ALPHA,

@@ -13,10 +13,10 @@ from itertools import pairwise
 import grpc
 import pytest
 
-from coordinator.workers.draft_link import DraftLink
-from draft_worker.service import DraftWorkerService
 from outrider.client import AsyncClient
 from outrider.config import Recovery
+from outrider.coordinator.workers.draft_link import DraftLink
+from outrider.draft_worker.service import DraftWorkerService
 from outrider.rpc import start_server
 from outrider.v1 import worker_pb2_grpc
 from tests.integration.harness import reference_greedy, running_stack
@@ -327,7 +327,7 @@ async def test_a_busy_target_is_waited_for_and_never_declared_lost(
     # and than the open deadline once a prefill is measured: a worker whose
     # engine keeps stepping is busy, not frozen, so its sessions are waited
     # for — never reopened (with one attempt, a reopen would fail the request).
-    from target_worker.sessions import TargetSessions
+    from outrider.target_worker.sessions import TargetSessions
 
     opened = []
     open_session = TargetSessions.open

@@ -30,10 +30,10 @@ import transformers.core_model_loading  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import coordinator.main  # noqa: F401
-import draft_worker.main  # noqa: F401
 import outrider.cli  # noqa: F401
-import target_worker.main  # noqa: F401
+import outrider.coordinator.main  # noqa: F401
+import outrider.draft_worker.main  # noqa: F401
+import outrider.target_worker.main  # noqa: F401
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 

@@ -192,7 +192,7 @@ def test_serve_coordinator_puts_pipeline_into_its_config(monkeypatch):
     from outrider.cli import main
 
     configs = []
-    monkeypatch.setattr("coordinator.main.main", configs.append)
+    monkeypatch.setattr("outrider.coordinator.main.main", configs.append)
     monkeypatch.setattr("outrider.logging.configure_logging", lambda level: None)
     assert (
         main(
@@ -351,7 +351,7 @@ def test_nested_config_fields_are_flags_and_variables_too(monkeypatch):
 )
 def test_a_worker_sets_a_short_openmp_spin_before_torch_loads(role, env, expected):
     # The role's main is replaced by one that reports the variable it runs with.
-    package = {"target": "target_worker", "draft": "draft_worker"}.get(role, role)
+    package = "outrider." + {"target": "target_worker", "draft": "draft_worker"}.get(role, role)
     argv = ["serve", role] + (["--target", "127.0.0.1:1"] if role == "coordinator" else [])
     script = f"""
 import os, sys, types

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
+from outrider.coordinator.workers.discovery import EndpointSliceWatch, ServiceRef
 
 
 def parse(address: str) -> ServiceRef:
@@ -91,7 +91,7 @@ def test_ports_are_found_by_name_or_given_by_number_and_ipv6_is_bracketed():
 def test_a_replica_that_keeps_failing_is_passed_over_longer_each_time():
     import time
 
-    from coordinator.workers.replicas import Replica
+    from outrider.coordinator.workers.replicas import Replica
 
     replica = Replica("127.0.0.1:1", channel=None, stub=None)
     downs = []

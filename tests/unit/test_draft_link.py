@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import structlog.testing
 
-from coordinator.workers.draft_link import DraftLink
-from coordinator.workers.protocol import Reply, WorkerInfo
+from outrider.coordinator.workers.draft_link import DraftLink
+from outrider.coordinator.workers.protocol import Reply, WorkerInfo
 from outrider.errors import Unavailable
 from outrider.hidden_states import HiddenStates
 from outrider.sampling import SamplingParams

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.eagle.drafter import EagleDrafter
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import EagleHead, HeadConfig
@@ -18,7 +18,7 @@ from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.hidden_states import HiddenStates
 from outrider.sampling_params import SamplingParams
 from outrider.session import SessionStore
-from target_worker.sessions import TargetInfo, TargetSessions
+from outrider.target_worker.sessions import TargetInfo, TargetSessions
 
 CONFIG = LlamaConfig(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -70,8 +70,8 @@ def test_a_head_refuses_hidden_states_of_the_wrong_width_or_count(draft):
 
 
 def test_a_model_drafter_refuses_hidden_states(tiny_target_dir):
-    from draft_worker.main import build_sessions
     from outrider.config import DraftWorkerConfig, EngineConfig
+    from outrider.draft_worker.main import build_sessions
 
     sessions = build_sessions(
         DraftWorkerConfig(

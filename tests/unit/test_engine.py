@@ -461,7 +461,7 @@ async def test_a_shut_down_engine_answers_the_jobs_it_held(llama):
 async def test_a_round_refused_after_its_forward_pass_leaves_the_cache_as_it_was(llama):
     from outrider.sampling import SamplingParams, Verification, compact
     from outrider.session import SessionStore
-    from target_worker.sessions import TargetInfo, TargetSessions
+    from outrider.target_worker.sessions import TargetInfo, TargetSessions
 
     runner = paged(llama)
     info = TargetInfo(model_name="t", vocab_size=97, vocab_fingerprint="", max_context=200)

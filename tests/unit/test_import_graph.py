@@ -1,24 +1,53 @@
-"""No module of the product imports in a circle — counting the imports
-inside functions and under TYPE_CHECKING, which hide a circle rather than
-remove it."""
+"""The product's imports: one top-level name, no circle — counting the
+imports inside functions and under TYPE_CHECKING, which hide a circle rather
+than remove it — and none running back up the layers."""
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("outrider", "coordinator", "draft_worker", "target_worker")
+SERVICES = ("coordinator", "draft_worker", "target_worker")
 
 
-def module_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+def module_files(root: Path = ROOT, package: str = "outrider") -> dict[str, Path]:
+    """Module name → file, through the links by which the services' folders
+    at the root are the package's subpackages."""
     files = {}
-    for package in packages:
-        for path in (root / package).rglob("*.py"):
-            parts = path.relative_to(root).with_suffix("").parts
+    for folder, _, names in os.walk(root / package, followlinks=True):
+        for file in names:
+            if not file.endswith(".py"):
+                continue
+            parts = Path(folder, file).relative_to(root).with_suffix("").parts
             if "v1" in parts:  # generated
                 continue
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            files[name] = path
+            files[name] = Path(folder, file)
     return files
+
+
+def test_the_services_are_subpackages_of_outrider():
+    files = module_files()
+    for service in SERVICES:
+        assert (ROOT / "outrider" / service).resolve() == ROOT / service
+        assert f"outrider.{service}.main" in files
+
+
+def test_every_import_of_the_product_goes_through_outrider():
+    """A bare ``coordinator`` import would load a second copy of the module
+    from a checkout and fail where the package is installed."""
+    sources = [*module_files().values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("scripts/*.py")]
+    bare = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            bare += [(str(path), n) for n in names if n.split(".")[0] in SERVICES]
+    assert bare == []
 
 
 def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
@@ -87,7 +116,7 @@ def test_a_circle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path)
     )
     (package / "c.py").write_text("import pkg.a\n")
     (package / "d.py").write_text("from pkg.a import f\n")
-    graph = import_graph(module_files(tmp_path, ("pkg",)))
+    graph = import_graph(module_files(tmp_path, "pkg"))
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.c"}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 

@@ -7,7 +7,7 @@ import sys
 def test_the_coordinator_tokenizes_and_builds_its_service_without_torch(tiny_target_dir):
     code = f"""
 import sys
-import coordinator.main
+import outrider.coordinator.main
 from outrider import models
 
 tokenizer = models.load_tokenizer({str(tiny_target_dir)!r})

@@ -9,17 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from coordinator.adaptive.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
-from coordinator.adaptive.cost_model import CostModel
-from coordinator.adaptive.session import AdaptiveK
-from coordinator.lookup import Match, PromptLookup
-from coordinator.requests import GenerationRequest
-from coordinator.round_loop import generate
-from coordinator.served_models import Models
 from outrider.config import EngineConfig, ServiceConfig, TargetWorkerConfig
+from outrider.coordinator.adaptive.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
+from outrider.coordinator.adaptive.cost_model import CostModel
+from outrider.coordinator.adaptive.session import AdaptiveK
+from outrider.coordinator.lookup import Match, PromptLookup
+from outrider.coordinator.requests import GenerationRequest
+from outrider.coordinator.round_loop import generate
+from outrider.coordinator.served_models import Models
 from outrider.engine_load import EngineLoad
+from outrider.target_worker.main import build_sessions as build_target_sessions
 from outrider.worker import start_engine
-from target_worker.main import build_sessions as build_target_sessions
 from tests.inprocess import InProcessTargetClient
 from tests.integration.harness import reference_greedy
 

@@ -99,9 +99,9 @@ async def test_a_finished_request_adds_its_speculation_hits_and_misses():
 
     from prometheus_client import CollectorRegistry
 
-    from coordinator.metrics import CoordinatorMetrics
-    from coordinator.request_stats import Stats
-    from coordinator.round_loop import Delta
+    from outrider.coordinator.metrics import CoordinatorMetrics
+    from outrider.coordinator.request_stats import Stats
+    from outrider.coordinator.round_loop import Delta
 
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry, model_name="m", max_num_speculative_tokens=4)

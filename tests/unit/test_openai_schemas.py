@@ -6,15 +6,20 @@ generations, and the request builder names fields as the HTTP API does."""
 import pytest
 from pydantic import ValidationError
 
-from coordinator.openai.app import body_params
-from coordinator.openai.errors import body_error, status_and_error
-from coordinator.openai.generation import speculative_decoding, usage
-from coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
-from coordinator.request_stats import Stats
-from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationDefaults
-from coordinator.served_models import Models
-from coordinator.workers.protocol import WorkerInfo
 from outrider import errors
+from outrider.coordinator.openai.app import body_params
+from outrider.coordinator.openai.errors import body_error, status_and_error
+from outrider.coordinator.openai.generation import speculative_decoding, usage
+from outrider.coordinator.openai.schemas import ChatCompletionRequest, CompletionRequest
+from outrider.coordinator.request_stats import Stats
+from outrider.coordinator.requests import (
+    FieldNames,
+    RequestBuilder,
+    RequestParams,
+    SpeculationDefaults,
+)
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import WorkerInfo
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

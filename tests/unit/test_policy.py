@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.adaptive.cost_model import PLAN_ERROR, CostModel, CostModels
-from coordinator.adaptive.planner import TIE
-from coordinator.adaptive.session import LEARNING_K, AdaptiveK, adaptive_k_max
+from outrider.coordinator.adaptive.cost_model import PLAN_ERROR, CostModel, CostModels
+from outrider.coordinator.adaptive.planner import TIE
+from outrider.coordinator.adaptive.session import LEARNING_K, AdaptiveK, adaptive_k_max
 from outrider.engine_load import EngineLoad
 
 
@@ -399,7 +399,9 @@ def test_tokens_of_the_others_past_a_row_each_are_priced_but_not_credited():
 
 def test_planning_takes_at_most_its_share_of_the_time(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("coordinator.adaptive.cost_model.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr(
+        "outrider.coordinator.adaptive.cost_model.time.perf_counter", lambda: clock[0]
+    )
     costs = model(cpu, draft_per_token=0.1)
     costs.planning_share = 0.1
     alone = session(costs, alpha=0.9)

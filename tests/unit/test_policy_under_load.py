@@ -20,8 +20,8 @@ import math
 
 import pytest
 
-from coordinator.adaptive.cost_model import CostModel
-from coordinator.adaptive.session import AdaptiveK
+from outrider.coordinator.adaptive.cost_model import CostModel
+from outrider.coordinator.adaptive.session import AdaptiveK
 from outrider.engine_load import EngineLoad
 from tests.unit.test_policy import expected_tokens
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from coordinator.workers.prefixes import BALANCE, prompt_names
-from coordinator.workers.replicas import Replicas
+from outrider.coordinator.workers.prefixes import BALANCE, prompt_names
+from outrider.coordinator.workers.replicas import Replicas
 from outrider.v1 import worker_pb2_grpc
 
 ADDRESSES = ["127.0.0.2:50052", "127.0.0.3:50052"]

@@ -149,8 +149,8 @@ def test_int4_needs_the_llama_family_forward():
 def test_the_int4_draft_worker_quantizes_and_agrees_with_its_target(tiny_target_dir):
     """The test that fails if quantization is silently skipped: the draft
     worker's logits are not the target's, yet their argmax mostly is."""
-    from draft_worker.main import build_sessions
-    from target_worker.main import build_sessions as build_target
+    from outrider.draft_worker.main import build_sessions
+    from outrider.target_worker.main import build_sessions as build_target
 
     limits = WorkerLimits(max_cached_tokens=1024)
     engine = EngineConfig(dtype="float64", threads=1)

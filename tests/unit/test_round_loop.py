@@ -7,21 +7,21 @@ import dataclasses
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.adaptive.cost_model import CostModel, CostModels
-from coordinator.adaptive.session import AdaptiveK
-from coordinator.requests import GenerationRequest
-from coordinator.round_loop import generate
-from coordinator.served_models import Models
-from draft_worker.main import build_sessions as build_draft_sessions
 from outrider.config import (
     DraftWorkerConfig,
     EngineConfig,
     ServiceConfig,
     TargetWorkerConfig,
 )
+from outrider.coordinator.adaptive.cost_model import CostModel, CostModels
+from outrider.coordinator.adaptive.session import AdaptiveK
+from outrider.coordinator.requests import GenerationRequest
+from outrider.coordinator.round_loop import generate
+from outrider.coordinator.served_models import Models
+from outrider.draft_worker.main import build_sessions as build_draft_sessions
 from outrider.errors import Unavailable
+from outrider.target_worker.main import build_sessions as build_target_sessions
 from outrider.worker import start_engine
-from target_worker.main import build_sessions as build_target_sessions
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.integration.harness import reference_greedy
 

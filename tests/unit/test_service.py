@@ -4,11 +4,11 @@ become GenerationStats, the policy becomes ModelInfo."""
 
 import pytest
 
-from coordinator.request_stats import Stats
-from coordinator.requests import SpeculationDefaults
-from coordinator.served_models import Models
-from coordinator.service import CoordinatorService, stats_to_pb
-from coordinator.workers.protocol import WorkerInfo
+from outrider.coordinator.request_stats import Stats
+from outrider.coordinator.requests import SpeculationDefaults
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.service import CoordinatorService, stats_to_pb
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.v1 import coordinator_pb2 as pb
 
 TARGET = WorkerInfo(

@@ -11,9 +11,9 @@ import huggingface_hub.constants
 import pytest
 import torch
 
-from coordinator.main import check_pairing
-from coordinator.workers.protocol import WorkerInfo
 from outrider import startup
+from outrider.coordinator.main import check_pairing
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.startup import StartupError
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from coordinator.suffix import (
+from outrider.coordinator.suffix import (
     MAX_DEPTH,
     SAMPLES,
     Limits,

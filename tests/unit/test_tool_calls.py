@@ -8,18 +8,23 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.chat_template import ChatMessage, ToolCall, render, uses_tools
-from coordinator.openai.schemas import ChatCompletionRequest
-from coordinator.openai.tool_calls import (
+from outrider import errors
+from outrider.coordinator.chat_template import ChatMessage, ToolCall, render, uses_tools
+from outrider.coordinator.openai.schemas import ChatCompletionRequest
+from outrider.coordinator.openai.tool_calls import (
     ToolCallParser,
     call_grammar,
     finish_reason,
     parse,
 )
-from coordinator.requests import FieldNames, RequestBuilder, RequestParams, SpeculationDefaults
-from coordinator.served_models import Models
-from coordinator.workers.protocol import WorkerInfo
-from outrider import errors
+from outrider.coordinator.requests import (
+    FieldNames,
+    RequestBuilder,
+    RequestParams,
+    SpeculationDefaults,
+)
+from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.grammar import Grammars
 from outrider.sampling_params import StructuredOutput
 from tests.tiny import EOS_TOKEN_ID

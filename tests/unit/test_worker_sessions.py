@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from coordinator.workers.grpc_client import GrpcTargetSession, answer_of
-from coordinator.workers.replicas import Replica
+from outrider.coordinator.workers.grpc_client import GrpcTargetSession, answer_of
+from outrider.coordinator.workers.replicas import Replica
 from outrider.errors import Unavailable
 from outrider.speculation import Proposal
 from outrider.v1 import worker_pb2 as pb
