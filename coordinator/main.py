@@ -8,19 +8,20 @@ from typing import Any
 
 from outrider import models
 from outrider.config import CoordinatorConfig, http_port_file
-from outrider.coordinator.lookup import Lookup, PromptLookup
 from outrider.coordinator.metrics import CoordinatorMetrics, SuffixCacheMetrics
 from outrider.coordinator.openai import HttpServer, create_app, start_http_server
 from outrider.coordinator.requests import SpeculationDefaults
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.service import CoordinatorService
-from outrider.coordinator.suffix import Limits, SuffixDecoding
 from outrider.coordinator.workers.grpc_client import (
     GrpcDraftClient,
     GrpcTargetClient,
     GrpcWorkerClient,
 )
 from outrider.coordinator.workers.protocol import WorkerInfo
+from outrider.drafters import COORDINATOR_DRAFTERS, DRAFTERS
+from outrider.drafters.lookup import Lookup
+from outrider.drafters.suffix import SuffixDecoding
 from outrider.errors import Unavailable
 from outrider.logging import get_logger
 from outrider.metrics import MetricsEndpoint, RpcMetrics, serving_metrics
@@ -90,15 +91,11 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
 
 
 def lookup_of(config: CoordinatorConfig) -> Lookup | None:
-    """The drafter in this process the flags name, if any."""
-    if config.prompt_lookup:
-        return PromptLookup(max_ngram=config.max_ngram)
-    if config.suffix_decoding:
-        limits = Limits(
-            max_spec_factor=config.suffix_max_spec_factor,
-            min_token_prob=config.suffix_min_token_prob,
-        )
-        return SuffixDecoding(max_cached_tokens=config.suffix_cache_tokens, limits=limits)
+    """The drafter in this process whose flag is given, if any
+    (:data:`outrider.drafters.COORDINATOR_DRAFTERS`)."""
+    for name, flag in COORDINATOR_DRAFTERS.items():
+        if getattr(config, flag.removeprefix("--").replace("-", "_")):
+            return DRAFTERS[name].load(config)
     return None
 
 
@@ -128,7 +125,7 @@ async def connect(
     if workers:
         await workers.start()
     target_info = await workers_info(target, "--target", config.target, config.worker_wait_s)
-    draft_info = lookup.info if lookup else None
+    draft_info = WorkerInfo.of_lookup(lookup.name) if lookup else None
     if workers:
         draft_info = await workers_info(workers, "--draft", config.draft, config.worker_wait_s)
         check_pairing(target_info, draft_info, config.draft)

@@ -201,7 +201,7 @@ class CoordinatorMetrics:
 
 
 class SuffixCacheMetrics:
-    """The shared outputs of suffix decoding (``outrider.coordinator.suffix.SuffixCache``),
+    """The shared outputs of suffix decoding (``outrider.drafters.suffix.SuffixCache``),
     read at scrape time."""
 
     def __init__(self, registry: CollectorRegistry, cache) -> None:

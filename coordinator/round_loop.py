@@ -27,7 +27,6 @@ import numpy as np
 from outrider.config import Recovery
 from outrider.coordinator.adaptive.cost_model import CostModels
 from outrider.coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
-from outrider.coordinator.lookup import NO_MATCH, Lookup
 from outrider.coordinator.request_stats import RoundRecord, Stats
 from outrider.coordinator.requests import GenerationRequest
 from outrider.coordinator.served_models import Models
@@ -35,6 +34,7 @@ from outrider.coordinator.workers.draft_link import DraftLink
 from outrider.coordinator.workers.protocol import DraftClient, Judged, TargetClient
 from outrider.coordinator.workers.target_link import TargetLink
 from outrider.detokenize import TextStream
+from outrider.drafters.lookup import NO_MATCH, Lookup
 from outrider.engine_load import EngineLoad
 from outrider.logging import get_logger
 from outrider.speculation import Proposal, TokenLogprobs, Verdict
@@ -350,7 +350,7 @@ class Generation:
         """The lookup's draft after the history (prompt lookup's, suffix
         decoding's), looked up as soon as a round has committed: each
         session's offer (its evidence and length) is known to the plan of K
-        before any of them asks (:mod:`outrider.coordinator.lookup`). At the end, the
+        before any of them asks (:mod:`outrider.drafters.lookup`). At the end, the
         lookup is told the history the session ended with."""
         if self.lookup is None:
             return

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Sequence
 from outrider.config import Recovery, StructuredOutputLimits
 from outrider.coordinator.adaptive.cost_model import CostModels
 from outrider.coordinator.chat_template import ChatMessage
-from outrider.coordinator.lookup import Lookup
 from outrider.coordinator.metrics import CoordinatorMetrics
 from outrider.coordinator.request_stats import Stats
 from outrider.coordinator.requests import (
@@ -21,6 +20,7 @@ from outrider.coordinator.requests import (
 from outrider.coordinator.round_loop import Delta, generate
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.protocol import DraftClient, TargetClient, WorkerInfo
+from outrider.drafters.lookup import Lookup
 from outrider.errors import InvalidArgument
 from outrider.sampling_params import StructuredOutput, Verification
 from outrider.speculation import TokenLogprobs

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from outrider.drafters import Drafter
+from outrider.drafters.model import Drafter
 from outrider.engine import Job
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.grammar import Grammars

@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider.config import (
-    COORDINATOR_DRAFTERS,
     DEFAULT_PORTS,
-    DRAFTERS,
     LOG_LEVELS,
     CoordinatorConfig,
     EngineConfig,
@@ -22,6 +20,7 @@ from outrider.config import (
     port_number,
 )
 from outrider.device import check_device, check_dtype
+from outrider.drafters import COORDINATOR_DRAFTERS, DRAFTERS
 from outrider.sampling_params import UINT64_MAX, Verification
 
 DEFAULT_DRAFTERS = {"cpu": "gguf", "cuda": "prompt-lookup"}
@@ -82,7 +81,7 @@ class StackConfig:
     draft_model: str | None = None
     """draft model sharing the target's tokenizer (implies --drafter model, or --drafter gguf for
     a .gguf file)"""
-    drafter: str | None = field(default=None, metadata={"choices": DRAFTERS})
+    drafter: str | None = field(default=None, metadata={"choices": tuple(DRAFTERS)})
     """drafter kind: model, int4 (the target in 4 bits), gguf (the target's GGUF on llama.cpp,
     on the CPU), prompt-lookup, suffix, early-exit or eagle (an EAGLE-3 head) (default: gguf
     on the CPU, or int4 where llama.cpp is not installed; prompt-lookup on CUDA)"""

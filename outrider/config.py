@@ -19,21 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider.device import DTYPES, check_device, check_dtype
+from outrider.drafters import MODEL_DRAFTERS
 from outrider.security import ClientTls, ServerTls, server_tls
 
-MODEL_DRAFTERS = ("model", "int4", "gguf", "early-exit", "eagle")
-"""What a draft worker runs — model: a small model of its own; int4: the
-target's checkpoint in 4 bits (``outrider.quantize``); gguf: a GGUF file
-(by default the one the target was converted from) on llama.cpp
-(``outrider.engine.gguf_runner``); early-exit: the target's first L layers;
-eagle: an EAGLE-3 head reading the target's hidden states (``outrider.eagle``)."""
-DRAFTERS = ("model", "int4", "gguf", "prompt-lookup", "suffix", "early-exit", "eagle")
-"""A deployment's drafters: a draft worker's, or prompt-lookup — n-grams of
-the history, in the coordinator (``outrider.coordinator.lookup``) — or suffix —
-the history and earlier outputs, in the coordinator (``outrider.coordinator.suffix``):
-no draft worker."""
-COORDINATOR_DRAFTERS = {"prompt-lookup": "--prompt-lookup", "suffix": "--suffix-decoding"}
-"""The drafters that run in the coordinator, and its flag for each."""
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes torch's int4 kernels take (CPU and CUDA)."""
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -495,7 +483,6 @@ def http_port_file(ready_file: Path) -> Path:
 
 
 __all__ = [
-    "DRAFTERS",
     "CoordinatorConfig",
     "DraftWorkerConfig",
     "EngineConfig",

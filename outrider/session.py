@@ -58,7 +58,7 @@ class Session:
     """How this session turns logits into tokens (the same on both workers)."""
     drafter_state: object | None = None
     """What a drafter keeps of the session beside its cache (an EAGLE head's
-    features: ``outrider.eagle.drafter.HeadState``)."""
+    features: ``outrider.drafters.eagle.HeadState``)."""
     feature_layers: tuple[int, ...] = ()
     """A target session's: the layers whose input hidden states its answers
     carry, for a draft head that reads them (none: no draft head does)."""

@@ -28,7 +28,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from outrider.command_config import StackConfig, default_drafter
-from outrider.config import COORDINATOR_DRAFTERS, http_port_file
+from outrider.config import http_port_file
+from outrider.drafters import COORDINATOR_DRAFTERS
 from outrider.metrics import metrics_port_file
 
 

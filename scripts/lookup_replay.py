@@ -19,8 +19,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from outrider.coordinator.lookup import PromptLookup
-from outrider.coordinator.suffix import Limits, SuffixDecoding
+from outrider.drafters.lookup import PromptLookup
+from outrider.drafters.suffix import Limits, SuffixDecoding
 
 DRAFTERS: dict[str, Callable[[], object]] = {
     "prompt-lookup (n 3..1)": lambda: PromptLookup(max_ngram=3, min_ngram=1),

@@ -7,7 +7,7 @@ cache's memory.
 The cache is filled with outputs drawn as text is: tokens from a Zipf law
 over a 49,152-token vocabulary, and one output in four reusing a stretch
 of an earlier one (as answers that quote code or passages do), so that
-common 3-grams have their full :data:`outrider.coordinator.suffix.SAMPLES`
+common 3-grams have their full :data:`outrider.drafters.suffix.SAMPLES`
 occurrences and lookups walk them.
 
     python scripts/suffix_cost.py [--sizes 1000,10000,1000000]
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from outrider.coordinator.suffix import SuffixDecoding  # noqa: E402
+from outrider.drafters.suffix import SuffixDecoding  # noqa: E402
 
 VOCAB = 49152
 OUTPUT_TOKENS = 256

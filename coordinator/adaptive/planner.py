@@ -77,7 +77,7 @@ class Bid:
     """The K of its last verified round: its share of the target's steps."""
     pipelined: bool = False
     looked_up: bool = False
-    """Its drafts are looked up in the coordinator (:mod:`outrider.coordinator.lookup`):
+    """Its drafts are looked up in the coordinator (:mod:`outrider.drafters.lookup`):
     they cost the draft no step."""
 
 

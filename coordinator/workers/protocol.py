@@ -35,6 +35,14 @@ class WorkerInfo:
     hidden_state_layers: tuple[int, ...] = ()
     """A draft head's: the target layers whose input hidden states it reads."""
 
+    @classmethod
+    def of_lookup(cls, drafter: str) -> WorkerInfo:
+        """A drafter in the coordinator as a worker would describe itself:
+        any vocabulary, any context."""
+        return cls(
+            model=drafter, drafter=drafter, vocab_size=0, vocab_fingerprint="", max_context=0
+        )
+
 
 @dataclass(frozen=True)
 class Reply(Generic[T]):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from outrider.bench.measurements import Measurement
 from outrider.bench.prompts import Prompt
-from outrider.config import COORDINATOR_DRAFTERS
+from outrider.drafters import COORDINATOR_DRAFTERS
 
 BASELINE = "hf-generate"
 TARGET_ONLY = "outrider-k0"

@@ -23,16 +23,17 @@ from outrider.config import (
     TargetWorkerConfig,
     WorkerLimits,
 )
-from outrider.coordinator.lookup import PromptLookup
 from outrider.coordinator.metrics import CoordinatorMetrics
 from outrider.coordinator.openai import HttpServer, create_app, start_http_server
 from outrider.coordinator.requests import SpeculationDefaults
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.service import CoordinatorService
-from outrider.coordinator.suffix import SuffixDecoding
 from outrider.coordinator.workers.grpc_client import GrpcDraftClient, GrpcTargetClient
+from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.draft_worker import main as draft_main
 from outrider.draft_worker.sessions import DraftSessions
+from outrider.drafters.lookup import PromptLookup
+from outrider.drafters.suffix import SuffixDecoding
 from outrider.metrics import MetricsEndpoint, RpcMetrics, WorkerMetrics, start_metrics_endpoint
 from outrider.rpc import RunningServer, start_server
 from outrider.security import ClientTls, ServerTls
@@ -194,7 +195,7 @@ async def running_stack(
             lookup, drafter = SuffixDecoding(), drafter.removeprefix("suffix+")
         if drafter in ("prompt-lookup", "suffix"):  # (in the coordinator: no draft worker)
             draft = PromptLookup() if drafter == "prompt-lookup" else SuffixDecoding()
-            draft_info = draft.info
+            draft_info = WorkerInfo.of_lookup(draft.name)
         elif drafter is not None:
             draft_config = DraftWorkerConfig(
                 service=SERVICE,

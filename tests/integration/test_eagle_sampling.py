@@ -12,7 +12,7 @@ import torch
 
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.protocol import WorkerInfo
-from outrider.eagle.drafter import EagleDrafter
+from outrider.drafters.eagle import EagleDrafter
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import EagleHead, HeadConfig
 from outrider.engine.kv_cache import BlockPool

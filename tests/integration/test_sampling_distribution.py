@@ -64,14 +64,15 @@ from transformers import AutoModelForCausalLM
 import outrider.coordinator.round_loop as loop_module
 import outrider.target_worker.sessions as target_sessions_module
 from outrider.config import Recovery
-from outrider.coordinator.lookup import PromptLookup
 from outrider.coordinator.requests import GenerationRequest
 from outrider.coordinator.round_loop import generate
 from outrider.coordinator.served_models import Models
-from outrider.coordinator.suffix import SuffixDecoding
 from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.draft_worker.sessions import DraftInfo, DraftSessions
-from outrider.drafters import GgufDrafter, ModelDrafter
+from outrider.drafters.gguf import GgufDrafter
+from outrider.drafters.lookup import PromptLookup
+from outrider.drafters.model import ModelDrafter
+from outrider.drafters.suffix import SuffixDecoding
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward

@@ -37,11 +37,11 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import PreTrainedTokenizerFast
 
-from outrider.coordinator.lookup import PromptLookup
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.protocol import WorkerInfo
 from outrider.draft_worker.sessions import DraftInfo, DraftSessions
-from outrider.drafters import ModelDrafter
+from outrider.drafters.lookup import PromptLookup
+from outrider.drafters.model import ModelDrafter
 from outrider.engine import InlineEngine
 from outrider.errors import InvalidArgument
 from outrider.grammar import Grammars

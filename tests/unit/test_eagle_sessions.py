@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider.draft_worker.sessions import DraftInfo, DraftSessions
-from outrider.eagle.drafter import EagleDrafter
+from outrider.drafters.eagle import EagleDrafter
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import EagleHead, HeadConfig
 from outrider.engine import InlineEngine

@@ -13,10 +13,11 @@ from outrider.config import EngineConfig, ServiceConfig, TargetWorkerConfig
 from outrider.coordinator.adaptive.acceptance import DEPLOYMENT_DECAY, Acceptance, Depths
 from outrider.coordinator.adaptive.cost_model import CostModel
 from outrider.coordinator.adaptive.session import AdaptiveK
-from outrider.coordinator.lookup import Match, PromptLookup
 from outrider.coordinator.requests import GenerationRequest
 from outrider.coordinator.round_loop import generate
 from outrider.coordinator.served_models import Models
+from outrider.coordinator.workers.protocol import WorkerInfo
+from outrider.drafters.lookup import Match, PromptLookup
 from outrider.engine_load import EngineLoad
 from outrider.target_worker.main import build_sessions as build_target_sessions
 from outrider.worker import start_engine
@@ -212,7 +213,7 @@ async def test_the_loop_drafting_by_prompt_lookup_gives_the_target_s_tokens(
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     prompt = tokenizer("a b c a b c a b c a b")["input_ids"]
     lookup = PromptLookup()
-    models = Models(tokenizer, frozenset(), await target.info(), lookup.info)
+    models = Models(tokenizer, frozenset(), await target.info(), WorkerInfo.of_lookup(lookup.name))
     request = GenerationRequest(
         prompt_ids=tuple(prompt),
         max_new_tokens=24,

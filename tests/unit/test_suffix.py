@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from outrider.coordinator.suffix import (
+from outrider.drafters.suffix import (
     MAX_DEPTH,
     SAMPLES,
     Limits,

@@ -27,18 +27,29 @@ correctness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from transformers import AutoConfig
 
-from outrider.drafters import draw_drafts
+from outrider import models
+from outrider.device import resolve_device, resolve_dtype
+from outrider.drafters.model import LoadedDrafter, draw_drafts, of_checkpoint
 from outrider.eagle.features import unpack
-from outrider.eagle.forward import EagleForward
+from outrider.eagle.forward import EagleForward, check_head, target_embeddings
+from outrider.eagle.head import load_head, shipped_head
 from outrider.engine import Feed, Job, Logits
+from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
 from outrider.errors import InvalidArgument
 from outrider.hidden_states import HiddenStates
+from outrider.prefix import BLOCK_SIZE
 from outrider.session import Session
 from outrider.speculation import Proposal
+from outrider.startup import StartupError, first_line
+
+if TYPE_CHECKING:
+    from outrider.config import DraftWorkerConfig
 
 
 @dataclass
@@ -154,3 +165,41 @@ class EagleDrafter:
 def _last(out: Logits) -> torch.Tensor:
     assert out.hidden is not None  # the head's forward returns its outputs
     return out.hidden[-1:]
+
+
+def load(config: DraftWorkerConfig) -> LoadedDrafter:
+    """An EAGLE-3 head (``--head``, else the one shipped for the target)
+    over a paged cache of its one layer, reading the target's embeddings
+    from its checkpoint."""
+    target = models.checkpoint_dir(config.model)
+    target_config = AutoConfig.from_pretrained(target)
+    head_dir = config.head or shipped_head(config.model)
+    if head_dir is None:
+        raise StartupError(
+            "--head",
+            "(none)",
+            f"no EAGLE-3 head is shipped for {config.model or models.DEFAULT_MODEL}: train one "
+            "(outrider draft train) and pass its directory",
+        )
+    device = resolve_device(config.engine.device)
+    dtype = resolve_dtype(config.engine.dtype, device)
+    try:
+        head = load_head(head_dir, target_num_layers=target_config.num_hidden_layers)
+        check_head(head.config, target_config)
+        embed = target_embeddings(target)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartupError("--head", str(head_dir), first_line(exc)) from None
+    forward = EagleForward(head, embed, dtype=dtype, device=device)
+    max_context = min(models.context_length(target_config), forward.max_positions)
+    tokens = config.limits.max_cached_tokens or config.limits.max_sessions * max_context
+    # No prefix cache: a head's KV at a position depends on the target's
+    # features of it, and an EAGLE session is opened on those of every position.
+    runner = PagedRunner(forward, BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE))
+    drafter = EagleDrafter(runner, model_name=f"{config.model or models.DEFAULT_MODEL}[eagle3]")
+    return of_checkpoint(
+        config,
+        drafter,
+        max_context=max_context,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )

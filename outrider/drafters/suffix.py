@@ -38,8 +38,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from outrider.coordinator.lookup import Lookup, Match
+from outrider.drafters.lookup import Lookup, Match
+
+if TYPE_CHECKING:
+    from outrider.config import CoordinatorConfig
 
 DRAFTER = "suffix"
 NGRAM = 3
@@ -285,3 +289,12 @@ class SuffixSession:
             if self.output is None:
                 self.output = self.cache.new_output()
             self.cache.extend(self.output, output)
+
+
+def load(config: CoordinatorConfig) -> SuffixDecoding:
+    """``--suffix-decoding``, its cache and limits from its flags."""
+    limits = Limits(
+        max_spec_factor=config.suffix_max_spec_factor,
+        min_token_prob=config.suffix_min_token_prob,
+    )
+    return SuffixDecoding(max_cached_tokens=config.suffix_cache_tokens, limits=limits)

@@ -1,11 +1,10 @@
-"""Draft models: what proposes the K tokens the target verifies on a draft
-worker. (Prompt lookup, which needs no model, drafts in the coordinator:
-``outrider.coordinator.lookup``.)
+"""The drafters a draft worker runs, and the model drafters among them.
 
-A drafter is one class with ``kind``, ``model_name``, ``runner`` and
-``propose(session, k)``, an engine job (:mod:`outrider.engine.core`): a model
-drafter yields one forward pass per draft token, which the draft worker's
-engine batches across every session drafting at that step. It draws its
+A draft worker's drafter (:class:`Drafter`) is one class with ``kind``,
+``model_name``, ``runner`` and ``propose(session, k)``, an engine job
+(:mod:`outrider.engine.core`): a model drafter yields one forward pass per
+draft token, which the draft worker's engine batches across every session
+drafting at that step. It draws its
 tokens the way the session's sampling says (``outrider.sampling.draw``):
 greedy, sampled from q (rejection mode, returning q), or with the position's
 Gumbel noise. The draft worker owns sessions and their caches (and rolls
@@ -17,28 +16,34 @@ session's cache.
 * :class:`Int4Drafter` — a checkpoint (usually the target's own) with its
   weights in 4 bits (:mod:`outrider.quantize`): the target's own
   predictions at a fraction of its weight bytes.
-* :class:`GgufDrafter` — a GGUF file (usually the one the target was
-  converted from) run by llama.cpp on the CPU, its weights in their own
-  quantized formats (:mod:`outrider.engine.gguf_runner`).
 * :class:`EarlyExitDrafter` — the first L layers of a checkpoint (usually the
   target's own) followed by its final norm and head.
-* ``EagleDrafter`` (:mod:`outrider.eagle.drafter`) — an EAGLE-3 head that
-  reads the target's hidden states, which come with each round.
+
+Beside them in this package: ``GgufDrafter`` (:mod:`outrider.drafters.gguf`),
+a GGUF file on llama.cpp, and ``EagleDrafter`` (:mod:`outrider.drafters.eagle`),
+an EAGLE-3 head that reads the target's hidden states. Each module's
+``load(config)`` builds its drafters as a :class:`LoadedDrafter`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from outrider import models
 from outrider.engine import Feed, Job, Logits
+from outrider.engine.build import build_runner
 from outrider.errors import InvalidArgument
+from outrider.grammar import Grammars
 from outrider.hidden_states import HiddenStates
 from outrider.sampling import Stream, compact, constrain, draw, hold_back
 from outrider.session import Session
 from outrider.speculation import CompactProbs, Proposal
+from outrider.worker import checkpoint_of, load_model
 
 if TYPE_CHECKING:
+    from outrider.config import DraftWorkerConfig
     from outrider.engine.gguf_runner import GgufRunner
     from outrider.engine.kv_cache import KVCache
     from outrider.engine.runner import FallbackRunner, PagedRunner
@@ -183,17 +188,62 @@ class Int4Drafter(ModelDrafter):
     kind = "int4"
 
 
-class GgufDrafter(ModelDrafter):
-    """A model drafter whose model is a GGUF file run by llama.cpp
-    (:class:`outrider.engine.gguf_runner.GgufRunner`): each session a
-    sequence of one llama.cpp context, every draft step of every session
-    one ``llama_decode``, rollback a sequence removal."""
-
-    kind = "gguf"
-
-
 class EarlyExitDrafter(ModelDrafter):
     """A model drafter whose model is a checkpoint cut after its first L layers
     (built by ``outrider.engine.loading.load_causal_lm(..., num_layers=L)``)."""
 
     kind = "early-exit"
+
+
+@dataclass(frozen=True)
+class LoadedDrafter:
+    """A drafter as its module's ``load`` built it, with what the draft
+    worker says of it to the coordinator."""
+
+    drafter: Drafter
+    max_context: int
+    device: str
+    dtype: str
+    vocab_fingerprint: str
+    """sha256 of its tokenizer's vocabulary: the target's must match."""
+    grammars: Grammars
+    """Structured output's, for its tokenizer."""
+
+
+def load(config: DraftWorkerConfig) -> LoadedDrafter:
+    """The ``model``, ``int4`` or ``early-exit`` drafter of ``--model``, on
+    the worker's engine."""
+    kind, name = config.drafter_kind, config.model or models.DEFAULT_MODEL
+    model, device, dtype = load_model(config, num_layers=config.draft_layers)
+    max_context = models.context_length(model)
+    runner = build_runner(
+        model,
+        limits=config.limits,
+        engine=config.engine,
+        max_context=max_context,
+        int4_group_size=config.int4_group_size if kind == "int4" else None,
+        checkpoint=checkpoint_of(config),
+        num_layers=config.draft_layers,
+        trust_remote_code=config.trust_remote_code,
+    )
+    drafter: ModelDrafter
+    if kind == "early-exit":
+        drafter = EarlyExitDrafter(runner, model_name=f"{name}[:{config.draft_layers}]")
+    elif kind == "int4":
+        drafter = Int4Drafter(runner, model_name=f"{name}[int4-g{config.int4_group_size}]")
+    else:
+        drafter = ModelDrafter(runner, model_name=name)
+    return of_checkpoint(config, drafter, max_context=max_context, device=device, dtype=dtype)
+
+
+def of_checkpoint(
+    config: DraftWorkerConfig, drafter: Drafter, *, max_context: int, device: str, dtype: str
+) -> LoadedDrafter:
+    """A drafter whose tokenizer is ``--model``'s checkpoint's."""
+    fingerprint = models.vocab_fingerprint_of(
+        config.model, trust_remote_code=config.trust_remote_code
+    )
+    grammars = Grammars.of_checkpoint(
+        config.model, drafter.vocab_size, trust_remote_code=config.trust_remote_code
+    )
+    return LoadedDrafter(drafter, max_context, device, dtype, fingerprint, grammars)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from outrider.coordinator.workers.protocol import WorkerInfo
+if TYPE_CHECKING:
+    from outrider.config import CoordinatorConfig
 
 DRAFTER = "prompt-lookup"
 
@@ -47,13 +48,6 @@ class Lookup:
     suffix decoding), no draft worker."""
 
     name = ""
-
-    @property
-    def info(self) -> WorkerInfo:
-        """The drafter as a worker would describe itself: any vocabulary, any context."""
-        return WorkerInfo(
-            model=self.name, drafter=self.name, vocab_size=0, vocab_fingerprint="", max_context=0
-        )
 
     def index(self, prompt_len: int = 0) -> SessionLookup:
         """What one session's lookups keep as its history (its first
@@ -126,3 +120,8 @@ class NgramIndex:
 
     def ended(self, history: Sequence[int]) -> None:
         """(A session's own history is forgotten with it.)"""
+
+
+def load(config: CoordinatorConfig) -> PromptLookup:
+    """``--prompt-lookup``, matching up to ``--max-ngram`` tokens."""
+    return PromptLookup(max_ngram=config.max_ngram)
