@@ -1,6 +1,6 @@
 """What a request's rounds cost and accepted: one round's record
 (:class:`RoundRecord`) and the request's statistics (:class:`Stats`), in
-vLLM's vocabulary (``outrider.verify``: draft, accepted, recovered and bonus
+vLLM's vocabulary (``outrider.target_worker.verify``: draft, accepted, recovered and bonus
 tokens)."""
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ import numpy as np
 from outrider.config import Recovery
 from outrider.coordinator.adaptive.cost_model import CostModels
 from outrider.coordinator.adaptive.session import PRIOR_TOKENS, AdaptiveK, adaptive_k_max
+from outrider.coordinator.detokenize import TextStream
 from outrider.coordinator.request_stats import RoundRecord, Stats
 from outrider.coordinator.requests import GenerationRequest
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.draft_link import DraftLink
 from outrider.coordinator.workers.protocol import DraftClient, Judged, TargetClient
 from outrider.coordinator.workers.target_link import TargetLink
-from outrider.detokenize import TextStream
 from outrider.drafters.lookup import NO_MATCH, Lookup
 from outrider.engine_load import EngineLoad
 from outrider.logging import get_logger

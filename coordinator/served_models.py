@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from outrider.coordinator.detokenize import Decoder
 from outrider.coordinator.workers.protocol import WorkerInfo
-from outrider.detokenize import Decoder
 from outrider.grammar import Grammars
 
 

@@ -11,8 +11,8 @@ from outrider.draft_worker.service import DraftWorkerService
 from outrider.draft_worker.sessions import DraftInfo, DraftSessions
 from outrider.drafters import DRAFTERS
 from outrider.drafters.model import LoadedDrafter
-from outrider.eagle.features import pack
 from outrider.engine import Engine, InlineEngine
+from outrider.engine.hidden_states import pack
 from outrider.hidden_states import HiddenStates
 from outrider.logging import get_logger
 from outrider.rpc import run_service

@@ -3,7 +3,7 @@ the inputs of a few decoder layers, side by side, packed as little-endian
 bfloat16 (bfloat16 keeps float32's range, and a residual stream has
 outliers float16 would overflow). The coordinator only concatenates them
 (it imports no torch); the target packs them and the draft worker unpacks
-them (:mod:`outrider.eagle.features`)."""
+them (:mod:`outrider.engine.hidden_states`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How a request samples: its parameters, validated once, and the ways the
 target checks drafts. Plain data (no tensors), so the coordinator, which
 runs no model, imports no torch; the math that uses them is
-``outrider.sampling`` and ``outrider.verify``."""
+``outrider.sampling`` and ``outrider.target_worker.verify``."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import time
 import torch
 
 from outrider import models
-from outrider.eagle.features import pack
 from outrider.eagle.head import default_aux_layers
+from outrider.engine.hidden_states import pack
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
 from outrider.engine.loading import load_causal_lm

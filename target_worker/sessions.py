@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from outrider.eagle.features import pack
 from outrider.engine import Feed, Job, Logits
+from outrider.engine.hidden_states import pack
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.grammar import Grammars
 from outrider.hidden_states import NONE, HiddenStates, concat
@@ -21,8 +21,8 @@ from outrider.sampling import constrain, expand, hold_back, token_logprobs
 from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import CompactProbs, Verdict
+from outrider.target_worker.verify import verify, verify_greedy
 from outrider.validation import check_context, check_token_ids
-from outrider.verify import verify, verify_greedy
 
 
 @dataclass(frozen=True)

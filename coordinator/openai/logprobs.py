@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from outrider.detokenize import Decoder
+from outrider.coordinator.detokenize import Decoder
 from outrider.speculation import TokenLogprobs
 
 FLOOR = -9999.0

@@ -35,10 +35,10 @@ from transformers import AutoConfig
 from outrider import models
 from outrider.device import resolve_device, resolve_dtype
 from outrider.drafters.model import LoadedDrafter, draw_drafts, of_checkpoint
-from outrider.eagle.features import unpack
 from outrider.eagle.forward import EagleForward, check_head, target_embeddings
 from outrider.eagle.head import load_head, shipped_head
 from outrider.engine import Feed, Job, Logits
+from outrider.engine.hidden_states import unpack
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
 from outrider.errors import InvalidArgument

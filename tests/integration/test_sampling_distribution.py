@@ -80,7 +80,7 @@ from outrider.engine.runner import FallbackRunner, PagedRunner
 from outrider.sampling import SamplingParams, Stream, Verification, probabilities, sample, uniform
 from outrider.session import SessionStore
 from outrider.target_worker.sessions import TargetInfo, TargetSessions
-from outrider.verify import Verdict
+from outrider.target_worker.verify import Verdict
 from tests.inprocess import InProcessDraftClient, InProcessTargetClient
 from tests.tiny import build_tiny_gguf, build_tiny_llama
 

@@ -1,4 +1,4 @@
-"""Streaming detokenization and stop strings (outrider/detokenize.py)."""
+"""Streaming detokenization and stop strings (coordinator/detokenize.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from outrider import models
-from outrider.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
+from outrider.coordinator.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
 from tests.tiny import EOS_TOKEN_ID, build_tiny_sentencepiece_tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🙂"

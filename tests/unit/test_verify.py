@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from outrider.sampling import SamplingParams
-from outrider.verify import verify, verify_greedy
+from outrider.target_worker.verify import verify, verify_greedy
 
 VOCAB = 8
 

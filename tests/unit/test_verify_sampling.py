@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-import outrider.verify as verify_module
+import outrider.target_worker.verify as verify_module
 from outrider.sampling import (
     SamplingParams,
     Stream,
@@ -28,7 +28,7 @@ from outrider.sampling import (
     sample,
     uniform,
 )
-from outrider.verify import Verdict, verify, verify_gumbel, verify_rejection
+from outrider.target_worker.verify import Verdict, verify, verify_gumbel, verify_rejection
 
 START = 5  # the committed length: absolute position of the first draft token
 TRIALS = 1200  # draws per one-position check
