@@ -49,8 +49,8 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
     lookup = lookup_of(config)
     draft = workers or lookup
     defaults = SpeculationDefaults(
-        default_k=config.default_k if draft else 0,
-        max_k=config.max_num_speculative_tokens,
+        default_num_speculative_tokens=config.default_num_speculative_tokens if draft else 0,
+        max_num_speculative_tokens=config.max_num_speculative_tokens,
         default_max_new_tokens=config.default_max_new_tokens,
         default_adaptive=config.adaptive and draft is not None,
         default_pipeline=config.pipeline and draft is not None,
@@ -76,7 +76,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
             metrics=CoordinatorMetrics(
                 metrics.registry,
                 model_name=target_info.model,
-                max_num_speculative_tokens=defaults.max_k if draft else 0,
+                max_num_speculative_tokens=defaults.max_num_speculative_tokens if draft else 0,
             )
             if metrics
             else None,

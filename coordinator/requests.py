@@ -74,11 +74,11 @@ class GenerationRequest:
 class SpeculationDefaults:
     """What a request that leaves speculation unset gets: this server's flags."""
 
-    default_k: int
-    max_k: int
+    default_num_speculative_tokens: int
+    max_num_speculative_tokens: int
     default_max_new_tokens: int
     default_adaptive: bool = False
-    """Requests that leave K unset choose it per round (up to max_k)."""
+    """Requests that leave K unset choose it per round (up to max_num_speculative_tokens)."""
     default_pipeline: bool = False
     """Requests that leave pipeline unset run pipelined."""
 
@@ -312,20 +312,20 @@ class RequestBuilder:
     def speculation(self, params: RequestParams) -> tuple[int, bool, bool]:
         """K, whether it is adaptive, and whether rounds are pipelined. A K
         the request sets wins; else adaptive (asked, or the server's
-        default) drafts up to max_k; else the server's default K."""
+        default) drafts up to the server's largest K; else the server's default K."""
         adaptive = False
+        most = self.defaults.max_num_speculative_tokens
         if params.num_speculative_tokens is not None:
             k = params.num_speculative_tokens
-            if not 0 <= k <= self.defaults.max_k:
+            if not 0 <= k <= most:
                 raise InvalidArgument(
-                    f"num_speculative_tokens = {k} is outside [0, {self.defaults.max_k}], "
-                    "this server's range",
+                    f"num_speculative_tokens = {k} is outside [0, {most}], this server's range",
                     param="num_speculative_tokens",
                 )
         elif params.adaptive or self.defaults.default_adaptive:
-            k, adaptive = self.defaults.max_k, True
+            k, adaptive = most, True
         else:
-            k = self.defaults.default_k
+            k = self.defaults.default_num_speculative_tokens
         if not self.drafts:
             k = 0
         # Pipelining overlaps drafting with verifying: without drafts

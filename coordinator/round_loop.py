@@ -85,16 +85,16 @@ async def generate(
         await generation.close()  # 7. close both sessions: the workers free their caches
 
 
-def _stats(request: GenerationRequest, k_max: int, *, pipeline: bool) -> Stats:
+def _stats(request: GenerationRequest, num_speculative_tokens: int, *, pipeline: bool) -> Stats:
     """A generation's statistics before its first round."""
     return Stats(
         prompt_tokens=len(request.prompt_ids),
-        accepted_per_position=[0] * k_max,
-        num_speculative_tokens=k_max,
+        accepted_per_position=[0] * num_speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
         seed=request.sampling.seed,
         verification=request.sampling.verification.value,
-        adaptive=request.adaptive and k_max > 0,
-        pipeline=pipeline and k_max > 0,
+        adaptive=request.adaptive and num_speculative_tokens > 0,
+        pipeline=pipeline and num_speculative_tokens > 0,
     )
 
 
@@ -122,19 +122,19 @@ class Generation:
         self.started = time.perf_counter()
         self.history = list(request.prompt_ids)
         self.max_len = min(len(self.history) + request.max_new_tokens, models.target.max_context)
-        k_max = request.num_speculative_tokens if draft is not None or lookup is not None else 0
-        self.lookup = lookup.index(len(self.history)) if lookup and k_max > 0 else None
+        k = request.num_speculative_tokens if draft is not None or lookup is not None else 0
+        self.lookup = lookup.index(len(self.history)) if lookup and k > 0 else None
         self.match = NO_MATCH
         """The draft the lookup offers after the history (:meth:`look_up`)."""
         if request.adaptive:
-            k_max = adaptive_k_max(k_max, models.target.graphed_tokens_per_row)
-        self.k_max = k_max
+            k = adaptive_k_max(k, models.target.graphed_tokens_per_row)
+        self.num_speculative_tokens = k
+        """The request's K (0 without a drafter): each round's, or under
+        adaptive K the most a round drafts."""
         # (A lookup takes microseconds: there is nothing to overlap.)
-        self.stats = _stats(request, k_max, pipeline=request.pipeline and self.lookup is None)
+        self.stats = _stats(request, k, pipeline=request.pipeline and self.lookup is None)
         self.policy = (
-            AdaptiveK(k_max, self.costs, pipeline=self.stats.pipeline)
-            if self.stats.adaptive
-            else None
+            AdaptiveK(k, self.costs, pipeline=self.stats.pipeline) if self.stats.adaptive else None
         )
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         self.stop_ids = request.stop_token_ids | eos
@@ -151,7 +151,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.prefill_s: float = 0.0
         self.target = self._target_link(target)
-        self.drafts = self._draft_link(draft, models) if k_max > 0 else None
+        self.drafts = self._draft_link(draft, models) if k > 0 else None
         if self.drafts is not None:
             self.target.hidden_state_layers = models.hidden_state_layers
         self.by_lookup = self.lookup is not None and self.drafts is None
@@ -253,7 +253,7 @@ class Generation:
         if self.by_lookup:
             room = min(room, len(self.match.tokens))  # what the lookup offers
         if self.policy is None:
-            return min(self.k_max, room)
+            return min(self.num_speculative_tokens, room)
         unopened = not self.by_lookup and self.drafts is not None and not self.drafts.begun
         k = self.policy.choose(room, may_probe=not unopened)
         if unopened and k > 0:
@@ -357,7 +357,7 @@ class Generation:
         if self.finish_reason is not None:
             self.lookup.ended(self.history)
             return
-        self.match = self.lookup.match(self.history, self.k_max)
+        self.match = self.lookup.match(self.history, self.num_speculative_tokens)
         if self.drafts is not None:
             self.by_lookup = self.lookup_pays()
         if self.policy is not None:
@@ -379,7 +379,7 @@ class Generation:
         acceptance = self.costs.acceptance
         offered = acceptance.survival_of(self.match.n, len(self.match.tokens), PRIOR_TOKENS)
         alpha = self.policy.model_alpha if self.policy is not None else acceptance.alpha_or_prior
-        modelled = alpha ** np.arange(1.0, self.k_max + 1)
+        modelled = alpha ** np.arange(1.0, self.num_speculative_tokens + 1)
         return self.costs.best_rate_alone(offered, drafted=False) >= self.costs.best_rate_alone(
             modelled, drafted=True
         )

@@ -36,7 +36,7 @@ class DraftWorkerService(SessionServicer, worker_pb2_grpc.DraftWorkerServicer):
             session_id,
             request.committed_len,
             list(request.new_token_ids),
-            request.num_draft_tokens,
+            request.num_speculative_tokens,
             list(request.assumed_token_ids) if request.speculate else None,
             hidden_states_from_pb(request.hidden_states),
         )

@@ -101,12 +101,12 @@ class DraftSessions:
         session_id: str,
         committed_len: int,
         new_tokens: Sequence[int],
-        num_draft_tokens: int,
+        num_speculative_tokens: int,
         assumed: Sequence[int] | None = None,
         features: HiddenStates | None = None,
     ) -> Job[Proposal]:
         """Appends the tokens committed since the last round, then proposes
-        up to ``num_draft_tokens`` tokens, with their q in wire form when the
+        up to ``num_speculative_tokens`` tokens, with their q in wire form when the
         draft sampled them (else none: a point mass).
 
         Given ``assumed`` tokens, even none (a speculation,
@@ -119,7 +119,7 @@ class DraftSessions:
         session = self.store.get(session_id)
         guessing = assumed is not None
         assumed = assumed or []
-        self._check_round(session, committed_len, new_tokens, num_draft_tokens, assumed)
+        self._check_round(session, committed_len, new_tokens, num_speculative_tokens, assumed)
         # Rollback: the cache agrees with the history up to the last round's
         # committed length; keep the longest prefix it shares with the
         # history to draft after, never its last token (the draft feeds it).
@@ -128,7 +128,7 @@ class DraftSessions:
         self.drafter.receive(session, len(new_tokens), features)
         session.tokens.extend(new_tokens)
         history = [*session.tokens, *assumed] if guessing else session.tokens
-        k = min(num_draft_tokens + guessing, self.info.max_context - len(history))
+        k = min(num_speculative_tokens + guessing, self.info.max_context - len(history))
         if k <= 0:
             return Proposal([], follows_len=len(history))
         self.drafter.rollback(session, history, agreed)
@@ -143,16 +143,16 @@ class DraftSessions:
         session: Session,
         committed_len: int,
         new_tokens: Sequence[int],
-        num_draft_tokens: int,
+        num_speculative_tokens: int,
         assumed: Sequence[int],
     ) -> None:
         """The round builds on what the session holds, asks for a K it may,
         assumes no more than one round's drafts, and names tokens of the
         drafter's vocabulary."""
         session.check_builds_on(committed_len, len(new_tokens))
-        if not 1 <= num_draft_tokens <= self.info.max_draft_tokens:
+        if not 1 <= num_speculative_tokens <= self.info.max_draft_tokens:
             raise InvalidArgument(
-                f"num_draft_tokens = {num_draft_tokens};"
+                f"num_speculative_tokens = {num_speculative_tokens};"
                 f" it must lie in [1, {self.info.max_draft_tokens}]"
             )
         if len(assumed) > self.info.max_draft_tokens:

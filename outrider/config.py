@@ -424,7 +424,7 @@ class CoordinatorConfig:
             raise ValueError(
                 "--target HOST:PORT is required (or OUTRIDER_TARGET): at least one target worker"
             )
-        if not 0 <= self.default_k <= self.max_num_speculative_tokens:
+        if not 0 <= self.default_num_speculative_tokens <= self.max_num_speculative_tokens:
             raise ValueError(
                 f"--num-speculative-tokens {self.num_speculative_tokens}: must lie in "
                 f"[0, --max-num-speculative-tokens {self.max_num_speculative_tokens}]"
@@ -464,7 +464,7 @@ class CoordinatorConfig:
         return self.num_speculative_tokens == "auto"
 
     @property
-    def default_k(self) -> int:
+    def default_num_speculative_tokens(self) -> int:
         """K for requests that leave it unset (0 with 'auto': the policy chooses)."""
         k = self.num_speculative_tokens
         return 0 if k == "auto" else int(k)

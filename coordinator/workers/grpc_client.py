@@ -219,7 +219,7 @@ class GrpcDraftSession(_GrpcSession):
                 round=pb.DraftRound(
                     committed_len=committed_len,
                     new_token_ids=new_tokens,
-                    num_draft_tokens=k,
+                    num_speculative_tokens=k,
                     speculate=assumed is not None,
                     assumed_token_ids=assumed or (),
                     round_id=round_id,

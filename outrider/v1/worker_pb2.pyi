@@ -160,22 +160,22 @@ class SessionOpened(_message.Message):
     def __init__(self, committed_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., first_token_id: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRound(_message.Message):
-    __slots__ = ("committed_len", "new_token_ids", "num_draft_tokens", "speculate", "assumed_token_ids", "round_id", "hidden_states")
+    __slots__ = ("committed_len", "new_token_ids", "num_speculative_tokens", "speculate", "assumed_token_ids", "round_id", "hidden_states")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_draft_tokens: int
+    num_speculative_tokens: int
     speculate: bool
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     round_id: int
     hidden_states: HiddenStates
-    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    def __init__(self, committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., speculate: _Optional[bool] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., round_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ()

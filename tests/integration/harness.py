@@ -249,7 +249,11 @@ async def running_stack(
             Models(tokenizer, eos, target_info),
             target,
             draft,
-            SpeculationDefaults(default_k=k, max_k=16, default_max_new_tokens=64),
+            SpeculationDefaults(
+                default_num_speculative_tokens=k,
+                max_num_speculative_tokens=16,
+                default_max_new_tokens=64,
+            ),
             recovery=recovery,
             draft_info=draft_info,
             lookup=lookup,

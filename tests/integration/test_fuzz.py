@@ -432,7 +432,9 @@ def fuzz_session(data, fuzzed: Fuzzed, role: str) -> None:
                 new = draw(valid_ids(fuzzed.vocab, max_size=4) | wild_ids(fuzzed.vocab))
                 length = committed_len(draw, (committed or 0) + len(new))
                 k = draw(st.integers(1, 5) | st.sampled_from([0, 17]) | UINT32)
-                round_ = wpb.DraftRound(committed_len=length, new_token_ids=new, num_draft_tokens=k)
+                round_ = wpb.DraftRound(
+                    committed_len=length, new_token_ids=new, num_speculative_tokens=k
+                )
                 if draw(
                     st.booleans()
                 ):  # a speculation (pipelined rounds), after valid or wild assumed drafts
@@ -467,7 +469,9 @@ def fuzz_session(data, fuzzed: Fuzzed, role: str) -> None:
                 committed = request.round.committed_len + verdict.num_accepted + 1
             else:
                 assert all(0 <= t < fuzzed.vocab for t in response.proposal.draft_token_ids)
-                assert len(response.proposal.draft_token_ids) <= request.round.num_draft_tokens
+                assert (
+                    len(response.proposal.draft_token_ids) <= request.round.num_speculative_tokens
+                )
                 committed = request.round.committed_len
     finally:
         call.close()

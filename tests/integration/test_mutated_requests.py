@@ -69,7 +69,9 @@ def session_messages(role: str, vocab: int, fingerprint: str) -> list[bytes]:
             target_vocab_fingerprint=fingerprint,
             sampling=sampling,
         )
-        round_ = wpb.DraftRound(committed_len=6, new_token_ids=[8], num_draft_tokens=2, round_id=1)
+        round_ = wpb.DraftRound(
+            committed_len=6, new_token_ids=[8], num_speculative_tokens=2, round_id=1
+        )
         return [
             wpb.DraftRequest(open=open_).SerializeToString(),
             wpb.DraftRequest(round=round_).SerializeToString(),

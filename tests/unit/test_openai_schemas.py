@@ -165,7 +165,11 @@ def test_the_builder_names_fields_as_the_receiving_api_does():
     target = WorkerInfo(model="t", drafter="", vocab_size=100, vocab_fingerprint="", max_context=64)
     builder = RequestBuilder(
         Models(tokenizer=None, eos_token_ids=frozenset(), target=target),
-        SpeculationDefaults(default_k=4, max_k=8, default_max_new_tokens=16),
+        SpeculationDefaults(
+            default_num_speculative_tokens=4,
+            max_num_speculative_tokens=8,
+            default_max_new_tokens=16,
+        ),
         drafts=True,
     )
     http = FieldNames(text="prompt[1]", token_ids="prompt[1]", max_new_tokens="max_tokens")

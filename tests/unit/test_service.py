@@ -18,13 +18,18 @@ NO_DRAFT = None
 SOME_DRAFT = object()  # request_from_pb only asks whether there is one
 
 
-def service(*, draft=SOME_DRAFT, default_k: int = 4, **policy) -> CoordinatorService:
+def service(
+    *, draft=SOME_DRAFT, default_num_speculative_tokens: int = 4, **policy
+) -> CoordinatorService:
     return CoordinatorService(
         Models(tokenizer=None, eos_token_ids=frozenset(), target=TARGET),
         target=object(),
         draft=draft,
         defaults=SpeculationDefaults(
-            default_k=default_k, max_k=8, default_max_new_tokens=16, **policy
+            default_num_speculative_tokens=default_num_speculative_tokens,
+            max_num_speculative_tokens=8,
+            default_max_new_tokens=16,
+            **policy,
         ),
     )
 
@@ -53,7 +58,7 @@ def test_a_request_pipelines_as_it_asks_else_as_the_server_defaults(
 
 
 @pytest.mark.parametrize(
-    "draft, default_k, speculation",
+    "draft, default_num_speculative_tokens, speculation",
     [
         (SOME_DRAFT, 4, {"pipeline": True, "num_speculative_tokens": 0}),
         (SOME_DRAFT, 0, {"pipeline": True}),
@@ -61,11 +66,13 @@ def test_a_request_pipelines_as_it_asks_else_as_the_server_defaults(
     ],
 )
 def test_a_request_without_drafts_runs_unpipelined_rather_than_being_refused(
-    draft, default_k, speculation
+    draft, default_num_speculative_tokens, speculation
 ):
-    mapped = service(draft=draft, default_k=default_k, default_pipeline=True).request_from_pb(
-        request(**speculation)
-    )
+    mapped = service(
+        draft=draft,
+        default_num_speculative_tokens=default_num_speculative_tokens,
+        default_pipeline=True,
+    ).request_from_pb(request(**speculation))
     assert mapped.num_speculative_tokens == 0 and mapped.pipeline is False
 
 

@@ -158,7 +158,11 @@ def test_a_template_that_ignores_tools_gets_them_hermes_style(tokenizer):
     )
     builder = RequestBuilder(
         Models(tokenizer=tokenizer, eos_token_ids=frozenset({EOS_TOKEN_ID}), target=target),
-        SpeculationDefaults(default_k=4, max_k=8, default_max_new_tokens=16),
+        SpeculationDefaults(
+            default_num_speculative_tokens=4,
+            max_num_speculative_tokens=8,
+            default_max_new_tokens=16,
+        ),
         drafts=True,
     )
     params = RequestParams(messages=CONVERSATION, tools=TOOLS)
