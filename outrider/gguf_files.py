@@ -33,11 +33,6 @@ class NotAGguf(ValueError):
     """A spec that names no GGUF file: the message says what it names instead."""
 
 
-def is_gguf_spec(spec: str | None) -> bool:
-    """Whether ``spec`` plainly names a GGUF file (by its suffix)."""
-    return bool(spec) and str(spec).endswith(GGUF_SUFFIX)
-
-
 def gguf_path(spec: str | None) -> Path:
     """The GGUF file ``spec`` names (see the module docstring); raises
     :class:`NotAGguf`, or ``outrider.models.ModelNotFetchedError`` for an

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from outrider import flags
 from outrider.bench.configs import parse_config_globs, parse_drafter, parse_k_list
 from outrider.bench.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, prompt_file
 from outrider.device import DTYPES, check_device
@@ -250,12 +249,6 @@ class BenchOptions:
         """N = 1 runs once, whatever ``repeat``: it was not listed, and runs
         only as the reference."""
         return self.concurrency is not None and 1 not in self.concurrency
-
-
-def options_from_args(args: Any) -> BenchOptions:
-    """The CLI's namespace (``outrider bench``) as :class:`BenchOptions`;
-    raises ValueError on bad flags."""
-    return flags.build(BenchOptions, args)
 
 
 @dataclass(frozen=True)

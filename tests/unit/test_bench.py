@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from outrider import flags
 from outrider.bench.configs import (
     Config,
     Drafter,
@@ -23,7 +24,7 @@ from outrider.bench.configs import (
 )
 from outrider.bench.endpoints import OutriderEndpoint, outrider_configs
 from outrider.bench.measurements import Measurement
-from outrider.bench.options import options_from_args
+from outrider.bench.options import BenchOptions
 from outrider.bench.plot import plot
 from outrider.bench.prompts import PROMPT_SETS, Prompt, category_of_file, load_prompts
 from outrider.bench.render import render
@@ -257,9 +258,9 @@ def test_no_pipelined_flag_reaches_the_options(tmp_path):
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     args = build_parser().parse_args(["bench", "--prompts", str(prompts)])
-    assert options_from_args(args).pipelined is True
+    assert flags.build(BenchOptions, args).pipelined is True
     args = build_parser().parse_args(["bench", "--prompts", str(prompts), "--no-pipelined"])
-    assert options_from_args(args).pipelined is False
+    assert flags.build(BenchOptions, args).pipelined is False
 
 
 def test_a_pipelined_configuration_whose_coordinator_did_not_pipeline_is_left_out(capsys):
@@ -321,7 +322,7 @@ def test_configs_flag_parses_to_globs(tmp_path, capsys):
     args = build_parser().parse_args(
         ["bench", "--prompts", str(prompts), "--configs", " outrider-*-adaptive, outrider-int4-k8"]
     )
-    assert options_from_args(args).configs == ("outrider-*-adaptive", "outrider-int4-k8")
+    assert flags.build(BenchOptions, args).configs == ("outrider-*-adaptive", "outrider-int4-k8")
     for empty in ("", " , "):
         assert main(["bench", "--prompts", str(prompts), "--configs", empty]) == 1
         assert f"--configs {empty!r}: give configuration names or globs" in capsys.readouterr().err
@@ -347,7 +348,7 @@ def test_bench_has_help_naming_every_flag():
 def test_bench_defaults_to_the_shipped_mt_bench_questions():
     from outrider.cli import build_parser
 
-    options = options_from_args(build_parser().parse_args(["bench"]))
+    options = flags.build(BenchOptions, build_parser().parse_args(["bench"]))
     assert options.prompt_files == (PROMPT_SETS["mt-bench"],)
     prompts = load_prompts(options.prompt_files[0])
     assert len(prompts) == 80
@@ -361,7 +362,7 @@ def test_shipped_prompt_sets_are_named_and_carry_their_licence_and_provenance():
 
     names = ["mt-bench", "humaneval", "long-context"]
     args = build_parser().parse_args(["bench", *(f"--prompts={name}" for name in names)])
-    files = options_from_args(args).prompt_files
+    files = flags.build(BenchOptions, args).prompt_files
     assert files == tuple(PROMPT_SETS[name] for name in names)
     humaneval = load_prompts(files[1])
     assert len(humaneval) == 164

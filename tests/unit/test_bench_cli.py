@@ -7,13 +7,14 @@ import os
 
 import pytest
 
-from outrider.bench.options import BenchOptions, options_from_args
+from outrider import flags
+from outrider.bench.options import BenchOptions
 from outrider.bench.prompts import DESCRIBE_SCHEMA, PROMPT_SETS
 from outrider.cli import build_parser, main
 
 
-def bench_options(*flags: str) -> BenchOptions:
-    return options_from_args(build_parser().parse_args(["bench", *flags]))
+def bench_options(*argv: str) -> BenchOptions:
+    return flags.build(BenchOptions, build_parser().parse_args(["bench", *argv]))
 
 
 def test_bench_flags_keep_their_defaults():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import outrider.client
+from outrider import flags
 from outrider.bench.concurrency.plot import plot as plot_concurrency
 from outrider.bench.concurrency.render import render as render_concurrency
 from outrider.bench.concurrency.report import (
@@ -31,7 +32,7 @@ from outrider.bench.concurrency.streams import (
     closed_loop_send_times,
     stream_from_arrivals,
 )
-from outrider.bench.options import options_from_args, parse_concurrency_list
+from outrider.bench.options import BenchOptions, parse_concurrency_list
 from outrider.bench.prompts import Prompt
 from tests.bench_numbers import approx4
 
@@ -379,7 +380,8 @@ def test_concurrency_list_parses_and_the_run_always_holds_1():
             parse_concurrency_list(bad)
 
     def options(levels: str):
-        return options_from_args(build_parser().parse_args(["bench", "--concurrency", levels]))
+        args = build_parser().parse_args(["bench", "--concurrency", levels])
+        return flags.build(BenchOptions, args)
 
     # Not listed, N = 1 runs once, as the reference; listed, --repeat times.
     assert (options("8,4").levels, options("8,4").reference_once) == ((1, 4, 8), True)
