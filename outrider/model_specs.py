@@ -16,7 +16,7 @@ later load is a plain ``from_pretrained`` that takes about a second.
 
 This module imports no torch, so the coordinator can use it: conversion
 brings in torch and transformers inside :func:`fetch`, a one-off command.
-Loading a model into the engine is :mod:`outrider.engine.loading`.
+Loading a model into the engine is :mod:`outrider.engine.causal_lm`.
 """
 
 from __future__ import annotations

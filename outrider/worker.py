@@ -16,7 +16,7 @@ from outrider import models
 from outrider.config import EngineConfig
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
-from outrider.engine.loading import load_causal_lm
+from outrider.engine.causal_lm import load_causal_lm
 from outrider.logging import get_logger
 from outrider.memory import return_freed_memory
 from outrider.metrics import RpcMetrics, WorkerMetrics, serving_metrics

@@ -17,10 +17,10 @@ import torch
 
 from outrider import models
 from outrider.eagle.head import default_aux_layers
+from outrider.engine.causal_lm import load_causal_lm
 from outrider.engine.hidden_states import pack
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
-from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from outrider.v1 import worker_pb2

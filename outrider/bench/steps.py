@@ -27,10 +27,10 @@ from outrider import models
 from outrider.bench.options import Shape, StepsOptions
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import ops
+from outrider.engine.causal_lm import load_causal_lm
 from outrider.engine.gguf_runner import GgufRunner
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
-from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 

@@ -190,7 +190,7 @@ class Int4Drafter(ModelDrafter):
 
 class EarlyExitDrafter(ModelDrafter):
     """A model drafter whose model is a checkpoint cut after its first L layers
-    (built by ``outrider.engine.loading.load_causal_lm(..., num_layers=L)``)."""
+    (built by ``outrider.engine.causal_lm.load_causal_lm(..., num_layers=L)``)."""
 
     kind = "early-exit"
 

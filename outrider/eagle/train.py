@@ -195,7 +195,7 @@ def _data(
     options: TrainOptions, path: str, config: Any, device: torch.device
 ) -> tuple[list[eagle_data.Conversation], dict[str, Any]]:
     """Generates (or reads back) the conversations and their features."""
-    from outrider.engine.loading import load_causal_lm
+    from outrider.engine.causal_lm import load_causal_lm
     from outrider.models import cache_dir, load_tokenizer
 
     fingerprint = _fingerprint(path)
@@ -256,7 +256,7 @@ def _schedule(step: int, total: int, warmup: int) -> float:
 
 
 def _target_parts(path: str, device: torch.device) -> tuple[torch.Tensor, Any]:
-    from outrider.engine.loading import load_causal_lm
+    from outrider.engine.causal_lm import load_causal_lm
 
     target = load_causal_lm(path, device="cpu", fast_small_batch=False)
     embed = target.model.embed_tokens.weight.detach().to(device)

@@ -12,7 +12,7 @@ one forward pass per step.
 ``engine.cuda_graphs``      captured CUDA graphs of uniform steps
 ``engine.kv_cache``         the block pool and each session's blocks
 ``engine.build``            a runner for a loaded model, sized from memory
-``engine.loading``          a model spec's causal LM, loaded for the engine
+``engine.causal_lm``        a model spec's causal LM, loaded for the engine
 ``engine.parallel``         tensor-parallel ranks around one control plane
 ``engine.shards``           one rank's slices of a checkpoint
 ==========================  =================================================

@@ -4,7 +4,7 @@ Llama, Mistral, Qwen2, Qwen3 and SmolLM2 (a Llama) are one architecture up
 to a few switches: biases on q/k/v (Qwen2), a norm on each query and key
 head (Qwen3), a sliding window (Mistral). This is that forward in the
 spirit of gpt-fast's ``model.py``: the weights of the transformers model
-that :func:`outrider.engine.loading.load_causal_lm` loaded (the same safetensors),
+that :func:`outrider.engine.causal_lm.load_causal_lm` loaded (the same safetensors),
 with q/k/v and gate/up fused into one matrix each, run over a *ragged
 batch*: every session's tokens of a step flattened into one sequence of
 ``N`` tokens for the linear layers, and grouped by tokens per row for

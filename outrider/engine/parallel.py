@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from outrider.engine.causal_lm import truncate_layers
 from outrider.engine.llama import AttentionGroup, ForwardBatch, LlamaForward
-from outrider.engine.loading import truncate_layers
 from outrider.engine.runner import RunnerLost, tune_linears
 from outrider.engine.shards import CheckpointShard, Shard
 from outrider.logging import get_logger

@@ -17,9 +17,9 @@ import torch
 from outrider import models
 from outrider.client import AsyncClient
 from outrider.config import EngineConfig
+from outrider.engine.causal_lm import load_causal_lm
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
-from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from tests.prompts import mt_bench_chat_ids

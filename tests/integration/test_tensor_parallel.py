@@ -21,9 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider.client import AsyncClient
 from outrider.engine import parallel
+from outrider.engine.causal_lm import load_causal_lm
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.llama import LlamaForward
-from outrider.engine.loading import load_causal_lm
 from outrider.engine.runner import PagedRunner
 from outrider.engine.scheduler import Row
 from tests.integration.harness import reference_greedy
@@ -120,7 +120,7 @@ def test_a_rank_reads_its_share_of_the_weights_and_no_more(tmp_path):
         "before = rss()\n"
         "if size == 1:  # a worker's own path: transformers loads, the forward takes over\n"
         "    from outrider.engine.llama import LlamaForward\n"
-        "    from outrider.engine.loading import load_causal_lm\n"
+        "    from outrider.engine.causal_lm import load_causal_lm\n"
         "    forward = LlamaForward(load_causal_lm(path))\n"
         "else:\n"
         "    forward = parallel.load_shard(spec, model)\n"

@@ -18,7 +18,7 @@ from outrider.eagle.head import EagleHead, HeadConfig, load_head
 from outrider.eagle.instructions import instructions
 from outrider.eagle.train import CHECKPOINT, TrainOptions, train
 from outrider.eagle.ttt import Vocab, batch_loss, collate, draft_vocab, unroll, warm_start
-from outrider.engine.loading import load_causal_lm
+from outrider.engine.causal_lm import load_causal_lm
 from tests.tiny import build_tiny_model_dir, build_tiny_tokenizer
 
 DRAFT_VOCAB = 64

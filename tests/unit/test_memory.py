@@ -129,8 +129,8 @@ def test_a_cpu_budget_is_capped_at_four_gib():
 
 
 def test_a_cpu_cache_is_zeroed_and_resident_only_where_written(tiny_target_dir):
+    from outrider.engine.causal_lm import load_causal_lm
     from outrider.engine.llama import LlamaForward
-    from outrider.engine.loading import load_causal_lm
 
     def resident_mib() -> float:
         with open("/proc/self/statm") as statm:

@@ -1,4 +1,4 @@
-"""Unit tests of outrider.engine.loading and the linears it installs: a
+"""Unit tests of outrider.engine.causal_lm and the linears it installs: a
 checkpoint loaded frozen, cut to its first layers, its small-batch linears
 computing what ``F.linear`` computes.
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from outrider.engine import loading, ops
+from outrider.engine import causal_lm, ops
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> LlamaForCausalLM:
@@ -175,18 +175,18 @@ def saved_tiny_llama(tmp_path: Path) -> Path:
 
 
 def test_load_causal_lm_from_directory_is_frozen_and_fast(saved_tiny_llama):
-    model = loading.load_causal_lm(str(saved_tiny_llama))
+    model = causal_lm.load_causal_lm(str(saved_tiny_llama))
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert type(model.lm_head) is ops.SmallBatchLinear
-    plain = loading.load_causal_lm(str(saved_tiny_llama), fast_small_batch=False)
+    plain = causal_lm.load_causal_lm(str(saved_tiny_llama), fast_small_batch=False)
     assert type(plain.lm_head) is nn.Linear
 
 
 @pytest.mark.parametrize("layers", [1, 2])
 def test_num_layers_keeps_first_layers_and_forward_works(saved_tiny_llama, layers):
-    full = loading.load_causal_lm(str(saved_tiny_llama))
-    model = loading.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
+    full = causal_lm.load_causal_lm(str(saved_tiny_llama))
+    model = causal_lm.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
     assert len(model.model.layers) == layers == model.config.num_hidden_layers
     torch.testing.assert_close(
         model.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight
@@ -202,7 +202,7 @@ def test_num_layers_keeps_first_layers_and_forward_works(saved_tiny_llama, layer
 @pytest.mark.parametrize("layers", [0, 3, -1])
 def test_num_layers_out_of_range_names_the_layer_count(saved_tiny_llama, layers):
     with pytest.raises(ValueError, match="between 1 and 2"):
-        loading.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
+        causal_lm.load_causal_lm(str(saved_tiny_llama), num_layers=layers)
 
 
 def test_truncation_trims_per_layer_config_lists():
@@ -211,7 +211,7 @@ def test_truncation_trims_per_layer_config_lists():
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config).eval()
-    loading.truncate_layers(model, 2)
+    causal_lm.truncate_layers(model, 2)
     assert model.config.layer_types == ["full_attention"] * 2
     with torch.no_grad():
         model(torch.randint(0, 300, (1, 4)), past_key_values=DynamicCache(config=model.config))
