@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from outrider import models
+from outrider import model_specs
 from outrider.config import CoordinatorConfig, http_port_file
 from outrider.coordinator.metrics import CoordinatorMetrics, SuffixCacheMetrics
 from outrider.coordinator.openai import HttpServer, create_app, start_http_server
@@ -62,7 +62,7 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
         service = CoordinatorService(
             Models(
                 tokenizer,
-                models.eos_token_ids(tokenizer, generation_config),
+                model_specs.eos_token_ids(tokenizer, generation_config),
                 target_info,
                 draft_info,
             ),
@@ -102,14 +102,14 @@ def lookup_of(config: CoordinatorConfig) -> Lookup | None:
 async def load_tokenizer(config: CoordinatorConfig) -> tuple[Any, dict[str, Any]]:
     """The target's tokenizer and generation config (``--tokenizer``)."""
     try:
-        tokenizer = await asyncio.to_thread(models.load_tokenizer, config.tokenizer)
+        tokenizer = await asyncio.to_thread(model_specs.load_tokenizer, config.tokenizer)
     except (OSError, ValueError) as exc:
         raise StartupError(
             "--tokenizer",
-            config.tokenizer or models.DEFAULT_MODEL,
+            config.tokenizer or model_specs.DEFAULT_MODEL,
             f"does not load: {first_line(exc)}",
         ) from None
-    generation_config = await asyncio.to_thread(models.generation_config, config.tokenizer)
+    generation_config = await asyncio.to_thread(model_specs.generation_config, config.tokenizer)
     return tokenizer, generation_config
 
 

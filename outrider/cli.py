@@ -89,8 +89,8 @@ def _add_serve_parser(commands) -> None:
 
 
 def _add_models_parser(commands) -> None:
-    models = commands.add_parser("models", help="the embedded default model")
-    model_commands = models.add_subparsers(
+    parser = commands.add_parser("models", help="the embedded default model")
+    model_commands = parser.add_subparsers(
         dest="models_command", required=True, metavar="SUBCOMMAND"
     )
     fetch = model_commands.add_parser(
@@ -403,23 +403,24 @@ def _stream_to_stdout(chunks: Iterable[Chunk]) -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from outrider import models
+    from outrider import model_specs
 
-    name = getattr(args, "name", None) or models.DEFAULT_MODEL
-    if args.models_command != "list" and name not in models.EMBEDDED_MODELS:
+    name = getattr(args, "name", None) or model_specs.DEFAULT_MODEL
+    if args.models_command != "list" and name not in model_specs.EMBEDDED_MODELS:
         print(
-            f"outrider models: unknown model {name!r}; known: {', '.join(models.EMBEDDED_MODELS)}",
+            f"outrider models: unknown model {name!r}; "
+            f"known: {', '.join(model_specs.EMBEDDED_MODELS)}",
             file=sys.stderr,
         )
         return 2
     if args.models_command == "fetch":
-        print(models.fetch(name, force=args.force))
+        print(model_specs.fetch(name, force=args.force))
     elif args.models_command == "path":
-        print(models.model_path(name))
+        print(model_specs.model_path(name))
     else:
-        for known in models.EMBEDDED_MODELS:
-            state = "fetched" if models.is_fetched(known) else "not fetched"
-            print(f"{known}\t{state}\t{models.model_path(known)}")
+        for known in model_specs.EMBEDDED_MODELS:
+            state = "fetched" if model_specs.is_fetched(known) else "not fetched"
+            print(f"{known}\t{state}\t{model_specs.model_path(known)}")
     return 0
 
 

@@ -57,13 +57,13 @@ def _gguf_runs(target_model: str | None) -> bool:
     embedded model not yet fetched, whose fetch keeps one)."""
     import importlib.util
 
-    from outrider import gguf_files, models
+    from outrider import gguf_files, model_specs
 
     if importlib.util.find_spec("llama_cpp") is None:
         return False
     try:
         gguf_files.gguf_path(target_model)
-    except models.ModelNotFetchedError:
+    except model_specs.ModelNotFetchedError:
         return True
     except gguf_files.NotAGguf:
         return False

@@ -35,14 +35,14 @@ class NotAGguf(ValueError):
 
 def gguf_path(spec: str | None) -> Path:
     """The GGUF file ``spec`` names (see the module docstring); raises
-    :class:`NotAGguf`, or ``outrider.models.ModelNotFetchedError`` for an
+    :class:`NotAGguf`, or ``outrider.model_specs.ModelNotFetchedError`` for an
     embedded model not yet fetched."""
-    from outrider import models
+    from outrider import model_specs
 
-    name = spec or models.DEFAULT_MODEL
-    if name in models.EMBEDDED_MODELS:
-        directory = Path(models.resolve(name))
-        return directory / models.EMBEDDED_MODELS[name].gguf_name
+    name = spec or model_specs.DEFAULT_MODEL
+    if name in model_specs.EMBEDDED_MODELS:
+        directory = Path(model_specs.resolve(name))
+        return directory / model_specs.EMBEDDED_MODELS[name].gguf_name
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix != GGUF_SUFFIX:
@@ -66,7 +66,7 @@ def gguf_path(spec: str | None) -> Path:
 
 def vocab_fingerprint(path: Path) -> str:
     """sha256 of the GGUF's vocabulary ordered by id, as
-    ``outrider.models.vocab_fingerprint`` takes a tokenizer's: equal to the
+    ``outrider.model_specs.vocab_fingerprint`` takes a tokenizer's: equal to the
     fingerprint of the tokenizer it was converted from (padding rows aside)."""
     import gguf
 
@@ -90,13 +90,15 @@ def load_tokenizer(path: Path) -> tuple[Any, frozenset[int]]:
     ids (for structured output's grammars): the checkpoint's beside it when
     its directory is one (a fetched embedded model), else transformers'
     conversion of the GGUF's own."""
-    from outrider import models
+    from outrider import model_specs
 
     directory = path.parent
     if (directory / "tokenizer.json").is_file():
-        tokenizer = models.load_tokenizer(str(directory))
-        return tokenizer, models.eos_token_ids(tokenizer, models.generation_config(str(directory)))
+        tokenizer = model_specs.load_tokenizer(str(directory))
+        return tokenizer, model_specs.eos_token_ids(
+            tokenizer, model_specs.generation_config(str(directory))
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path.name)
-    return tokenizer, models.eos_token_ids(tokenizer, {})
+    return tokenizer, model_specs.eos_token_ids(tokenizer, {})

@@ -129,14 +129,16 @@ class Grammars:
     def of_checkpoint(
         cls, spec: str | None, vocab_size: int, *, trust_remote_code: bool = False
     ) -> Grammars:
-        """For a checkpoint's tokenizer (``outrider.models.resolve`` reads
+        """For a checkpoint's tokenizer (``outrider.model_specs.resolve`` reads
         ``spec``) and end-of-sequence ids, as the coordinator reads them."""
 
         def load() -> tuple[Any, Iterable[int]]:
-            from outrider import models
+            from outrider import model_specs
 
-            tokenizer = models.load_tokenizer(spec, trust_remote_code=trust_remote_code)
-            return tokenizer, models.eos_token_ids(tokenizer, models.generation_config(spec))
+            tokenizer = model_specs.load_tokenizer(spec, trust_remote_code=trust_remote_code)
+            return tokenizer, model_specs.eos_token_ids(
+                tokenizer, model_specs.generation_config(spec)
+            )
 
         return cls.loading(load, vocab_size)
 

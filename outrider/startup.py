@@ -63,14 +63,14 @@ def check_tensor_parallel(config: TargetWorkerConfig | DraftWorkerConfig) -> Non
     worker has that many devices."""
     from transformers import AutoConfig
 
-    from outrider import models
+    from outrider import model_specs
     from outrider.device import resolve_device
     from outrider.engine.build import tensor_parallel_problem
 
     size = config.engine.tensor_parallel_size
     kind = getattr(config, "drafter_kind", "model")
     model_config = AutoConfig.from_pretrained(
-        models.resolve(config.model), trust_remote_code=config.trust_remote_code
+        model_specs.resolve(config.model), trust_remote_code=config.trust_remote_code
     )
     problem = tensor_parallel_problem(model_config, size, 32 if kind == "int4" else None)
     if problem is not None:
@@ -106,36 +106,36 @@ def check_stack(config: StackConfig) -> None:
     """The checks of ``outrider up`` and ``outrider demo``, by their own
     flags: the device, the models, and that the draft model shares the
     target's vocabulary."""
-    from outrider import gguf_files, models
+    from outrider import gguf_files, model_specs
 
     check_device(config.device)
     check_model("--target-model", config.target_model)
     if config.draft_model:
-        target = models.vocab_fingerprint_of(config.target_model)
+        target = model_specs.vocab_fingerprint_of(config.target_model)
         if config.draft_model.endswith(".gguf") or config.drafter == "gguf":
             draft = gguf_files.vocab_fingerprint(check_gguf("--draft-model", config.draft_model))
         else:
             check_model("--draft-model", config.draft_model)
-            draft = models.vocab_fingerprint_of(config.draft_model)
+            draft = model_specs.vocab_fingerprint_of(config.draft_model)
         if target and draft and target != draft:
             raise StartupError(
                 "--draft-model",
                 config.draft_model,
                 "its vocabulary differs from the target's "
-                f"({config.target_model or models.DEFAULT_MODEL}): pick a draft model that "
+                f"({config.target_model or model_specs.DEFAULT_MODEL}): pick a draft model that "
                 "shares the target's tokenizer, or --drafter prompt-lookup",
             )
 
 
 def check_gguf(flag: str, spec: str | None) -> Path:
     """A GGUF file the spec names (``outrider.gguf_files``), and llama.cpp to run it."""
-    from outrider import gguf_files, models
+    from outrider import gguf_files, model_specs
     from outrider.engine.gguf_runner import LlamaCppMissing, llama_cpp
 
     try:
         path = gguf_files.gguf_path(spec)
-    except (gguf_files.NotAGguf, models.ModelNotFetchedError) as exc:
-        raise StartupError(flag, spec or models.DEFAULT_MODEL, str(exc)) from None
+    except (gguf_files.NotAGguf, model_specs.ModelNotFetchedError) as exc:
+        raise StartupError(flag, spec or model_specs.DEFAULT_MODEL, str(exc)) from None
     try:
         llama_cpp()
     except LlamaCppMissing as exc:
@@ -161,16 +161,16 @@ def check_device(spec: str, flag: str = "--device") -> None:
 
 
 def check_model(flag: str, spec: str | None, *, checkpoint: bool = True) -> None:
-    """A model spec that loads (``outrider.models``): an embedded model that
+    """A model spec that loads (``outrider.model_specs``): an embedded model that
     has been fetched, a directory, or a hub id that the hub (or its local
     cache) has. A ``checkpoint`` (not only a tokenizer) has a config that
     transformers reads and safetensors weights."""
-    from outrider import models
+    from outrider import model_specs
 
-    name = spec or models.DEFAULT_MODEL
+    name = spec or model_specs.DEFAULT_MODEL
     try:
-        path = models.resolve(spec)
-    except models.ModelNotFetchedError as exc:
+        path = model_specs.resolve(spec)
+    except model_specs.ModelNotFetchedError as exc:
         raise StartupError(flag, name, str(exc)) from None
     local = Path(path).expanduser()
     if local.is_dir():

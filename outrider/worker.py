@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.config import EngineConfig
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import Engine, InlineEngine
@@ -41,7 +41,7 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
             from outrider.engine.parallel import meta_model
 
             model = meta_model(
-                models.checkpoint_dir(config.model),
+                model_specs.checkpoint_dir(config.model),
                 num_layers=num_layers,
                 trust_remote_code=config.trust_remote_code,
             )
@@ -56,7 +56,7 @@ def load_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str,
     except Exception as exc:  # whatever the checkpoint's loader raises: it does not load here
         raise StartupError(
             "--model",
-            config.model or models.DEFAULT_MODEL,
+            config.model or model_specs.DEFAULT_MODEL,
             f"does not load: {type(exc).__name__}: {first_line(exc)}",
         ) from None
     return model, str(device), str(dtype).removeprefix("torch.")
@@ -66,7 +66,7 @@ def checkpoint_of(config: Any) -> str | None:
     """Where a tensor-parallel worker's ranks read their shards; None for one rank."""
     if config.engine.tensor_parallel_size == 1:
         return None
-    return models.checkpoint_dir(config.model)
+    return model_specs.checkpoint_dir(config.model)
 
 
 def start_engine(sessions: Any, config: EngineConfig, *, max_rows: int, on_step=None) -> Engine:

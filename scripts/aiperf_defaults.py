@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, default=8123)
     parser.add_argument("--json", type=Path, help="write every cell's runs here")
     args = parser.parse_args()
-    from outrider import models
+    from outrider import model_specs
 
-    model_dir = models.model_path(models.DEFAULT_MODEL)
+    model_dir = model_specs.model_path(model_specs.DEFAULT_MODEL)
     names = args.configs.split(",")
     levels = [int(n) for n in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]

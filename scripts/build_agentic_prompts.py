@@ -59,7 +59,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from outrider.models import load_tokenizer, resolve
+    from outrider.model_specs import load_tokenizer, resolve
 
     tokenizer = load_tokenizer(None)
     model = AutoModelForCausalLM.from_pretrained(resolve(None), dtype=torch.float32).eval()

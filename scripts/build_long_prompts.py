@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from outrider.bench.prompts import PROMPT_SETS  # noqa: E402
-from outrider.models import DEFAULT_MODEL, load_tokenizer, resolve  # noqa: E402
+from outrider.model_specs import DEFAULT_MODEL, load_tokenizer, resolve  # noqa: E402
 
 LENGTHS = {"1k": 1000, "3k": 3000}
 PER_KIND = 2

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.bench.prompts import DESCRIBE_SCHEMA
 from outrider.grammar import Grammars
 from outrider.sampling import constrain
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="passes over the answers")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tokenizer = models.load_tokenizer(None)
+    tokenizer = model_specs.load_tokenizer(None)
     vocab = 49152
     grammars = Grammars.of_checkpoint(None, vocab)
     output = StructuredOutput("json_schema", DESCRIBE_SCHEMA.read_text())

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.eagle.head import default_aux_layers
 from outrider.engine.causal_lm import load_causal_lm
 from outrider.engine.hidden_states import pack
@@ -39,7 +39,10 @@ def main() -> None:
     model = load_causal_lm(args.model, fast_small_batch=False)
     layers = default_aux_layers(model.config.num_hidden_layers)
     width = len(layers) * model.config.hidden_size
-    print(f"{models.resolve(args.model)}: layers {layers}, {width} values a row, {2 * width} bytes")
+    print(
+        f"{model_specs.resolve(args.model)}: layers {layers}, {width} values a row, "
+        f"{2 * width} bytes"
+    )
     runner = PagedRunner(LlamaForward(copy.deepcopy(model)), BlockPool(256, 16))
     runner.warm_up(max_rows=1, max_tokens_per_row=1)
     for rows, k in ((1, 0), (1, 4), (8, 0), (8, 4)):

@@ -84,10 +84,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from outrider import models
+    from outrider import model_specs
     from outrider.bench.prompts import chat_prompt_ids, load_prompts, prompt_file
 
-    directory = models.resolve(None)
+    directory = model_specs.resolve(None)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompts = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from outrider import models
+from outrider import model_specs
 from outrider.config import TargetWorkerConfig
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.build import build_runner
@@ -28,12 +28,12 @@ GRAPH_TOKENS_PER_ROW = 9
 def build_sessions(config: TargetWorkerConfig) -> TargetSessions:
     model, device, dtype = load_model(config)
     info = TargetInfo(
-        model_name=config.model or models.DEFAULT_MODEL,
+        model_name=config.model or model_specs.DEFAULT_MODEL,
         vocab_size=model.config.vocab_size,
-        vocab_fingerprint=models.vocab_fingerprint_of(
+        vocab_fingerprint=model_specs.vocab_fingerprint_of(
             config.model, trust_remote_code=config.trust_remote_code
         ),
-        max_context=models.context_length(model),
+        max_context=model_specs.context_length(model),
         device=device,
         dtype=dtype,
     )
@@ -71,7 +71,7 @@ async def warm_up(target: TargetSessions, engine: Engine | InlineEngine) -> None
 async def serve(config: TargetWorkerConfig) -> None:
     log.info(
         "loading target model",
-        model=config.model or models.DEFAULT_MODEL,
+        model=config.model or model_specs.DEFAULT_MODEL,
         device=config.engine.device,
         dtype=config.engine.dtype,
     )

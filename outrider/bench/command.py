@@ -99,7 +99,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from outrider import models
+    from outrider import model_specs
     from outrider.stack import start_shared_target_stack
 
     out = out or sys.stdout
@@ -110,7 +110,7 @@ def run_bench(options: BenchOptions, out=None) -> dict[str, Any]:
     if not prompts:
         raise ValueError("no prompts: give --prompts FILE (JSONL rows with `turns` or `prompt`)")
     drafters = [parse_drafter(d, target_model=options.target_model) for d in options.drafters]
-    model_dir = models.resolve(options.target_model)
+    model_dir = model_specs.resolve(options.target_model)
     torch.set_num_threads(options.torch_threads)
     hf_logging.set_verbosity_error()
     meta = _meta(options, model_dir, len(prompts), started)
@@ -184,10 +184,10 @@ def _llama_cpp(options: BenchOptions, prompts: Sequence[Prompt]) -> LlamaCpp | N
     """llama.cpp as a peer (``outrider.bench.llama_cpp_peer``), where it runs."""
     if not options.llama_cpp:
         return None
-    from outrider import models
+    from outrider import model_specs
 
-    tokenizer = models.load_tokenizer(options.target_model)
-    eos = models.eos_token_ids(tokenizer, models.generation_config(options.target_model))
+    tokenizer = model_specs.load_tokenizer(options.target_model)
+    eos = model_specs.eos_token_ids(tokenizer, model_specs.generation_config(options.target_model))
     return llama_cpp_peer(
         options.target_model,
         prompts=prompts,
@@ -225,7 +225,7 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
     """The run's settings, at the head of the report."""
     import torch
 
-    from outrider import models
+    from outrider import model_specs
 
     title = f"{Path(model_dir).name}, {prompts} prompts × {options.max_new_tokens} tokens"
     if options.concurrency:
@@ -233,7 +233,7 @@ def _meta(options: BenchOptions, model_dir: str, prompts: int, started: float) -
     meta = {
         "title": title,
         "command": shlex.join(["outrider", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
-        "target_model": options.target_model or models.DEFAULT_MODEL,
+        "target_model": options.target_model or model_specs.DEFAULT_MODEL,
         "dtype": options.dtype,
         "device": options.device,
         "target_tp": options.target_tp,

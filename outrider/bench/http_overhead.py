@@ -241,9 +241,9 @@ def tiny_model(directory: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from outrider import models
+    from outrider import model_specs
 
-    tokenizer = models.load_tokenizer(None)
+    tokenizer = model_specs.load_tokenizer(None)
     eos = tokenizer.eos_token_id
     config = LlamaConfig(
         vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None,

@@ -108,13 +108,13 @@ def llama_cpp_peer(
     enough for the longest of ``prompts`` and ``max_new_tokens``; else None."""
     import importlib.util
 
-    from outrider import gguf_files, models
+    from outrider import gguf_files, model_specs
 
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     try:
         path = gguf_files.gguf_path(target_model)
-    except (gguf_files.NotAGguf, models.ModelNotFetchedError):
+    except (gguf_files.NotAGguf, model_specs.ModelNotFetchedError):
         return None
     longest = max(len(prompt_ids(prompt)) for prompt in prompts)
     return LlamaCpp(

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.bench.options import Shape, StepsOptions
 from outrider.device import resolve_device, resolve_dtype
 from outrider.engine import ops
@@ -202,7 +202,7 @@ def gguf_runner(options: StepsOptions, tokens: int) -> GgufRunner | None:
         return None
     try:
         path = gguf_files.gguf_path(options.model)
-    except (gguf_files.NotAGguf, models.ModelNotFetchedError):
+    except (gguf_files.NotAGguf, model_specs.ModelNotFetchedError):
         return None
     sessions = min(256, sum(s.rows for s in options.shapes))  # every shape's, held to the end
     threads = options.threads or torch.get_num_threads()
@@ -293,7 +293,7 @@ def main(options: StepsOptions) -> int:
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    name = options.model or str(models.model_path(models.DEFAULT_MODEL))
+    name = options.model or str(model_specs.model_path(model_specs.DEFAULT_MODEL))
     overrides = dict(options.shape)
     model = load(name, dtype, device, overrides)
     with torch.inference_mode():

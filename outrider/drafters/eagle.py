@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
-from outrider import models
+from outrider import model_specs
 from outrider.device import resolve_device, resolve_dtype
 from outrider.drafters.model import LoadedDrafter, draw_drafts, of_checkpoint
 from outrider.eagle.forward import EagleForward, check_head, target_embeddings
@@ -171,15 +171,15 @@ def load(config: DraftWorkerConfig) -> LoadedDrafter:
     """An EAGLE-3 head (``--head``, else the one shipped for the target)
     over a paged cache of its one layer, reading the target's embeddings
     from its checkpoint."""
-    target = models.checkpoint_dir(config.model)
+    target = model_specs.checkpoint_dir(config.model)
     target_config = AutoConfig.from_pretrained(target)
     head_dir = config.head or shipped_head(config.model)
     if head_dir is None:
         raise StartupError(
             "--head",
             "(none)",
-            f"no EAGLE-3 head is shipped for {config.model or models.DEFAULT_MODEL}: train one "
-            "(outrider draft train) and pass its directory",
+            f"no EAGLE-3 head is shipped for {config.model or model_specs.DEFAULT_MODEL}: "
+            "train one (outrider draft train) and pass its directory",
         )
     device = resolve_device(config.engine.device)
     dtype = resolve_dtype(config.engine.dtype, device)
@@ -190,12 +190,14 @@ def load(config: DraftWorkerConfig) -> LoadedDrafter:
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError("--head", str(head_dir), first_line(exc)) from None
     forward = EagleForward(head, embed, dtype=dtype, device=device)
-    max_context = min(models.context_length(target_config), forward.max_positions)
+    max_context = min(model_specs.context_length(target_config), forward.max_positions)
     tokens = config.limits.max_cached_tokens or config.limits.max_sessions * max_context
     # No prefix cache: a head's KV at a position depends on the target's
     # features of it, and an EAGLE session is opened on those of every position.
     runner = PagedRunner(forward, BlockPool(max(1, tokens // BLOCK_SIZE), BLOCK_SIZE))
-    drafter = EagleDrafter(runner, model_name=f"{config.model or models.DEFAULT_MODEL}[eagle3]")
+    drafter = EagleDrafter(
+        runner, model_name=f"{config.model or model_specs.DEFAULT_MODEL}[eagle3]"
+    )
     return of_checkpoint(
         config,
         drafter,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from outrider import models
+from outrider import model_specs
 from outrider.engine import Feed, Job, Logits
 from outrider.engine.build import build_runner
 from outrider.errors import InvalidArgument
@@ -213,9 +213,9 @@ class LoadedDrafter:
 def load(config: DraftWorkerConfig) -> LoadedDrafter:
     """The ``model``, ``int4`` or ``early-exit`` drafter of ``--model``, on
     the worker's engine."""
-    kind, name = config.drafter_kind, config.model or models.DEFAULT_MODEL
+    kind, name = config.drafter_kind, config.model or model_specs.DEFAULT_MODEL
     model, device, dtype = load_model(config, num_layers=config.draft_layers)
-    max_context = models.context_length(model)
+    max_context = model_specs.context_length(model)
     runner = build_runner(
         model,
         limits=config.limits,
@@ -240,7 +240,7 @@ def of_checkpoint(
     config: DraftWorkerConfig, drafter: Drafter, *, max_context: int, device: str, dtype: str
 ) -> LoadedDrafter:
     """A drafter whose tokenizer is ``--model``'s checkpoint's."""
-    fingerprint = models.vocab_fingerprint_of(
+    fingerprint = model_specs.vocab_fingerprint_of(
         config.model, trust_remote_code=config.trust_remote_code
     )
     grammars = Grammars.of_checkpoint(

@@ -49,7 +49,7 @@ def shipped_head(target: str | None) -> Path | None:
     """The head shipped for ``target`` (None: the default model), when it
     names an embedded model or its converted directory and a head ships for
     it; else None."""
-    from outrider.models import DEFAULT_MODEL, EMBEDDED_MODELS, model_path
+    from outrider.model_specs import DEFAULT_MODEL, EMBEDDED_MODELS, model_path
 
     name = target or DEFAULT_MODEL
     if name not in EMBEDDED_MODELS:

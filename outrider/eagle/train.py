@@ -87,7 +87,7 @@ def _fingerprint(path: str) -> dict[str, Any]:
     and GGUF sha256, else its config's and tokenizer's hashes."""
     import hashlib
 
-    from outrider.models import vocab_fingerprint_of
+    from outrider.model_specs import vocab_fingerprint_of
 
     directory = Path(path)
     marker = directory / ".outrider-fetched.json"
@@ -161,7 +161,7 @@ def _check_paths(options: TrainOptions) -> None:
 def _check_target(options: TrainOptions) -> tuple[str, Any]:
     from transformers import AutoConfig
 
-    from outrider.models import ModelNotFetchedError, resolve
+    from outrider.model_specs import ModelNotFetchedError, resolve
 
     try:
         target_path = resolve(options.target)
@@ -196,7 +196,7 @@ def _data(
 ) -> tuple[list[eagle_data.Conversation], dict[str, Any]]:
     """Generates (or reads back) the conversations and their features."""
     from outrider.engine.causal_lm import load_causal_lm
-    from outrider.models import cache_dir, load_tokenizer
+    from outrider.model_specs import cache_dir, load_tokenizer
 
     fingerprint = _fingerprint(path)
     aux = HeadConfig.for_target(config, draft_vocab_size=1).aux_layers

@@ -3,7 +3,7 @@ on the worker's device and dtype, optionally cut to its first decoder layers
 (early exit), its linears over 2–16 rows computing as ``W @ x.T`` on the CPU
 (:func:`outrider.engine.ops.use_small_batch_linears`).
 
-What a spec names and where its files are is :mod:`outrider.models`, which
+What a spec names and where its files are is :mod:`outrider.model_specs`, which
 imports no torch; this module is where torch and the weights come in.
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from outrider.engine.ops import use_small_batch_linears
-from outrider.models import resolve
+from outrider.model_specs import resolve
 
 
 def load_causal_lm(

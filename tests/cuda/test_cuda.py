@@ -14,7 +14,7 @@ import pytest
 import structlog
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.client import AsyncClient
 from outrider.config import EngineConfig
 from outrider.engine.causal_lm import load_causal_lm
@@ -131,11 +131,11 @@ async def test_a_seeded_request_gives_the_same_tokens_on_cpu_and_cuda(
 
 @pytest.mark.e2e
 async def test_default_model_float32_on_cuda_equals_transformers_alone_and_batched():
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("needs the default model (outrider models fetch)")
     from transformers import AutoTokenizer
 
-    model_dir = models.model_path(models.DEFAULT_MODEL)
+    model_dir = model_specs.model_path(model_specs.DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chats = mt_bench_chat_ids(tokenizer, 6)
     references = [hf_greedy(model_dir, c, 48) for c in chats]

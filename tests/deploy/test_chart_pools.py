@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from outrider.models import EMBEDDED_MODELS
+from outrider.model_specs import EMBEDDED_MODELS
 from tests.deploy.conftest import (
     CHART,
     FULL_VALUES,

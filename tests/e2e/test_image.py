@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider import models
+from outrider import model_specs
 from tests.e2e.containers import Container, find_engine, free_port
 from tests.e2e.stack import outrider_up
 from tests.e2e.test_real_model import PROMPTS, outrider_generate
@@ -60,9 +60,9 @@ def models_volume() -> Path:
     """The host's own models directory, as `outrider models fetch` wrote
     it, mounted read-only as it is: UID 10001 reads it because the fetch
     gave its files the usual modes."""
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
-    return models.model_path(models.DEFAULT_MODEL).parent
+    return model_specs.model_path(model_specs.DEFAULT_MODEL).parent
 
 
 def answers(address: str, api_url: str) -> dict:
@@ -249,7 +249,7 @@ def test_weights_the_image_may_not_read_are_named_as_such(engine, image, tmp_pat
     """A model whose weights only their owner may read (a copy made 0600):
     the worker exits 2 with one line naming the file and the permission."""
     volume = tmp_path / "models"
-    shutil.copytree(models.model_path(models.DEFAULT_MODEL), volume / Path(MODEL).name)
+    shutil.copytree(model_specs.model_path(model_specs.DEFAULT_MODEL), volume / Path(MODEL).name)
     weights = volume / Path(MODEL).name / "model.safetensors"
     weights.chmod(0o600)
     port = free_port()

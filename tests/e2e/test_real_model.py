@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from outrider import models
+from outrider import model_specs
 from tests.e2e.stack import outrider_up
 
 pytestmark = pytest.mark.e2e
@@ -36,9 +36,9 @@ data from outside the repository."""
 
 @pytest.fixture(scope="module")
 def default_model_dir() -> Path:
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
-    return models.model_path(models.DEFAULT_MODEL)
+    return model_specs.model_path(model_specs.DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from outrider import models
+from outrider import model_specs
 from outrider.bench.prompts import DESCRIBE_SCHEMA, PROMPT_SETS, load_prompts
 from tests.e2e.stack import outrider_up
 
@@ -26,7 +26,7 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "describe", "s
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
     return [p.text for p in load_prompts(PROMPT_SETS["describe"])]
 

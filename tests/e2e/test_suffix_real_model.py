@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from outrider import models
+from outrider import model_specs
 from outrider.bench.prompts import PROMPT_SETS, load_prompts
 from outrider.client import AsyncClient
 from tests.e2e.stack import outrider_up
@@ -23,7 +23,7 @@ TURNS = 8
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
     return [p.text for p in load_prompts(PROMPT_SETS["agentic"])[:TURNS]]  # (sessions in order)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider import models
+from outrider import model_specs
 from outrider.engine import parallel
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.runner import PagedRunner
@@ -24,15 +24,15 @@ NEAR_TIE = 1e-3
 
 @pytest.fixture(scope="module")
 def default_model_dir() -> str:
-    if not models.is_fetched(models.DEFAULT_MODEL):
+    if not model_specs.is_fetched(model_specs.DEFAULT_MODEL):
         pytest.skip("the default model is not fetched: run `outrider models fetch`")
-    return str(models.model_path(models.DEFAULT_MODEL))
+    return str(model_specs.model_path(model_specs.DEFAULT_MODEL))
 
 
 def test_three_ranks_give_transformers_greedy_tokens(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    tokenizer = models.load_tokenizer(default_model_dir)
+    tokenizer = model_specs.load_tokenizer(default_model_dir)
     chats = mt_bench_chat_ids(tokenizer, 8)
     ranks = parallel.start(
         default_model_dir,

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from outrider import models
+from outrider import model_specs
 from outrider.coordinator.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
 from tests.tiny import EOS_TOKEN_ID, build_tiny_sentencepiece_tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🙂"
-SMOLLM2_DIR = models.model_path(models.DEFAULT_MODEL)  # (OUTRIDER_CACHE_DIR's, where set)
+SMOLLM2_DIR = model_specs.model_path(model_specs.DEFAULT_MODEL)  # (OUTRIDER_CACHE_DIR's, where set)
 
 
 @pytest.fixture(scope="module")

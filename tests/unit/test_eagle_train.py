@@ -42,7 +42,7 @@ def target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def conversations(target_dir, tmp_path_factory) -> list[eagle_data.Conversation]:
     """40 tiny conversations, generated and featurised through the cache."""
-    from outrider.models import load_tokenizer
+    from outrider.model_specs import load_tokenizer
 
     config = AutoConfig.from_pretrained(target_dir)
     settings = eagle_data.DataSettings(

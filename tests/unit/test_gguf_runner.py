@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider import gguf_files, models
+from outrider import gguf_files, model_specs
 from outrider.engine import gguf_runner
 from outrider.engine.gguf_runner import GgufRunner, SequenceCache
 from outrider.engine.scheduler import Row
@@ -131,7 +131,7 @@ def test_a_file_llama_cpp_cannot_read_is_refused_with_its_reason(tmp_path):
 def test_the_vocabulary_fingerprint_is_the_tokenizers(
     tiny_gguf, tiny_target_dir, tiny_gguf_other_vocab
 ):
-    assert gguf_files.vocab_fingerprint(tiny_gguf) == models.vocab_fingerprint_of(
+    assert gguf_files.vocab_fingerprint(tiny_gguf) == model_specs.vocab_fingerprint_of(
         str(tiny_target_dir)
     )
     assert gguf_files.vocab_fingerprint(tiny_gguf_other_vocab) != gguf_files.vocab_fingerprint(
@@ -152,18 +152,18 @@ def test_a_gguf_spec_is_a_file_a_directory_holding_one_or_an_embedded_name(
     with pytest.raises(gguf_files.NotAGguf, match="no such file"):
         gguf_files.gguf_path(str(tmp_path / "missing.gguf"))
     monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(models.ModelNotFetchedError):
+    with pytest.raises(model_specs.ModelNotFetchedError):
         gguf_files.gguf_path(None)
-    fetched = models.model_path(models.DEFAULT_MODEL)
+    fetched = model_specs.model_path(model_specs.DEFAULT_MODEL)
     fetched.mkdir(parents=True)
-    (fetched / models._MARKER).write_text("{}")
-    kept = fetched / models.EMBEDDED_MODELS[models.DEFAULT_MODEL].gguf_name
+    (fetched / model_specs._MARKER).write_text("{}")
+    kept = fetched / model_specs.EMBEDDED_MODELS[model_specs.DEFAULT_MODEL].gguf_name
     kept.write_bytes(b"GGUF")
-    assert gguf_files.gguf_path(None) == kept == gguf_files.gguf_path(models.DEFAULT_MODEL)
+    assert gguf_files.gguf_path(None) == kept == gguf_files.gguf_path(model_specs.DEFAULT_MODEL)
 
 
 def test_the_tokenizer_beside_a_fetched_gguf_is_its_checkpoints(tiny_gguf, tiny_target_dir):
     tokenizer, eos = gguf_files.load_tokenizer(tiny_gguf)  # no tokenizer.json beside it
-    reference = models.load_tokenizer(str(tiny_target_dir))
+    reference = model_specs.load_tokenizer(str(tiny_target_dir))
     assert tokenizer.get_vocab() == reference.get_vocab()
     assert tokenizer.eos_token_id in eos

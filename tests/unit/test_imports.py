@@ -8,10 +8,10 @@ def test_the_coordinator_tokenizes_and_builds_its_service_without_torch(tiny_tar
     code = f"""
 import sys
 import outrider.coordinator.main
-from outrider import models
+from outrider import model_specs
 
-tokenizer = models.load_tokenizer({str(tiny_target_dir)!r})
-assert models.eos_token_ids(tokenizer, models.generation_config({str(tiny_target_dir)!r}))
+tokenizer = model_specs.load_tokenizer({str(tiny_target_dir)!r})
+assert model_specs.eos_token_ids(tokenizer, model_specs.generation_config({str(tiny_target_dir)!r}))
 tokenizer("Hello")["input_ids"]
 assert "torch" not in sys.modules, "the coordinator imported torch"
 """

@@ -1,13 +1,13 @@
-"""The model code's two layers: ``outrider.models`` says what a model spec
+"""The model code's two layers: ``outrider.model_specs`` says what a model spec
 names and where its files are, and imports no torch; ``outrider.engine``
-loads the weights and may import ``outrider.models``, never the reverse."""
+loads the weights and may import ``outrider.model_specs``, never the reverse."""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
-import outrider.models
+import outrider.model_specs
 
 ENGINE = "outrider.engine"
 
@@ -27,7 +27,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_models_layer_names_no_engine_module_in_any_import():
-    path = Path(outrider.models.__file__)
+    path = Path(outrider.model_specs.__file__)
     reaching_up = sorted(
         name for name in imported_modules(path) if name == ENGINE or name.startswith(f"{ENGINE}.")
     )
@@ -37,7 +37,7 @@ def test_the_models_layer_names_no_engine_module_in_any_import():
 def test_importing_the_models_layer_loads_neither_the_engine_nor_torch():
     code = """
 import sys
-import outrider.models
+import outrider.model_specs
 loaded = [m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("outrider.engine")]
 assert not loaded, loaded
 """

