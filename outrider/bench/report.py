@@ -33,6 +33,15 @@ def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int:
     )
 
 
+def difference(mine: Sequence[int], theirs: Sequence[int]) -> dict[str, int]:
+    """A mismatch's account of two outputs: where they part, and their lengths."""
+    return {
+        "first_difference_at": first_difference(mine, theirs),
+        "tokens": len(mine),
+        "reference_tokens": len(theirs),
+    }
+
+
 def find_mismatches(
     results: Mapping[str, Sequence[Measurement]], prompts: Sequence[Prompt], reference: str
 ) -> list[dict[str, Any]]:
@@ -49,9 +58,7 @@ def find_mismatches(
                 {
                     "config": name,
                     "prompt": prompt.id,
-                    "first_difference_at": first_difference(mine.token_ids, theirs.token_ids),
-                    "tokens": len(mine.token_ids),
-                    "reference_tokens": len(theirs.token_ids),
+                    **difference(mine.token_ids, theirs.token_ids),
                     "prompt_tokens": mine.prompt_tokens,
                     "reference_prompt_tokens": theirs.prompt_tokens,
                 }

@@ -11,7 +11,7 @@ from typing import Any
 from outrider.bench.concurrency.streams import Batch, LoadConfig
 from outrider.bench.configs import BASELINE, TARGET_ONLY
 from outrider.bench.prompts import Prompt
-from outrider.bench.report import first_difference, ratio, round_or_none
+from outrider.bench.report import difference, ratio, round_or_none
 
 DEFINITIONS = {
     "requests": "max(N, prompts) per batch; request j asks prompt j mod prompts; "
@@ -195,9 +195,7 @@ def find_mismatches(
                             "request": j,
                             "prompt": prompts[prompt].id,
                             "reference": f"{other}@1",
-                            "first_difference_at": first_difference(stream.token_ids, theirs),
-                            "tokens": len(stream.token_ids),
-                            "reference_tokens": len(theirs),
+                            **difference(stream.token_ids, theirs),
                         }
                     )
     return found
