@@ -15,6 +15,11 @@ per n, depth by depth
 (:meth:`outrider.coordinator.adaptive.acceptance.Acceptance.survival_of`), and a
 round without a match, or whose match the plan of K finds too weak at the
 load, costs what a round at K = 0 does.
+
+This module also holds what every drafter in the coordinator is: a
+:class:`Lookup` that gives each session a :class:`SessionLookup`, whose
+``match`` offers a :class:`Match`. Suffix decoding
+(:mod:`outrider.drafters.suffix`) is the other.
 """
 
 from __future__ import annotations

@@ -4,12 +4,11 @@ A draft worker's drafter (:class:`Drafter`) is one class with ``kind``,
 ``model_name``, ``runner`` and ``propose(session, k)``, an engine job
 (:mod:`outrider.engine.core`): a model drafter yields one forward pass per
 draft token, which the draft worker's engine batches across every session
-drafting at that step. It draws its
-tokens the way the session's sampling says (``outrider.sampling.draw``):
-greedy, sampled from q (rejection mode, returning q), or with the position's
-Gumbel noise. The draft worker owns sessions and their caches (and rolls
-them back); a drafter only reads the committed history and extends the
-session's cache.
+drafting at that step. It draws its tokens the way the session's sampling
+says (``outrider.sampling.draw``): greedy, sampled from q (rejection mode,
+returning q), or with the position's Gumbel noise. The draft worker owns
+sessions and their caches (and rolls them back); a drafter only reads the
+committed history and extends the session's cache.
 
 * :class:`ModelDrafter` — a small causal LM with the target's vocabulary,
   drawing each token as the session's sampling says.
