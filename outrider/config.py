@@ -223,7 +223,7 @@ class DraftWorkerConfig:
 
     service: ServiceConfig = ServiceConfig(port=DEFAULT_PORTS["draft"])
     drafter: str | None = field(
-        default=None, metadata={"metavar": "{model,int4,gguf,early-exit,eagle}"}
+        default=None, metadata={"metavar": "{" + ",".join(MODEL_DRAFTERS) + "}"}
     )
     """model (a small model), int4 (the checkpoint in 4 bits), gguf (a GGUF file on
     llama.cpp, on the CPU), early-exit, or eagle (an EAGLE-3 head reading the target's hidden

@@ -32,7 +32,6 @@ class DrafterKind:
     runs_in: Literal["draft worker", "coordinator"]
     loader: str
     """``module:function``: builds the drafter from its service's config."""
-    about: str
     flag: str = ""
     """A coordinator drafter's flag of ``outrider serve coordinator``."""
 
@@ -42,39 +41,22 @@ class DrafterKind:
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "model": DrafterKind(
-        "draft worker", "outrider.drafters.model:load", "a small model with the target's vocabulary"
-    ),
-    "int4": DrafterKind(
-        "draft worker",
-        "outrider.drafters.model:load",
-        "the target's checkpoint with its weights in 4 bits (outrider.quantize)",
-    ),
-    "gguf": DrafterKind(
-        "draft worker",
-        "outrider.drafters.gguf:load",
-        "a GGUF file (by default the one the target was converted from) on llama.cpp",
-    ),
-    "early-exit": DrafterKind(
-        "draft worker", "outrider.drafters.model:load", "the target's first L layers"
-    ),
-    "eagle": DrafterKind(
-        "draft worker",
-        "outrider.drafters.eagle:load",
-        "an EAGLE-3 head reading the target's hidden states (outrider.eagle)",
-    ),
+    # a small model with the target's vocabulary
+    "model": DrafterKind("draft worker", "outrider.drafters.model:load"),
+    # the target's checkpoint with its weights in 4 bits (outrider.quantize)
+    "int4": DrafterKind("draft worker", "outrider.drafters.model:load"),
+    # a GGUF file (by default the one the target was converted from) on llama.cpp
+    "gguf": DrafterKind("draft worker", "outrider.drafters.gguf:load"),
+    # the target's first L layers, then its final norm and head
+    "early-exit": DrafterKind("draft worker", "outrider.drafters.model:load"),
+    # an EAGLE-3 head reading the target's hidden states (outrider.eagle)
+    "eagle": DrafterKind("draft worker", "outrider.drafters.eagle:load"),
+    # the continuation of the history's last n-gram where it occurred before
     "prompt-lookup": DrafterKind(
-        "coordinator",
-        "outrider.drafters.lookup:load",
-        "n-grams of the history",
-        flag="--prompt-lookup",
+        "coordinator", "outrider.drafters.lookup:load", flag="--prompt-lookup"
     ),
-    "suffix": DrafterKind(
-        "coordinator",
-        "outrider.drafters.suffix:load",
-        "the history and the deployment's earlier outputs (suffix decoding)",
-        flag="--suffix-decoding",
-    ),
+    # the history and the deployment's earlier outputs (suffix decoding)
+    "suffix": DrafterKind("coordinator", "outrider.drafters.suffix:load", flag="--suffix-decoding"),
 }
 """Every drafter, by the name ``--drafter`` takes."""
 
