@@ -179,6 +179,16 @@ def build_tiny_sentencepiece_tokenizer(
     return _save(Tokenizer.from_str(json.dumps(trained)), path)
 
 
+def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> LlamaForCausalLM:
+    """A random Llama in memory (seed 0), small enough for unit tests of loading and layers."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
 def build_tiny_llama(
     path: Path,
     *,

@@ -16,19 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from outrider.engine import causal_lm, ops
-
-
-def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).to(dtype).eval()
-
+from tests.tiny import tiny_llama
 
 # --------------------------------------------------------------------------- small-batch linears
 

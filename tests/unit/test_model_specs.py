@@ -13,12 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from outrider import model_specs
+from tests.tiny import tiny_llama
 
 
 @pytest.fixture
@@ -27,15 +26,6 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("OUTRIDER_CACHE_DIR", str(root))
     return root
-
-
-def tiny_llama(dtype: torch.dtype = torch.float32, num_layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def fake_fetched(name: str) -> Path:
