@@ -19,7 +19,7 @@ from outrider.coordinator.workers.grpc_client import (
     GrpcWorkerClient,
 )
 from outrider.coordinator.workers.protocol import WorkerInfo
-from outrider.drafters import COORDINATOR_DRAFTERS, DRAFTERS
+from outrider.drafters import DRAFTERS
 from outrider.drafters.lookup import Lookup
 from outrider.drafters.suffix import SuffixDecoding
 from outrider.errors import Unavailable
@@ -91,11 +91,11 @@ async def serve(config: CoordinatorConfig, metrics: MetricsEndpoint | None = Non
 
 
 def lookup_of(config: CoordinatorConfig) -> Lookup | None:
-    """The drafter in this process whose flag is given, if any
-    (:data:`outrider.drafters.COORDINATOR_DRAFTERS`)."""
-    for name, flag in COORDINATOR_DRAFTERS.items():
-        if getattr(config, flag.removeprefix("--").replace("-", "_")):
-            return DRAFTERS[name].load(config)
+    """The drafter in this process whose setting is on, if any
+    (:data:`outrider.drafters.DRAFTERS`)."""
+    for kind in DRAFTERS.values():
+        if kind.runs_in == "coordinator" and getattr(config, kind.setting):
+            return kind.load(config)
     return None
 
 

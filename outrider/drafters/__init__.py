@@ -13,10 +13,11 @@ Where a drafter runs decides its interface:
   after every round in what the coordinator holds anyway. A
   :class:`~outrider.drafters.lookup.Lookup`, built by its module's
   ``load(config)`` from the coordinator's
-  :class:`~outrider.config.CoordinatorConfig`; the flag in its row selects it.
+  :class:`~outrider.config.CoordinatorConfig`; the setting in its row
+  (``--prompt-lookup``, ``--suffix-decoding``) selects it.
 
 Adding a drafter is a module here and a row below (a coordinator drafter
-also takes its flag in ``CoordinatorConfig``). The table imports nothing
+also its setting in ``CoordinatorConfig``). The table imports nothing
 heavy: a row names its loader, imported when a service starts it.
 """
 
@@ -26,14 +27,17 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from outrider.flags import flag_name
+
 
 @dataclass(frozen=True)
 class DrafterKind:
     runs_in: Literal["draft worker", "coordinator"]
     loader: str
     """``module:function``: builds the drafter from its service's config."""
-    flag: str = ""
-    """A coordinator drafter's flag of ``outrider serve coordinator``."""
+    setting: str = ""
+    """A coordinator drafter's setting of :class:`~outrider.config.CoordinatorConfig`,
+    which turns it on."""
 
     def load(self, config: Any) -> Any:
         module, _, function = self.loader.partition(":")
@@ -53,16 +57,20 @@ DRAFTERS: dict[str, DrafterKind] = {
     "eagle": DrafterKind("draft worker", "outrider.drafters.eagle:load"),
     # the continuation of the history's last n-gram where it occurred before
     "prompt-lookup": DrafterKind(
-        "coordinator", "outrider.drafters.lookup:load", flag="--prompt-lookup"
+        "coordinator", "outrider.drafters.lookup:load", setting="prompt_lookup"
     ),
     # the history and the deployment's earlier outputs (suffix decoding)
-    "suffix": DrafterKind("coordinator", "outrider.drafters.suffix:load", flag="--suffix-decoding"),
+    "suffix": DrafterKind(
+        "coordinator", "outrider.drafters.suffix:load", setting="suffix_decoding"
+    ),
 }
 """Every drafter, by the name ``--drafter`` takes."""
 
 MODEL_DRAFTERS = tuple(name for name, kind in DRAFTERS.items() if kind.runs_in == "draft worker")
 """What a draft worker runs."""
 COORDINATOR_DRAFTERS = {
-    name: kind.flag for name, kind in DRAFTERS.items() if kind.runs_in == "coordinator"
+    name: flag_name(kind.setting)
+    for name, kind in DRAFTERS.items()
+    if kind.runs_in == "coordinator"
 }
 """The drafters that run in the coordinator, and its flag for each."""

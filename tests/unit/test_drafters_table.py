@@ -16,6 +16,7 @@ def test_every_row_names_a_loader_in_the_drafters_package():
 
 def test_each_coordinator_drafter_is_selected_by_a_setting_of_the_coordinator():
     settings = {field.name for field in dataclasses.fields(CoordinatorConfig)}
-    for flag in COORDINATOR_DRAFTERS.values():
-        assert flag.removeprefix("--").replace("-", "_") in settings
+    for name, flag in COORDINATOR_DRAFTERS.items():
+        assert DRAFTERS[name].setting in settings
+        assert flag in ("--prompt-lookup", "--suffix-decoding")
     assert set(MODEL_DRAFTERS) | set(COORDINATOR_DRAFTERS) == set(DRAFTERS)
