@@ -77,11 +77,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def deltas_from_pb(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
         received = time.perf_counter()
-        if request.sampling.HasField("structured_output"):
-            await self.requests.compile(
-                structured_output_from_pb(request.sampling.structured_output)
-            )
-        return self.deltas(self.request_from_pb(request), received)
+        params = params_from_pb(request)
+        await self.requests.compile(params.structured_output)
+        return self.deltas(self.requests.build(params), received)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         async for delta in await self.deltas_from_pb(request):
