@@ -8,7 +8,7 @@ import torch
 
 from outrider.config import DraftWorkerConfig
 from outrider.draft_worker.service import DraftWorkerService
-from outrider.draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.drafters import DRAFTERS
 from outrider.drafters.model import LoadedDrafter
 from outrider.engine import Engine, InlineEngine
@@ -34,15 +34,8 @@ and syncs after the target-only rounds between two of adaptive K's probes
 def build_sessions(config: DraftWorkerConfig) -> DraftSessions:
     """The sessions of the drafter ``--drafter`` names (:data:`outrider.drafters.DRAFTERS`)."""
     loaded: LoadedDrafter = DRAFTERS[config.drafter_kind].load(config)
-    info = DraftInfo(
-        vocab_fingerprint=loaded.vocab_fingerprint,
-        max_context=loaded.max_context,
-        max_draft_tokens=config.max_draft_tokens,
-        device=loaded.device,
-        dtype=loaded.dtype,
-    )
     store = SessionStore(max_sessions=config.limits.max_sessions, pool=loaded.drafter.runner.pool)
-    return DraftSessions(loaded.drafter, store, info, loaded.grammars)
+    return DraftSessions(loaded.drafter, store, loaded.info, loaded.grammars)
 
 
 async def warm_up(draft: DraftSessions, engine: Engine | InlineEngine) -> None:

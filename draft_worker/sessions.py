@@ -8,9 +8,9 @@ other sessions drafting."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from outrider.drafters.model import Drafter
+from outrider.drafters.model import Drafter, DraftInfo
 from outrider.engine import Job
 from outrider.errors import FailedPrecondition, InvalidArgument
 from outrider.grammar import Grammars
@@ -19,16 +19,6 @@ from outrider.sampling_params import SamplingParams
 from outrider.session import Session, SessionStore
 from outrider.speculation import Proposal
 from outrider.validation import check_token_ids
-
-
-@dataclass(frozen=True)
-class DraftInfo:
-    vocab_fingerprint: str
-    """sha256 of the drafter's tokenizer vocabulary."""
-    max_context: int
-    max_draft_tokens: int
-    device: str = "cpu"
-    dtype: str = ""
 
 
 class DraftSessions:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from outrider import gguf_files
-from outrider.drafters.model import LoadedDrafter, ModelDrafter
+from outrider.drafters.model import DraftInfo, LoadedDrafter, ModelDrafter
 from outrider.grammar import Grammars
 from outrider.startup import StartupError, check_gguf
 
@@ -51,11 +51,11 @@ def load(config: DraftWorkerConfig) -> LoadedDrafter:
     except ValueError as exc:
         raise StartupError("--model", str(path), str(exc)) from None
     grammars = Grammars.loading(lambda: gguf_files.load_tokenizer(path), runner.vocab_size)
-    return LoadedDrafter(
-        GgufDrafter(runner, model_name=path.name),
+    info = DraftInfo(
+        vocab_fingerprint=gguf_files.vocab_fingerprint(path),
         max_context=runner.info.context_length,
+        max_draft_tokens=config.max_draft_tokens,
         device="cpu",
         dtype=runner.info.description.rsplit(" ", 1)[-1],
-        vocab_fingerprint=gguf_files.vocab_fingerprint(path),
-        grammars=grammars,
     )
+    return LoadedDrafter(GgufDrafter(runner, model_name=path.name), info, grammars)

@@ -195,16 +195,23 @@ class EarlyExitDrafter(ModelDrafter):
 
 
 @dataclass(frozen=True)
+class DraftInfo:
+    """What a draft worker says of its drafter to the coordinator."""
+
+    vocab_fingerprint: str
+    """sha256 of the drafter's tokenizer vocabulary: the target's must match."""
+    max_context: int
+    max_draft_tokens: int
+    device: str = "cpu"
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
 class LoadedDrafter:
-    """A drafter as its module's ``load`` built it, with what the draft
-    worker says of it to the coordinator."""
+    """A drafter as its module's ``load`` built it."""
 
     drafter: Drafter
-    max_context: int
-    device: str
-    dtype: str
-    vocab_fingerprint: str
-    """sha256 of its tokenizer's vocabulary: the target's must match."""
+    info: DraftInfo
     grammars: Grammars
     """Structured output's, for its tokenizer."""
 
@@ -245,4 +252,5 @@ def of_checkpoint(
     grammars = Grammars.of_checkpoint(
         config.model, drafter.vocab_size, trust_remote_code=config.trust_remote_code
     )
-    return LoadedDrafter(drafter, max_context, device, dtype, fingerprint, grammars)
+    info = DraftInfo(fingerprint, max_context, config.max_draft_tokens, device, dtype)
+    return LoadedDrafter(drafter, info, grammars)

@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from outrider.client import AsyncClient
 from outrider.config import Recovery
-from outrider.draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.drafters.eagle import EagleDrafter
+from outrider.drafters.model import DraftInfo
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import load_head
 from outrider.engine import InlineEngine

@@ -68,10 +68,10 @@ from outrider.coordinator.requests import GenerationRequest
 from outrider.coordinator.round_loop import generate
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.protocol import WorkerInfo
-from outrider.draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.drafters.gguf import GgufDrafter
 from outrider.drafters.lookup import PromptLookup
-from outrider.drafters.model import ModelDrafter
+from outrider.drafters.model import DraftInfo, ModelDrafter
 from outrider.drafters.suffix import SuffixDecoding
 from outrider.engine import Engine, InlineEngine
 from outrider.engine.kv_cache import BlockPool

@@ -39,9 +39,9 @@ from transformers import PreTrainedTokenizerFast
 
 from outrider.coordinator.served_models import Models
 from outrider.coordinator.workers.protocol import WorkerInfo
-from outrider.draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.drafters.lookup import PromptLookup
-from outrider.drafters.model import ModelDrafter
+from outrider.drafters.model import DraftInfo, ModelDrafter
 from outrider.engine import InlineEngine
 from outrider.errors import InvalidArgument
 from outrider.grammar import Grammars

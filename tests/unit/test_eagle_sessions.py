@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from outrider.draft_worker.sessions import DraftInfo, DraftSessions
+from outrider.draft_worker.sessions import DraftSessions
 from outrider.drafters.eagle import EagleDrafter
+from outrider.drafters.model import DraftInfo
 from outrider.eagle.forward import EagleForward
 from outrider.eagle.head import EagleHead, HeadConfig
 from outrider.engine import InlineEngine
